@@ -1,0 +1,85 @@
+// NCCL-style bootstrap: rendezvous of all ranks at rank 0 over TCP, an all-gather of each rank's
+// endpoint information, and later small all-gathers and barriers on the same control path.
+//
+// The control path uses the interface that reaches rank 0 (or R2CCL_SOCKET_IFNAME), never a
+// rail, so it outlives any rail failure. Every wait has a deadline.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/status.h"
+#include "r2ccl/runtime/wire.h"
+
+namespace r2ccl {
+
+// Rank 0's address and a random 128-bit token, as an opaque 128-byte value (like ncclUniqueId)
+// that the application hands to every rank out of band.
+struct UniqueId {
+  static constexpr std::size_t kSize = 128;
+  std::array<std::uint8_t, kSize> bytes{};
+
+  // Starts rank 0's rendezvous listener on `bind_host` (port 0: any free port) in this process
+  // and returns the id. Rank 0 must join with it from this process.
+  static Result<UniqueId> create(const std::string& bind_host);
+  Result<HostPort> address() const;
+  Result<Token> token() const;
+};
+
+struct BootstrapOptions {
+  int rank = -1;
+  int nranks = 0;
+  HostPort root;  // rank 0's listener
+  Token token{};
+  std::chrono::milliseconds timeout{30000};  // rendezvous deadline
+  std::string socket_ifname;                 // bind the control connection to this interface
+
+  // From the launch environment: R2CCL_RANK/NRANKS/BOOTSTRAP (or mpirun's variables).
+  static Result<BootstrapOptions> from_config(const Config& config);
+  static Result<BootstrapOptions> from_unique_id(const UniqueId& id, int rank, int nranks,
+                                                 const Config& config);
+};
+
+class BootstrapRoot;
+
+class Bootstrap {
+ public:
+  // Joins the rendezvous; rank 0 also runs the root listener. `local_info` is published to every
+  // rank. Fails with a message naming the cause: wrong token, world size mismatch, rank out of
+  // range or already taken, rank 0 unreachable (naming its address), a deadline passed.
+  static Result<std::unique_ptr<Bootstrap>> join(const BootstrapOptions& options,
+                                                 std::span<const std::byte> local_info);
+  ~Bootstrap();
+  Bootstrap(const Bootstrap&) = delete;
+  Bootstrap& operator=(const Bootstrap&) = delete;
+
+  int rank() const { return rank_; }
+  int nranks() const { return nranks_; }
+  // Every rank's local_info from join(), indexed by rank.
+  const std::vector<Bytes>& rank_info() const { return rank_info_; }
+  // The local IPv4 address of the control connection (the interface that reaches rank 0).
+  const std::string& control_address() const { return control_address_; }
+
+  // All-gather of small blobs on the control path; every rank must call it in the same order.
+  Result<std::vector<Bytes>> allgather(std::span<const std::byte> mine,
+                                       std::chrono::milliseconds timeout);
+  Status barrier(std::chrono::milliseconds timeout);
+
+ private:
+  struct Connection;
+  Bootstrap();
+  int rank_ = -1;
+  int nranks_ = 0;
+  std::uint64_t coll_seq_ = 0;
+  std::string control_address_;
+  std::vector<Bytes> rank_info_;
+  std::shared_ptr<BootstrapRoot> root_;  // rank 0 only
+  std::unique_ptr<Connection> conn_;
+};
+
+}  // namespace r2ccl

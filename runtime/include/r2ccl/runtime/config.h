@@ -1,0 +1,77 @@
+// Every R2CCL_* setting, parsed and validated in one place.
+//
+// The table (config_table()) is the single source of truth: names, defaults and what each
+// variable means. The README's configuration table is generated from it
+// (`r2ccl-perf --print-config-table`) and a unit test keeps the two in agreement.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl {
+
+using Token = std::array<std::uint8_t, 16>;
+
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+  std::string to_string() const;
+};
+
+struct Config {
+  LogLevel log_level = LogLevel::kWarn;
+  // Launch: rank and world size (R2CCL_RANK/R2CCL_NRANKS, or mpirun's environment).
+  std::optional<int> rank;
+  std::optional<int> nranks;
+  std::optional<HostPort> bootstrap;  // rank 0's listener
+  Token bootstrap_token{};            // all zero unless R2CCL_BOOTSTRAP_TOKEN is set
+  std::chrono::milliseconds bootstrap_timeout{30000};
+  std::string socket_ifname;          // control-path interface; empty: the one reaching rank 0
+  std::vector<std::string> nics;      // rails; empty: every up, addressed, non-control interface
+  std::string provider = "tcp";
+  std::size_t chunk_size = 512 * 1024;
+  std::size_t rail_window = 2 * 1024 * 1024;
+  std::chrono::milliseconds timeout{30000};          // deadline of every operation
+  std::chrono::milliseconds connect_timeout{10000};  // establishing the rails
+};
+
+struct ConfigEntry {
+  const char* name;
+  const char* default_text;
+  const char* meaning;
+};
+
+// Every variable, in the order the README lists them.
+std::span<const ConfigEntry> config_table();
+// The table as Markdown, exactly as in the README.
+std::string config_table_markdown();
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+// Looks variables up in the process environment.
+EnvLookup process_env();
+
+// Parses every R2CCL_* variable (and mpirun's rank/size variables); the first bad value gives an
+// error naming the variable, the value and what is allowed. Unknown R2CCL_* names produce a
+// warning (see unknown_variables()).
+Result<Config> parse_config(const EnvLookup& env);
+// R2CCL_* names in the process environment that the table does not know (likely typos).
+std::vector<std::string> unknown_variables();
+
+// Helpers shared with the command-line tools.
+Result<std::size_t> parse_size(const std::string& text);              // 512, 4K, 1M, 2GiB
+Result<std::chrono::milliseconds> parse_duration(const std::string& text);  // 250ms, 5s, 2m
+Result<HostPort> parse_host_port(const std::string& text);
+Result<Token> parse_token(const std::string& hex);
+std::string token_to_hex(const Token& token);
+std::string format_size(std::size_t bytes);  // 512K, 64M, 1000
+
+}  // namespace r2ccl

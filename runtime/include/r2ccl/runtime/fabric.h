@@ -1,0 +1,93 @@
+// The fabric: what one rank needs to move bytes to any other rank. It runs the bootstrap, opens
+// the provider on the selected rails, connects one rail per NIC pair to every peer (rail i of
+// rank a to rail i of rank b) and keeps a multi-rail channel per peer.
+//
+// Messages are point-to-point and matched in order per (sender, receiver) pair, like NCCL's
+// send/recv: the n-th isend from a to b pairs with the n-th irecv at b from a, and both must give
+// the same length. The receiver announces its registered buffer (one control message); the
+// sender then stripes the message over all usable rails in chunks with one-sided writes.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "r2ccl/runtime/bootstrap.h"
+#include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/memory.h"
+#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/telemetry.h"
+
+namespace r2ccl {
+
+// A send or receive in progress. Completed exactly once, on the progress thread.
+class Op {
+ public:
+  bool done() const;
+  Status status() const;  // only meaningful once done()
+  // Waits for completion at most `timeout`; a timeout here is an error of its own.
+  Status wait(std::chrono::milliseconds timeout);
+  void complete(Status status);  // first call wins
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+};
+using OpPtr = std::shared_ptr<Op>;
+
+class Channel;
+class SelfChannel;
+class ProgressEngine;
+
+class Fabric {
+ public:
+  static Result<std::unique_ptr<Fabric>> create(const Config& config, const BootstrapOptions& boot);
+  ~Fabric();
+  Fabric(const Fabric&) = delete;
+  Fabric& operator=(const Fabric&) = delete;
+
+  int rank() const;
+  int nranks() const;
+  Bootstrap& bootstrap() { return *bootstrap_; }
+  const Config& config() const { return config_; }
+  // This rank's rails (local NICs), in rail order.
+  const std::vector<RailNic>& nics() const;
+  std::size_t rails_to(int peer) const;
+
+  Result<RegionPtr> register_memory(void* base, std::size_t length);
+  Status deregister_memory(const RegionPtr& region);
+
+  // Sends [offset, offset+length) of a registered region to `peer`.
+  Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
+  // Receives the matching message from `peer` into [offset, offset+length) of a region.
+  Result<OpPtr> irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
+  // Waits for an operation; never longer than R2CCL_TIMEOUT plus a grace period.
+  Status wait(const OpPtr& op);
+
+  std::vector<RailSnapshot> rail_snapshot() const;
+  ProviderCounters provider_counters() const;
+
+ private:
+  Fabric();
+  Status connect_all(const std::vector<Bytes>& infos);
+  void arm_watchdog();
+  Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
+                    const char* what) const;
+
+  Config config_;
+  Token rail_token_{};  // rails carry the bootstrap token in their hello
+  std::unique_ptr<Bootstrap> bootstrap_;
+  std::unique_ptr<ProgressEngine> engine_;
+  std::unique_ptr<Provider> provider_;
+  std::unique_ptr<MemoryRegistry> registry_;
+  std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
+  std::unique_ptr<SelfChannel> self_;               // messages to ourselves (memcpy)
+  struct Watchdog;
+  std::unique_ptr<Watchdog> watchdog_;
+};
+
+}  // namespace r2ccl

@@ -1,0 +1,37 @@
+// Logging to stderr, level chosen by R2CCL_LOG (error, warn, info, debug, trace).
+#pragma once
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <string_view>
+
+namespace r2ccl {
+
+enum class LogLevel { kError = 0, kWarn, kInfo, kDebug, kTrace };
+
+std::string_view log_level_name(LogLevel level);
+void set_log_level(LogLevel level);
+LogLevel log_level();
+// Shown in every line ("r2ccl[rank 3]"); -1 before the rank is known.
+void set_log_rank(int rank);
+void log_write(LogLevel level, std::string_view message);
+
+inline bool log_enabled(LogLevel level) { return static_cast<int>(level) <= static_cast<int>(log_level()); }
+
+template <typename... Args>
+void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
+  if (log_enabled(level)) log_write(level, fmt::format(format, std::forward<Args>(args)...));
+}
+
+}  // namespace r2ccl
+
+#define R2CCL_LOG_AT(level, ...)                                            \
+  do {                                                                      \
+    if (::r2ccl::log_enabled(level)) ::r2ccl::log(level, __VA_ARGS__);      \
+  } while (0)
+#define R2CCL_ERROR(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kError, __VA_ARGS__)
+#define R2CCL_WARN(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kWarn, __VA_ARGS__)
+#define R2CCL_INFO(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kInfo, __VA_ARGS__)
+#define R2CCL_DEBUG(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kDebug, __VA_ARGS__)
+#define R2CCL_TRACE(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kTrace, __VA_ARGS__)

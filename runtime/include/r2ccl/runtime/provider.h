@@ -1,0 +1,106 @@
+// The transport provider interface (DESIGN.md, Provider): enumerates the NICs it was given,
+// registers memory per NIC (per-device keys), opens rails (one connection between a local NIC
+// and a remote NIC), posts one-sided writes with a 32-bit immediate and small control messages,
+// and reports completions and errors. `tcp` implements it today; `verbs` comes next.
+//
+// Threading: every Rail method and every RailEvents callback runs on the progress engine's loop
+// thread. register_memory/deregister_memory may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/status.h"
+#include "r2ccl/runtime/topology.h"
+#include "r2ccl/runtime/wire.h"
+
+namespace r2ccl {
+
+class ProgressEngine;
+
+// Who is connecting, carried in a rail's first frame and checked by the acceptor.
+struct RailHello {
+  Token token{};
+  std::uint32_t src_rank = 0;
+  std::uint32_t dst_rank = 0;
+  std::uint32_t rail = 0;   // rail index between the two ranks
+  std::uint32_t epoch = 0;  // bumped each time a rail is re-established
+};
+
+struct WriteRequest {
+  const std::byte* src = nullptr;
+  std::size_t length = 0;
+  std::uint64_t remote_key = 0;     // the peer's key for the region, on this rail's NIC
+  std::uint64_t remote_offset = 0;  // from the start of that region
+  std::uint32_t imm = 0;            // delivered to the receiver with the data
+  std::uint64_t cookie = 0;         // returned in the completion
+};
+
+// Upcalls from one rail.
+class RailEvents {
+ public:
+  virtual ~RailEvents() = default;
+  // The peer confirmed that the write's bytes are in its memory.
+  virtual void on_write_confirmed(std::uint64_t cookie) = 0;
+  // The peer refused the write (e.g. outside a registered region); the rail stays up.
+  virtual void on_write_refused(std::uint64_t cookie, const Status& why) = 0;
+  // A peer's write landed in our memory.
+  virtual void on_write_arrived(std::uint32_t imm, std::size_t length) = 0;
+  virtual void on_control(Bytes message) = 0;
+  // The rail is closed (peer closed, socket error, malformed frame); no more events follow.
+  virtual void on_rail_failed(const Status& why) = 0;
+};
+
+class Rail {
+ public:
+  virtual ~Rail() = default;
+  // Begins delivering events; called once.
+  virtual void start(RailEvents* events) = 0;
+  // Queues a write; src must stay valid until it is confirmed, refused or the rail fails.
+  virtual Status post_write(const WriteRequest& write) = 0;
+  virtual Status post_control(Bytes message) = 0;
+  // Closes the rail now; no event is delivered afterwards.
+  virtual void fence() = 0;
+  virtual const RailHello& hello() const = 0;
+  // "eth1 198.18.1.1:40122 -> 198.18.1.2:38111"
+  virtual std::string describe() const = 0;
+};
+
+struct ProviderCounters {
+  std::uint64_t refused_writes = 0;        // writes outside registered memory, refused
+  std::uint64_t dropped_connections = 0;   // wrong token, bad hello
+};
+
+class Provider {
+ public:
+  using AcceptHandler = std::function<bool(std::shared_ptr<Rail>)>;  // false: refuse it
+  using ConnectHandler = std::function<void(Result<std::shared_ptr<Rail>>)>;
+
+  virtual ~Provider() = default;
+  virtual std::string_view name() const = 0;
+  virtual const std::vector<RailNic>& devices() const = 0;
+
+  virtual Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length) = 0;
+  virtual Status deregister_memory(std::size_t device, std::uint64_t key) = 0;
+
+  // What a peer needs to open a rail to `device` (published through the bootstrap).
+  virtual Bytes endpoint(std::size_t device) const = 0;
+  // Incoming rails whose hello carries the right token are handed to the handler (loop thread).
+  virtual void set_accept_handler(AcceptHandler handler) = 0;
+  // Opens a rail from local `device` to a peer's endpoint; the handler runs on the loop thread.
+  virtual void connect(std::size_t device, const Bytes& remote_endpoint, const RailHello& hello,
+                       std::chrono::milliseconds timeout, ConnectHandler handler) = 0;
+  virtual ProviderCounters counters() const = 0;
+};
+
+// The tcp provider (Boost.Asio): one TCP connection per rail, bound to the NIC's address;
+// one-sided writes emulated with a framed header and confirmed by the receiver's ack.
+Result<std::unique_ptr<Provider>> make_tcp_provider(ProgressEngine& engine,
+                                                    std::vector<RailNic> devices,
+                                                    const Token& token);
+
+}  // namespace r2ccl

@@ -1,0 +1,51 @@
+// The NICs of this host and which of them this process uses as rails.
+//
+// Interfaces and addresses come from the kernel (getifaddrs, sysfs); NUMA node and PCI locality,
+// and the verbs devices that sit on the same PCI function, from hwloc. Virtual NICs (veth, the
+// testbed's) have no PCI parent: their locality is unknown (-1 / empty).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl {
+
+struct NetInterface {
+  std::string name;
+  std::string ipv4;          // first IPv4 address, empty if none
+  bool up = false;           // administratively up and carrier present (IFF_RUNNING)
+  bool loopback = false;
+  int numa_node = -1;        // from hwloc; -1 when unknown
+  std::string pci_bus_id;    // from hwloc, e.g. 0000:17:00.0; empty when not a PCI device
+  std::string verbs_device;  // verbs device on the same PCI function (e.g. mlx5_0), if any
+};
+
+struct Topology {
+  std::vector<NetInterface> interfaces;
+  std::vector<std::string> verbs_devices;  // every verbs device hwloc reports
+};
+
+// Reads interfaces (always) and locality (hwloc; best effort, a failure only loses locality).
+Result<Topology> discover_topology();
+
+// The IPv4 address of interface `name`, or an error naming it.
+Result<std::string> interface_ipv4(const std::string& name);
+
+// A rail's local end: the NIC (or local address) a rail is bound to.
+struct RailNic {
+  std::string name;     // interface name, or the address when R2CCL_NICS gave an address
+  std::string address;  // IPv4 address rails bind to
+  int numa_node = -1;
+  std::string pci_bus_id;
+};
+
+// Chooses the rails. `requested` (R2CCL_NICS) lists interface names or local IPv4 addresses; when
+// empty, every up interface with an IPv4 address except loopback and the interface that holds
+// `control_address` is used. Errors name the entry that is wrong and what exists.
+Result<std::vector<RailNic>> select_rails(const Topology& topo,
+                                          const std::vector<std::string>& requested,
+                                          const std::string& control_address);
+
+}  // namespace r2ccl

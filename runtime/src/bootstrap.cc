@@ -1,0 +1,646 @@
+#include "r2ccl/runtime/bootstrap.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "r2ccl/runtime/asio.h"
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/topology.h"
+
+namespace r2ccl {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+constexpr std::uint32_t kMagic = 0x53423252;  // "R2BS"
+constexpr std::uint16_t kVersion = 1;
+constexpr std::size_t kHeaderSize = 12;
+constexpr std::uint32_t kMaxFrame = 64u << 20;
+
+enum class FrameType : std::uint16_t {
+  kHello = 1,       // rank -> root: version, token, rank, nranks, info
+  kWelcome = 2,     // root -> rank: every rank's info
+  kError = 3,       // root -> rank: why it was refused or why the job failed
+  kColl = 4,        // rank -> root: seq, blob
+  kCollResult = 5,  // root -> rank: seq, every rank's blob
+};
+
+std::array<std::byte, kHeaderSize> encode_header(FrameType type, std::size_t len) {
+  ByteWriter w;
+  w.u32(kMagic).u16(static_cast<std::uint16_t>(type)).u16(kVersion).u32(static_cast<std::uint32_t>(len));
+  std::array<std::byte, kHeaderSize> h{};
+  std::memcpy(h.data(), w.bytes().data(), kHeaderSize);
+  return h;
+}
+
+struct Header {
+  FrameType type;
+  std::uint32_t length;
+};
+
+Result<Header> decode_header(const std::array<std::byte, kHeaderSize>& h) {
+  ByteReader r(h);
+  const auto magic = r.u32();
+  const auto type = r.u16();
+  const auto version = r.u16();
+  const auto len = r.u32();
+  if (magic != kMagic)
+    return Status(ErrorCode::kProtocol, "not an r2ccl bootstrap connection (bad magic)");
+  if (version != kVersion)
+    return Status(ErrorCode::kProtocol,
+                  fmt::format("bootstrap protocol version {} (this build speaks {})", version, kVersion));
+  if (len > kMaxFrame)
+    return Status(ErrorCode::kProtocol, fmt::format("bootstrap frame of {} bytes is too large", len));
+  return Header{static_cast<FrameType>(type), len};
+}
+
+Bytes frame(FrameType type, const Bytes& payload) {
+  auto h = encode_header(type, payload.size());
+  Bytes out(kHeaderSize + payload.size());
+  std::memcpy(out.data(), h.data(), kHeaderSize);
+  if (!payload.empty()) std::memcpy(out.data() + kHeaderSize, payload.data(), payload.size());
+  return out;
+}
+
+std::string endpoint_text(const tcp::socket& s) {
+  boost::system::error_code ec;
+  auto ep = s.remote_endpoint(ec);
+  return ec ? std::string("?") : fmt::format("{}:{}", ep.address().to_string(), ep.port());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Root: runs in rank 0's process on its own thread.
+
+class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
+ public:
+  static Result<std::shared_ptr<BootstrapRoot>> start(const HostPort& at, const Token& token,
+                                                      int nranks, milliseconds timeout) {
+    auto root = std::shared_ptr<BootstrapRoot>(new BootstrapRoot(token, nranks, timeout));
+    boost::system::error_code ec;
+    auto addr = asio::ip::make_address(at.host, ec);
+    if (ec)
+      return Status(ErrorCode::kBootstrap,
+                    fmt::format("rank 0 cannot listen on {}: '{}' is not an IP address of this host",
+                                at.to_string(), at.host));
+    tcp::endpoint ep(addr, at.port);
+    root->acceptor_.open(ep.protocol(), ec);
+    if (!ec) root->acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+    if (!ec) root->acceptor_.bind(ep, ec);
+    if (!ec) root->acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec)
+      return Status(ErrorCode::kBootstrap,
+                    fmt::format("rank 0 cannot listen on {}: {}", at.to_string(), ec.message()));
+    root->bound_ = HostPort{at.host, root->acceptor_.local_endpoint().port()};
+    root->run();
+    return root;
+  }
+
+  ~BootstrapRoot() {
+    asio::post(io_, [this] {
+      boost::system::error_code ec;
+      acceptor_.close(ec);
+      deadline_.cancel();
+      for (auto& s : sessions_) s->socket.close(ec);
+      sessions_.clear();
+    });
+    work_.reset();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  const HostPort& address() const { return bound_; }
+
+ private:
+  struct Session {
+    explicit Session(asio::io_context& io) : socket(io) {}
+    tcp::socket socket;
+    std::string peer;
+    int rank = -1;
+    std::array<std::byte, kHeaderSize> header{};
+    Bytes payload;
+    std::deque<Bytes> out;
+    bool closing = false;  // close once `out` drains
+  };
+  using SessionPtr = std::shared_ptr<Session>;
+
+  BootstrapRoot(const Token& token, int nranks, milliseconds timeout)
+      : acceptor_(io_), deadline_(io_), work_(asio::make_work_guard(io_)), token_(token),
+        nranks_(nranks), timeout_(timeout) {}
+
+  void run() {
+    if (nranks_ > 0) by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
+    deadline_.expires_after(timeout_);
+    deadline_.async_wait([self = weak_from_this()](boost::system::error_code ec) {
+      if (auto s = self.lock(); s && !ec) s->on_deadline();
+    });
+    accept();
+    thread_ = std::thread([this] { io_.run(); });
+  }
+
+  void accept() {
+    auto session = std::make_shared<Session>(io_);
+    acceptor_.async_accept(session->socket, [this, session](boost::system::error_code ec) {
+      if (ec) return;  // acceptor closed
+      session->peer = endpoint_text(session->socket);
+      sessions_.push_back(session);
+      read(session);
+      accept();
+    });
+  }
+
+  void read(const SessionPtr& s) {
+    asio::async_read(s->socket, asio::buffer(s->header), [this, s](boost::system::error_code ec, std::size_t) {
+      if (ec) return on_closed(s);
+      auto h = decode_header(s->header);
+      if (!h) {
+        R2CCL_WARN("bootstrap root: dropped connection from {}: {}", s->peer, h.status().message());
+        return drop(s);
+      }
+      s->payload.assign(h->length, std::byte{0});
+      asio::async_read(s->socket, asio::buffer(s->payload),
+                       [this, s, type = h->type](boost::system::error_code ec2, std::size_t) {
+                         if (ec2) return on_closed(s);
+                         on_frame(s, type);
+                         if (!s->closing && s->socket.is_open()) read(s);
+                       });
+    });
+  }
+
+  void send(const SessionPtr& s, FrameType type, const Bytes& payload) {
+    s->out.push_back(frame(type, payload));
+    if (s->out.size() == 1) write_next(s);
+  }
+  void write_next(const SessionPtr& s) {
+    asio::async_write(s->socket, asio::buffer(s->out.front()), [this, s](boost::system::error_code ec, std::size_t) {
+      s->out.pop_front();
+      if (ec) return on_closed(s);
+      if (!s->out.empty()) return write_next(s);
+      if (s->closing) drop(s);
+    });
+  }
+  void refuse(const SessionPtr& s, const std::string& why) {
+    R2CCL_WARN("bootstrap root: refused {}: {}", s->peer, why);
+    refusals_.push_back(fmt::format("{} ({})", s->peer, why));
+    send(s, FrameType::kError, ByteWriter().str(why).take());
+    s->closing = true;
+  }
+  void drop(const SessionPtr& s) {
+    boost::system::error_code ec;
+    s->socket.close(ec);
+    std::erase(sessions_, s);
+  }
+
+  void on_frame(const SessionPtr& s, FrameType type) {
+    if (type == FrameType::kHello) return on_hello(s);
+    if (type == FrameType::kColl && s->rank >= 0) return on_coll(s);
+    R2CCL_WARN("bootstrap root: unexpected frame type {} from {}", static_cast<int>(type), s->peer);
+    drop(s);
+  }
+
+  void on_hello(const SessionPtr& s) {
+    ByteReader r(s->payload);
+    const auto version = r.u32();
+    Token token{};
+    r.raw(token.data(), token.size());
+    const int rank = static_cast<int>(r.u32());
+    const int nranks = static_cast<int>(r.u32());
+    Bytes info = r.blob();
+    if (!r.finish("bootstrap hello").is_ok() || version != kVersion) {
+      refuse(s, "malformed bootstrap hello");
+      return;
+    }
+    if (token != token_) {
+      refuse(s, "wrong bootstrap token: it does not match rank 0's (check R2CCL_BOOTSTRAP_TOKEN or the unique id)");
+      return;
+    }
+    if (failed_) {
+      refuse(s, fmt::format("the rendezvous already failed: {}", failure_));
+      return;
+    }
+    if (nranks_ == 0) {  // unique-id launch: the first rank to arrive sets the world size
+      nranks_ = nranks;
+      by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
+    }
+    if (nranks != nranks_) {
+      refuse(s, fmt::format("world size mismatch: this process has {} ranks, rank 0 has {}",
+                            nranks, nranks_));
+      return;
+    }
+    if (rank < 0 || rank >= nranks_) {
+      refuse(s, fmt::format("rank {} is out of range for a world of {} ranks (0..{})", rank,
+                            nranks_, nranks_ - 1));
+      return;
+    }
+    if (complete_) {
+      refuse(s, fmt::format("rank {} joined after the rendezvous of all {} ranks completed "
+                            "(two processes claim rank {}?)", rank, nranks_, rank));
+      return;
+    }
+    auto& slot = by_rank_[static_cast<std::size_t>(rank)];
+    if (slot) {
+      refuse(s, fmt::format("rank {} is already taken by another process (connected from {})",
+                            rank, slot->peer));
+      return;
+    }
+    s->rank = rank;
+    slot = s;
+    info_.resize(static_cast<std::size_t>(nranks_));
+    info_[static_cast<std::size_t>(rank)] = std::move(info);
+    ++joined_;
+    R2CCL_DEBUG("bootstrap root: rank {} joined from {} ({}/{})", rank, s->peer, joined_, nranks_);
+    if (joined_ == nranks_) {
+      complete_ = true;
+      deadline_.cancel();
+      ByteWriter w;
+      w.u32(static_cast<std::uint32_t>(nranks_));
+      for (const auto& i : info_) w.blob(i);
+      Bytes welcome = w.take();
+      for (auto& peer : by_rank_) send(peer, FrameType::kWelcome, welcome);
+    }
+  }
+
+  void on_coll(const SessionPtr& s) {
+    ByteReader r(s->payload);
+    const auto seq = r.u64();
+    Bytes blob = r.blob();
+    if (!r.finish("bootstrap all-gather").is_ok()) return drop(s);
+    auto& slots = colls_[seq];
+    slots.resize(static_cast<std::size_t>(nranks_));
+    slots[static_cast<std::size_t>(s->rank)] = std::move(blob);
+    if (std::all_of(slots.begin(), slots.end(), [](const auto& b) { return b.has_value(); })) {
+      ByteWriter w;
+      w.u64(seq).u32(static_cast<std::uint32_t>(nranks_));
+      for (const auto& b : slots) w.blob(*b);
+      Bytes result = w.take();
+      colls_.erase(seq);
+      for (auto& peer : by_rank_)
+        if (peer) send(peer, FrameType::kCollResult, result);
+    }
+  }
+
+  void on_closed(const SessionPtr& s) {
+    if (!s->socket.is_open()) return;
+    boost::system::error_code ec;
+    s->socket.close(ec);
+    std::erase(sessions_, s);
+    if (s->rank < 0) return;
+    auto& slot = by_rank_[static_cast<std::size_t>(s->rank)];
+    if (slot != s) return;
+    slot = nullptr;
+    if (!complete_) {
+      --joined_;  // the rank may come back before the deadline
+      info_[static_cast<std::size_t>(s->rank)].clear();
+      return;
+    }
+    // After the rendezvous a rank leaving is final: tell everybody still there.
+    const std::string why =
+        fmt::format("rank {} ({}) left the control path (connection closed)", s->rank, s->peer);
+    R2CCL_INFO("bootstrap root: {}", why);
+    for (auto& peer : by_rank_)
+      if (peer) send(peer, FrameType::kError, ByteWriter().str(why).take());
+  }
+
+  void on_deadline() {
+    if (complete_) return;
+    std::vector<int> missing;
+    for (int r = 0; r < nranks_; ++r)
+      if (!by_rank_[static_cast<std::size_t>(r)]) missing.push_back(r);
+    failed_ = true;
+    failure_ = fmt::format(
+        "timed out after {}ms waiting at rank 0 ({}) for rank(s) {} to join ({} of {} joined)",
+        timeout_.count(), bound_.to_string(), fmt::join(missing, ","), joined_,
+        nranks_ == 0 ? std::string("?") : std::to_string(nranks_));
+    if (!refusals_.empty()) failure_ += fmt::format("; refused: {}", fmt::join(refusals_, "; "));
+    R2CCL_WARN("bootstrap root: {}", failure_);
+    for (auto& peer : by_rank_)
+      if (peer) send(peer, FrameType::kError, ByteWriter().str(failure_).take());
+  }
+
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer deadline_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  std::thread thread_;
+  HostPort bound_;
+  Token token_;
+  int nranks_;
+  milliseconds timeout_;
+  std::vector<SessionPtr> sessions_;
+  std::vector<SessionPtr> by_rank_;
+  std::vector<Bytes> info_;
+  int joined_ = 0;
+  bool complete_ = false;
+  bool failed_ = false;
+  std::string failure_;
+  std::vector<std::string> refusals_;
+  std::map<std::uint64_t, std::vector<std::optional<Bytes>>> colls_;
+};
+
+namespace {
+// Roots started by UniqueId::create, waiting for rank 0 of this process to adopt them.
+std::mutex g_roots_mutex;
+std::map<Token, std::shared_ptr<BootstrapRoot>> g_pending_roots;
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// UniqueId
+
+namespace {
+constexpr std::uint32_t kIdMagic = 0x44493252;  // "R2ID"
+}
+
+Result<UniqueId> UniqueId::create(const std::string& bind_host) {
+  Token token{};
+  std::random_device rd;
+  for (auto& b : token) b = static_cast<std::uint8_t>(rd());
+  R2CCL_ASSIGN_OR_RETURN(auto root, BootstrapRoot::start(HostPort{bind_host, 0}, token, 0,
+                                                         milliseconds(24 * 3600 * 1000)));
+  UniqueId id;
+  ByteWriter w;
+  w.u32(kIdMagic).str(root->address().host).u16(root->address().port).raw(token.data(), token.size());
+  if (w.bytes().size() > kSize)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("host name '{}' is too long", bind_host));
+  std::memcpy(id.bytes.data(), w.bytes().data(), w.bytes().size());
+  std::lock_guard lock(g_roots_mutex);
+  g_pending_roots[token] = std::move(root);
+  return id;
+}
+
+namespace {
+Status decode_id(const UniqueId& id, HostPort* at, Token* token) {
+  ByteReader r(std::span<const std::byte>(reinterpret_cast<const std::byte*>(id.bytes.data()), id.bytes.size()));
+  if (r.u32() != kIdMagic) return {ErrorCode::kInvalidArgument, "not an r2ccl unique id (bad magic)"};
+  at->host = r.str(64);
+  at->port = r.u16();
+  r.raw(token->data(), token->size());
+  if (!r.ok() || at->host.empty()) return {ErrorCode::kInvalidArgument, "malformed r2ccl unique id"};
+  return Status::ok();
+}
+}  // namespace
+
+Result<HostPort> UniqueId::address() const {
+  HostPort at;
+  Token t;
+  R2CCL_RETURN_IF_ERROR(decode_id(*this, &at, &t));
+  return at;
+}
+
+Result<Token> UniqueId::token() const {
+  HostPort at;
+  Token t;
+  R2CCL_RETURN_IF_ERROR(decode_id(*this, &at, &t));
+  return t;
+}
+
+Result<BootstrapOptions> BootstrapOptions::from_config(const Config& config) {
+  BootstrapOptions o;
+  if (!config.nranks)
+    return Status(ErrorCode::kConfig, "R2CCL_NRANKS is not set (and no mpirun world size was found)");
+  if (!config.rank)
+    return Status(ErrorCode::kConfig, "R2CCL_RANK is not set (and no mpirun rank was found)");
+  if (!config.bootstrap)
+    return Status(ErrorCode::kConfig,
+                  "R2CCL_BOOTSTRAP is not set: give rank 0's host:port, e.g. R2CCL_BOOTSTRAP=198.19.0.1:29500");
+  o.rank = *config.rank;
+  o.nranks = *config.nranks;
+  o.root = *config.bootstrap;
+  o.token = config.bootstrap_token;
+  o.timeout = config.bootstrap_timeout;
+  o.socket_ifname = config.socket_ifname;
+  return o;
+}
+
+Result<BootstrapOptions> BootstrapOptions::from_unique_id(const UniqueId& id, int rank, int nranks,
+                                                          const Config& config) {
+  BootstrapOptions o;
+  R2CCL_RETURN_IF_ERROR(decode_id(id, &o.root, &o.token));
+  o.rank = rank;
+  o.nranks = nranks;
+  o.timeout = config.bootstrap_timeout;
+  o.socket_ifname = config.socket_ifname;
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client side: one connection to the root, driven synchronously with deadlines.
+
+struct Bootstrap::Connection {
+  asio::io_context io;
+  tcp::socket socket{io};
+  bool broken = false;
+
+  // Runs io until `done` or the deadline; on the deadline cancels and reports a timeout.
+  bool run_until(Clock::time_point deadline, const bool& done) {
+    io.restart();
+    while (!done && Clock::now() < deadline) io.run_one_until(deadline);
+    if (done) return true;
+    boost::system::error_code ec;
+    socket.cancel(ec);
+    io.restart();
+    io.run();
+    broken = true;
+    return false;
+  }
+
+  Status send(FrameType type, const Bytes& payload) {
+    if (broken) return {ErrorCode::kNetwork, "the control connection to rank 0 is broken"};
+    boost::system::error_code ec;
+    asio::write(socket, asio::buffer(frame(type, payload)), ec);
+    if (ec) {
+      broken = true;
+      return {ErrorCode::kNetwork, fmt::format("lost the control connection to rank 0: {}", ec.message())};
+    }
+    return Status::ok();
+  }
+
+  // Reads one frame; an ERROR frame from the root becomes an error with its message.
+  Result<std::pair<FrameType, Bytes>> receive(Clock::time_point deadline, const std::string& waiting_for) {
+    if (broken) return Status(ErrorCode::kNetwork, "the control connection to rank 0 is broken");
+    std::array<std::byte, kHeaderSize> header{};
+    Bytes payload;
+    bool done = false;
+    boost::system::error_code error;
+    Result<Header> h = Status(ErrorCode::kInternal, "no header");
+    asio::async_read(socket, asio::buffer(header), [&](boost::system::error_code ec, std::size_t) {
+      if (ec) {
+        error = ec;
+        done = true;
+        return;
+      }
+      h = decode_header(header);
+      if (!h) {
+        done = true;
+        return;
+      }
+      payload.resize(h->length);
+      asio::async_read(socket, asio::buffer(payload), [&](boost::system::error_code ec2, std::size_t) {
+        error = ec2;
+        done = true;
+      });
+    });
+    if (!run_until(deadline, done))
+      return Status(ErrorCode::kTimeout, fmt::format("timed out waiting for {}", waiting_for));
+    if (error) {
+      broken = true;
+      return Status(ErrorCode::kNetwork,
+                    fmt::format("lost the control connection to rank 0 while waiting for {}: {}",
+                                waiting_for, error.message()));
+    }
+    if (!h) {
+      broken = true;
+      return h.status();
+    }
+    if (h->type == FrameType::kError) {
+      ByteReader r(payload);
+      std::string why = r.str();
+      broken = true;
+      return Status(ErrorCode::kBootstrap, why);
+    }
+    return std::make_pair(h->type, std::move(payload));
+  }
+};
+
+Bootstrap::Bootstrap() = default;
+Bootstrap::~Bootstrap() {
+  if (conn_) {
+    boost::system::error_code ec;
+    conn_->socket.shutdown(tcp::socket::shutdown_both, ec);
+    conn_->socket.close(ec);
+  }
+}
+
+Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
+                                                   std::span<const std::byte> local_info) {
+  if (o.nranks < 1)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("world size {} is not positive", o.nranks));
+  if (o.rank < 0 || o.rank >= o.nranks)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("rank {} is out of range for a world of {} ranks (0..{})", o.rank,
+                              o.nranks, o.nranks - 1));
+  std::unique_ptr<Bootstrap> b(new Bootstrap());
+  b->rank_ = o.rank;
+  b->nranks_ = o.nranks;
+  const auto deadline = Clock::now() + o.timeout;
+
+  if (o.rank == 0) {
+    {
+      std::lock_guard lock(g_roots_mutex);
+      auto it = g_pending_roots.find(o.token);
+      if (it != g_pending_roots.end()) {
+        b->root_ = it->second;
+        g_pending_roots.erase(it);
+      }
+    }
+    if (!b->root_) {
+      R2CCL_ASSIGN_OR_RETURN(b->root_, BootstrapRoot::start(o.root, o.token, o.nranks, o.timeout));
+    }
+  }
+
+  b->conn_ = std::make_unique<Connection>();
+  Connection& c = *b->conn_;
+  boost::system::error_code ec;
+  auto addr = asio::ip::make_address(o.root.host, ec);
+  if (ec) {
+    // A host name: resolve it once.
+    tcp::resolver resolver(c.io);
+    auto results = resolver.resolve(o.root.host, std::to_string(o.root.port), ec);
+    if (ec || results.empty())
+      return Status(ErrorCode::kBootstrap,
+                    fmt::format("cannot resolve rank 0's address {}: {}", o.root.to_string(), ec.message()));
+    addr = results.begin()->endpoint().address();
+  }
+  const tcp::endpoint root_ep(addr, o.root.port);
+  std::string bind_ip;
+  if (!o.socket_ifname.empty()) {
+    R2CCL_ASSIGN_OR_RETURN(bind_ip, interface_ipv4(o.socket_ifname));
+  }
+
+  // Connect, retrying while rank 0 is not up yet, until the deadline.
+  std::string last_error = "no attempt";
+  bool connected = false;
+  while (!connected) {
+    c.socket = tcp::socket(c.io);
+    c.socket.open(root_ep.protocol(), ec);
+    if (!ec && !bind_ip.empty()) c.socket.bind(tcp::endpoint(asio::ip::make_address(bind_ip), 0), ec);
+    if (ec) return Status(ErrorCode::kBootstrap, fmt::format("cannot open the control socket: {}", ec.message()));
+    bool done = false;
+    boost::system::error_code cerr;
+    c.socket.async_connect(root_ep, [&](boost::system::error_code e) {
+      cerr = e;
+      done = true;
+    });
+    c.broken = false;
+    if (!c.run_until(deadline, done)) {
+      last_error = "connection attempt timed out";
+      break;
+    }
+    if (!cerr) {
+      connected = true;
+      break;
+    }
+    last_error = cerr.message();
+    if (Clock::now() + milliseconds(50) >= deadline) break;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  if (!connected)
+    return Status(ErrorCode::kBootstrap,
+                  fmt::format("could not reach rank 0 at {} within {}ms (last error: {})",
+                              o.root.to_string(), o.timeout.count(), last_error));
+  c.socket.set_option(tcp::no_delay(true), ec);
+  b->control_address_ = c.socket.local_endpoint(ec).address().to_string();
+
+  ByteWriter hello;
+  hello.u32(kVersion).raw(o.token.data(), o.token.size())
+      .u32(static_cast<std::uint32_t>(o.rank)).u32(static_cast<std::uint32_t>(o.nranks)).blob(local_info);
+  R2CCL_RETURN_IF_ERROR(c.send(FrameType::kHello, hello.take()));
+  // The root enforces the deadline and names the missing ranks; wait a little longer for its word.
+  auto reply = c.receive(deadline + milliseconds(1000),
+                         fmt::format("all {} ranks to join at rank 0 ({})", o.nranks, o.root.to_string()));
+  if (!reply) return reply.status().with_context(fmt::format("rank {} bootstrap", o.rank));
+  if (reply->first != FrameType::kWelcome)
+    return Status(ErrorCode::kProtocol, "rank 0 answered the hello with an unexpected frame");
+  ByteReader r(reply->second);
+  const auto n = r.u32();
+  if (n != static_cast<std::uint32_t>(o.nranks))
+    return Status(ErrorCode::kProtocol, "rank 0's welcome has the wrong world size");
+  for (std::uint32_t i = 0; i < n; ++i) b->rank_info_.push_back(r.blob());
+  R2CCL_RETURN_IF_ERROR(r.finish("bootstrap welcome"));
+  R2CCL_DEBUG("bootstrap: rank {} of {} joined via {}", o.rank, o.nranks, b->control_address_);
+  return b;
+}
+
+Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
+                                                std::chrono::milliseconds timeout) {
+  const auto seq = ++coll_seq_;
+  R2CCL_RETURN_IF_ERROR(conn_->send(FrameType::kColl, ByteWriter().u64(seq).blob(mine).take()));
+  auto reply = conn_->receive(Clock::now() + timeout,
+                              fmt::format("the other ranks in control-path all-gather #{}", seq));
+  if (!reply) return reply.status();
+  ByteReader r(reply->second);
+  if (reply->first != FrameType::kCollResult || r.u64() != seq)
+    return Status(ErrorCode::kProtocol, "control path: all-gather results out of order");
+  const auto n = r.u32();
+  std::vector<Bytes> out;
+  for (std::uint32_t i = 0; i < n; ++i) out.push_back(r.blob());
+  R2CCL_RETURN_IF_ERROR(r.finish("control-path all-gather result"));
+  return out;
+}
+
+Status Bootstrap::barrier(std::chrono::milliseconds timeout) {
+  auto r = allgather({}, timeout);
+  return r.status();
+}
+
+}  // namespace r2ccl

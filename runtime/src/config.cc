@@ -1,0 +1,320 @@
+#include "r2ccl/runtime/config.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+
+extern char** environ;  // NOLINT
+
+namespace r2ccl {
+namespace {
+
+constexpr ConfigEntry kTable[] = {
+    {"R2CCL_LOG", "warn", "Log level: `error`, `warn`, `info`, `debug` or `trace`."},
+    {"R2CCL_RANK", "(from mpirun)",
+     "This process's rank, 0 ≤ rank < R2CCL_NRANKS. Under mpirun taken from "
+     "`OMPI_COMM_WORLD_RANK` / `PMI_RANK` when unset."},
+    {"R2CCL_NRANKS", "(from mpirun)",
+     "World size, ≥ 1. Under mpirun taken from `OMPI_COMM_WORLD_SIZE` / `PMI_SIZE` when unset."},
+    {"R2CCL_BOOTSTRAP", "(none)",
+     "`host:port` where rank 0 listens for the rendezvous (e.g. `198.19.0.1:29500`)."},
+    {"R2CCL_BOOTSTRAP_TOKEN", "all zero",
+     "128-bit rendezvous token as 32 hex digits; every rank must use the same one. Connections "
+     "without it are dropped."},
+    {"R2CCL_BOOTSTRAP_TIMEOUT", "30s",
+     "How long the rendezvous may take (reaching rank 0, all ranks joining). Duration: `500ms`, "
+     "`30s`, `2m`."},
+    {"R2CCL_SOCKET_IFNAME", "(auto)",
+     "Interface for bootstrap and control traffic (like `NCCL_SOCKET_IFNAME`). Default: the one "
+     "that reaches the bootstrap address. Never used as a rail."},
+    {"R2CCL_NICS", "(auto)",
+     "Comma-separated rails: interface names (`eth1,eth2`) or local IPv4 addresses "
+     "(`127.0.0.11,127.0.0.12`), like `NCCL_IB_HCA`. Default: every up interface with an IPv4 "
+     "address except loopback and the control interface."},
+    {"R2CCL_PROVIDER", "tcp", "Transport provider: `tcp` (verbs arrives with its own issue)."},
+    {"R2CCL_CHUNK_SIZE", "512K",
+     "Bytes per chunk a message is cut into for striping over the rails, 4K–64M."},
+    {"R2CCL_RAIL_WINDOW", "2M",
+     "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G."},
+    {"R2CCL_TIMEOUT", "30s",
+     "Deadline of every operation; past it the operation fails with an error naming the peer "
+     "and its rails."},
+    {"R2CCL_CONNECT_TIMEOUT", "10s", "How long establishing the rails to the peers may take."},
+};
+
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+std::string trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return std::string(s);
+}
+
+Status bad(const std::string& name, const std::string& value, std::string_view allowed) {
+  return {ErrorCode::kConfig,
+          fmt::format("{}='{}' is invalid: expected {}", name, value, allowed)};
+}
+
+Result<long long> parse_int(const std::string& text) {
+  long long v = 0;
+  const char* b = text.data();
+  const char* e = text.data() + text.size();
+  auto [p, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || p != e || text.empty())
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not an integer", text));
+  return v;
+}
+
+}  // namespace
+
+std::string HostPort::to_string() const { return fmt::format("{}:{}", host, port); }
+
+std::span<const ConfigEntry> config_table() { return kTable; }
+
+std::string config_table_markdown() {
+  std::string out = "| Variable | Default | Meaning |\n|---|---|---|\n";
+  for (const auto& e : kTable) out += fmt::format("| `{}` | {} | {} |\n", e.name, e.default_text, e.meaning);
+  return out;
+}
+
+EnvLookup process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+Result<std::size_t> parse_size(const std::string& raw) {
+  std::string text = trim(raw);
+  std::size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  if (digits == 0)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not a size", raw));
+  auto number = parse_int(text.substr(0, digits));
+  if (!number) return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not a size", raw));
+  std::string suffix = trim(std::string_view(text).substr(digits));
+  unsigned long long mult = 1;
+  if (suffix.empty() || iequals(suffix, "b")) {
+    mult = 1;
+  } else if (iequals(suffix, "k") || iequals(suffix, "kb") || iequals(suffix, "kib")) {
+    mult = 1ull << 10;
+  } else if (iequals(suffix, "m") || iequals(suffix, "mb") || iequals(suffix, "mib")) {
+    mult = 1ull << 20;
+  } else if (iequals(suffix, "g") || iequals(suffix, "gb") || iequals(suffix, "gib")) {
+    mult = 1ull << 30;
+  } else {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}' has an unknown size suffix '{}'", raw, suffix));
+  }
+  const auto n = static_cast<unsigned long long>(*number);
+  if (n > (~0ull) / mult)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is too large", raw));
+  return static_cast<std::size_t>(n * mult);
+}
+
+std::string format_size(std::size_t bytes) {
+  if (bytes >= (1ull << 30) && bytes % (1ull << 30) == 0) return fmt::format("{}G", bytes >> 30);
+  if (bytes >= (1ull << 20) && bytes % (1ull << 20) == 0) return fmt::format("{}M", bytes >> 20);
+  if (bytes >= (1ull << 10) && bytes % (1ull << 10) == 0) return fmt::format("{}K", bytes >> 10);
+  return fmt::format("{}", bytes);
+}
+
+Result<std::chrono::milliseconds> parse_duration(const std::string& raw) {
+  std::string text = trim(raw);
+  std::size_t digits = 0;
+  while (digits < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+    ++digits;
+  if (digits == 0)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not a duration", raw));
+  double value = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + digits, value);
+  if (ec != std::errc() || p != text.data() + digits)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not a duration", raw));
+  std::string unit = text.substr(digits);
+  double ms = 0;
+  if (unit == "ms") {
+    ms = value;
+  } else if (unit == "s" || unit.empty()) {
+    ms = value * 1000.0;
+  } else if (unit == "m" || unit == "min") {
+    ms = value * 60000.0;
+  } else if (unit == "us") {
+    ms = value / 1000.0;
+  } else {
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}' has an unknown unit '{}' (use ms, s or m)", raw, unit));
+  }
+  if (ms > 7.0 * 24 * 3600 * 1000)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is longer than a week", raw));
+  return std::chrono::milliseconds(static_cast<long long>(ms + 0.5));
+}
+
+Result<HostPort> parse_host_port(const std::string& raw) {
+  std::string text = trim(raw);
+  auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size())
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not host:port", raw));
+  auto port = parse_int(text.substr(colon + 1));
+  if (!port || *port < 1 || *port > 65535)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}' has a bad port (1..65535)", raw));
+  std::string host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return HostPort{host, static_cast<std::uint16_t>(*port)};
+}
+
+Result<Token> parse_token(const std::string& raw) {
+  std::string hex = trim(raw);
+  if (hex.size() != 32)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("'{}' is not 32 hex digits (got {})", raw, hex.size()));
+  Token t{};
+  for (std::size_t i = 0; i < 16; ++i) {
+    unsigned v = 0;
+    auto [p, ec] = std::from_chars(hex.data() + 2 * i, hex.data() + 2 * i + 2, v, 16);
+    if (ec != std::errc() || p != hex.data() + 2 * i + 2)
+      return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not hexadecimal", raw));
+    t[i] = static_cast<std::uint8_t>(v);
+  }
+  return t;
+}
+
+std::string token_to_hex(const Token& token) {
+  std::string out;
+  for (auto b : token) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+Result<Config> parse_config(const EnvLookup& env) {
+  Config c;
+  auto get = [&](const char* name) { return env(name); };
+
+  if (auto v = get("R2CCL_LOG")) {
+    const std::string s = trim(*v);
+    bool found = false;
+    for (int l = 0; l <= static_cast<int>(LogLevel::kTrace); ++l) {
+      if (iequals(s, log_level_name(static_cast<LogLevel>(l)))) {
+        c.log_level = static_cast<LogLevel>(l);
+        found = true;
+      }
+    }
+    if (!found) return bad("R2CCL_LOG", *v, "one of error, warn, info, debug, trace");
+  }
+
+  // World size first, so the rank can be checked against it.
+  auto int_var = [&](const char* name, const std::vector<const char*>& fallbacks,
+                     long long min, long long max,
+                     std::optional<int>& out) -> Status {
+    std::optional<std::string> v = get(name);
+    std::string from = name;
+    for (const char* f : fallbacks) {
+      if (v) break;
+      v = get(f);
+      from = f;
+    }
+    if (!v) return Status::ok();
+    auto n = parse_int(trim(*v));
+    if (!n || *n < min || *n > max)
+      return bad(from, *v, fmt::format("an integer from {} to {}", min, max));
+    out = static_cast<int>(*n);
+    return Status::ok();
+  };
+  R2CCL_RETURN_IF_ERROR(
+      int_var("R2CCL_NRANKS", {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1, 1 << 20, c.nranks));
+  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_RANK", {"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0,
+                                c.nranks ? *c.nranks - 1 : (1 << 20), c.rank));
+
+  if (auto v = get("R2CCL_BOOTSTRAP")) {
+    auto hp = parse_host_port(*v);
+    if (!hp) return bad("R2CCL_BOOTSTRAP", *v, "host:port, e.g. 198.19.0.1:29500");
+    c.bootstrap = *hp;
+  }
+  if (auto v = get("R2CCL_BOOTSTRAP_TOKEN")) {
+    auto t = parse_token(*v);
+    if (!t) return bad("R2CCL_BOOTSTRAP_TOKEN", *v, "32 hexadecimal digits (128 bits)");
+    c.bootstrap_token = *t;
+  }
+  auto duration_var = [&](const char* name, std::chrono::milliseconds min,
+                          std::chrono::milliseconds& out) -> Status {
+    auto v = get(name);
+    if (!v) return Status::ok();
+    auto d = parse_duration(*v);
+    if (!d || *d < min)
+      return bad(name, *v,
+                 fmt::format("a duration of at least {}ms such as 500ms, 30s or 2m", min.count()));
+    out = *d;
+    return Status::ok();
+  };
+  using std::chrono::milliseconds;
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_BOOTSTRAP_TIMEOUT", milliseconds(10), c.bootstrap_timeout));
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_TIMEOUT", milliseconds(10), c.timeout));
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_CONNECT_TIMEOUT", milliseconds(10), c.connect_timeout));
+
+  if (auto v = get("R2CCL_SOCKET_IFNAME")) c.socket_ifname = trim(*v);
+  if (auto v = get("R2CCL_NICS")) {
+    std::string list = *v;
+    std::size_t pos = 0;
+    while (pos <= list.size()) {
+      auto comma = list.find(',', pos);
+      if (comma == std::string::npos) comma = list.size();
+      std::string item = trim(std::string_view(list).substr(pos, comma - pos));
+      if (item.empty())
+        return bad("R2CCL_NICS", *v, "a comma-separated list of interface names or addresses with no empty entries");
+      if (std::find(c.nics.begin(), c.nics.end(), item) != c.nics.end())
+        return bad("R2CCL_NICS", *v, fmt::format("each NIC once ('{}' repeats)", item));
+      c.nics.push_back(item);
+      pos = comma + 1;
+    }
+  }
+  if (auto v = get("R2CCL_PROVIDER")) {
+    std::string p = trim(*v);
+    if (p == "verbs")
+      return Status(ErrorCode::kConfig,
+                    "R2CCL_PROVIDER='verbs' is not available in this build yet: expected tcp");
+    if (p != "tcp") return bad("R2CCL_PROVIDER", *v, "tcp");
+    c.provider = p;
+  }
+  auto size_var = [&](const char* name, std::size_t min, std::size_t max,
+                      std::size_t& out) -> Status {
+    auto v = get(name);
+    if (!v) return Status::ok();
+    auto s = parse_size(*v);
+    if (!s || *s < min || *s > max)
+      return bad(name, *v,
+                 fmt::format("a size from {} to {} bytes (suffixes K, M, G)", format_size(min),
+                             format_size(max)));
+    out = *s;
+    return Status::ok();
+  };
+  R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
+  R2CCL_RETURN_IF_ERROR(size_var("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window));
+  return c;
+}
+
+std::vector<std::string> unknown_variables() {
+  std::vector<std::string> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string_view kv(*e);
+    if (kv.rfind("R2CCL_", 0) != 0) continue;
+    std::string name(kv.substr(0, kv.find('=')));
+    bool known = std::any_of(std::begin(kTable), std::end(kTable),
+                             [&](const ConfigEntry& t) { return name == t.name; });
+    // R2CCL_TEST_* and R2CCL_BUILD_DIR belong to the test harness and scripts.
+    if (!known && name.rfind("R2CCL_TEST_", 0) != 0 && name != "R2CCL_BUILD_DIR" &&
+        name != "R2CCL_CUDA")
+      out.push_back(name);
+  }
+  return out;
+}
+
+}  // namespace r2ccl

@@ -1,0 +1,73 @@
+#include "r2ccl/runtime/memory.h"
+
+#include <fmt/format.h>
+
+#include "r2ccl/runtime/log.h"
+
+namespace r2ccl {
+
+void RemoteRegion::encode(ByteWriter& w) const {
+  w.u64(id).u64(length).u32(static_cast<std::uint32_t>(keys.size()));
+  for (auto k : keys) w.u64(k);
+}
+
+RemoteRegion RemoteRegion::decode(ByteReader& r) {
+  RemoteRegion rr;
+  rr.id = r.u64();
+  rr.length = r.u64();
+  const auto n = r.u32();
+  for (std::uint32_t i = 0; i < n && i < 64 && r.ok(); ++i) rr.keys.push_back(r.u64());
+  return rr;
+}
+
+MemoryRegistry::~MemoryRegistry() {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, region] : regions_)
+    for (std::size_t d = 0; d < region->keys.size(); ++d)
+      (void)provider_.deregister_memory(d, region->keys[d]);
+}
+
+Result<RegionPtr> MemoryRegistry::register_region(void* base, std::size_t length) {
+  if (base == nullptr && length > 0)
+    return Status(ErrorCode::kInvalidArgument, "cannot register a null buffer");
+  auto region = std::make_shared<Region>();
+  region->base = static_cast<std::byte*>(base);
+  region->length = length;
+  const std::size_t ndev = provider_.devices().size();
+  for (std::size_t d = 0; d < ndev; ++d) {
+    auto key = provider_.register_memory(d, base, length);
+    if (!key) {
+      for (std::size_t u = 0; u < region->keys.size(); ++u)
+        (void)provider_.deregister_memory(u, region->keys[u]);
+      return key.status().with_context(
+          fmt::format("registering {} bytes on {}", length, provider_.devices()[d].name));
+    }
+    region->keys.push_back(*key);
+  }
+  std::lock_guard lock(mutex_);
+  region->id = next_id_++;
+  regions_[region->id] = region;
+  return RegionPtr(region);
+}
+
+Status MemoryRegistry::deregister_region(std::uint64_t id) {
+  RegionPtr region;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = regions_.find(id);
+    if (it == regions_.end())
+      return {ErrorCode::kNotFound, fmt::format("no registered region with id {}", id)};
+    region = it->second;
+    regions_.erase(it);
+  }
+  for (std::size_t d = 0; d < region->keys.size(); ++d)
+    R2CCL_RETURN_IF_ERROR(provider_.deregister_memory(d, region->keys[d]));
+  return Status::ok();
+}
+
+std::size_t MemoryRegistry::size() const {
+  std::lock_guard lock(mutex_);
+  return regions_.size();
+}
+
+}  // namespace r2ccl

@@ -1,0 +1,618 @@
+// The tcp provider on Boost.Asio.
+//
+// Wire format: every frame starts with a 40-byte little-endian header
+//   u16 magic "R2" | u8 op | u8 flags | u32 imm | u64 key | u64 offset | u64 length | u64 cookie
+// followed by `length` payload bytes for WRITE, WRITE_NACK (reason text), CONTROL and HELLO.
+// A WRITE is read straight into the registered region it names after a bounds check; the
+// receiver then sends WRITE_ACK (delivery confirmed) or, if the write falls outside every
+// registered region, drains it and sends WRITE_NACK. Anything malformed closes that rail only.
+#include <fmt/format.h>
+#include <net/if.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include "r2ccl/runtime/asio.h"
+#include <deque>
+#include <mutex>
+#include <random>
+#include <unordered_map>
+
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider.h"
+
+namespace r2ccl {
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using boost::system::error_code;
+
+constexpr std::uint16_t kFrameMagic = 0x3252;  // "R2"
+constexpr std::size_t kHeaderSize = 40;
+constexpr std::uint64_t kMaxWrite = 256ull << 20;
+constexpr std::uint64_t kMaxControl = 1u << 20;
+constexpr std::uint64_t kMaxNackText = 4096;
+constexpr std::size_t kHelloSize = 16 + 4 * 4;
+constexpr auto kHelloTimeout = std::chrono::seconds(5);
+constexpr std::size_t kBatchFrames = 64;
+constexpr std::size_t kBatchBytes = 8u << 20;
+
+enum class FrameOp : std::uint8_t {
+  kHello = 1,
+  kHelloAck = 2,
+  kWrite = 3,
+  kWriteAck = 4,
+  kWriteNack = 5,
+  kControl = 6,
+};
+
+struct FrameHeader {
+  FrameOp op{};
+  std::uint8_t flags = 0;
+  std::uint32_t imm = 0;
+  std::uint64_t key = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+  std::uint64_t cookie = 0;
+};
+using HeaderBytes = std::array<std::byte, kHeaderSize>;
+
+HeaderBytes encode(const FrameHeader& h) {
+  ByteWriter w;
+  w.u16(kFrameMagic).u8(static_cast<std::uint8_t>(h.op)).u8(h.flags).u32(h.imm).u64(h.key)
+      .u64(h.offset).u64(h.length).u64(h.cookie);
+  HeaderBytes out{};
+  std::memcpy(out.data(), w.bytes().data(), kHeaderSize);
+  return out;
+}
+
+Result<FrameHeader> decode(const HeaderBytes& b) {
+  ByteReader r(b);
+  FrameHeader h;
+  const auto magic = r.u16();
+  h.op = static_cast<FrameOp>(r.u8());
+  h.flags = r.u8();
+  h.imm = r.u32();
+  h.key = r.u64();
+  h.offset = r.u64();
+  h.length = r.u64();
+  h.cookie = r.u64();
+  if (magic != kFrameMagic)
+    return Status(ErrorCode::kProtocol, fmt::format("malformed frame: bad magic 0x{:04x}", magic));
+  return h;
+}
+
+Bytes encode_hello(const RailHello& h) {
+  ByteWriter w;
+  w.raw(h.token.data(), h.token.size()).u32(h.src_rank).u32(h.dst_rank).u32(h.rail).u32(h.epoch);
+  return w.take();
+}
+
+// Registered memory of one NIC: key -> region. Shared with that NIC's rails.
+struct KeyTable {
+  std::mutex mutex;
+  std::unordered_map<std::uint64_t, std::pair<std::byte*, std::size_t>> regions;
+  std::mt19937_64 rng{std::random_device{}()};
+};
+
+struct Counters {
+  std::atomic<std::uint64_t> refused_writes{0};
+  std::atomic<std::uint64_t> dropped_connections{0};
+};
+
+std::string errno_text(const error_code& ec) { return ec.message(); }
+
+// Binds a socket to a NIC: the address always, the device too where permitted.
+error_code bind_to_nic(tcp::socket& s, const RailNic& nic) {
+  error_code ec;
+  s.open(tcp::v4(), ec);
+  if (ec) return ec;
+  if (nic.name != nic.address) {
+    // SO_BINDTODEVICE keeps traffic on this NIC even when routes would pick another one; it
+    // needs CAP_NET_RAW, without which the address binding alone has to do.
+    (void)::setsockopt(s.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.name.c_str(),
+                       static_cast<socklen_t>(nic.name.size()));
+  }
+  s.bind(tcp::endpoint(asio::ip::make_address_v4(nic.address), 0), ec);
+  return ec;
+}
+
+void tune(tcp::socket& s) {
+  error_code ec;
+  s.set_option(tcp::no_delay(true), ec);
+}
+
+class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {
+ public:
+  TcpRail(tcp::socket socket, RailNic nic, std::shared_ptr<KeyTable> keys,
+          std::shared_ptr<Counters> counters, RailHello hello)
+      : socket_(std::move(socket)), nic_(std::move(nic)), keys_(std::move(keys)),
+        counters_(std::move(counters)), hello_(hello) {
+    error_code ec;
+    auto l = socket_.local_endpoint(ec);
+    auto r = socket_.remote_endpoint(ec);
+    description_ = fmt::format("{} {}:{} -> {}:{}", nic_.name, l.address().to_string(), l.port(),
+                               r.address().to_string(), r.port());
+  }
+
+  void start(RailEvents* events) override {
+    events_ = events;
+    read_header();
+  }
+
+  Status post_write(const WriteRequest& w) override {
+    if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
+    FrameHeader h{FrameOp::kWrite, 0, w.imm, w.remote_key, w.remote_offset, w.length, w.cookie};
+    queue(h, w.src, w.length, {});
+    return Status::ok();
+  }
+
+  Status post_control(Bytes message) override {
+    if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
+    if (message.size() > kMaxControl)
+      return {ErrorCode::kInvalidArgument, fmt::format("control message of {} bytes exceeds {}",
+                                                       message.size(), kMaxControl)};
+    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message.size(), 0};
+    queue(h, nullptr, 0, std::move(message));
+    return Status::ok();
+  }
+
+  void send_hello_ack() { queue(FrameHeader{FrameOp::kHelloAck, 0, 0, 0, 0, 0, 0}, nullptr, 0, {}); }
+
+  void fence() override {
+    events_ = nullptr;
+    close();
+  }
+
+  const RailHello& hello() const override { return hello_; }
+  std::string describe() const override { return description_; }
+
+ private:
+  struct OutFrame {
+    HeaderBytes header;
+    const std::byte* payload = nullptr;
+    std::size_t length = 0;
+    Bytes owned;  // payload owned by the frame (control, nack text)
+  };
+
+  void queue(const FrameHeader& h, const std::byte* payload, std::size_t len, Bytes owned,
+             bool urgent = false) {
+    OutFrame f{encode(h), payload, len, std::move(owned)};
+    if (!f.owned.empty()) {
+      f.payload = f.owned.data();
+      f.length = f.owned.size();
+    }
+    if (urgent)
+      pending_.push_front(std::move(f));
+    else
+      pending_.push_back(std::move(f));
+    kick();
+  }
+
+  void kick() {
+    if (writing_ || pending_.empty() || closed_) return;
+    batch_.clear();
+    std::size_t bytes = 0;
+    while (!pending_.empty() && batch_.size() < kBatchFrames && bytes < kBatchBytes) {
+      bytes += kHeaderSize + pending_.front().length;
+      batch_.push_back(std::move(pending_.front()));
+      pending_.pop_front();
+    }
+    buffers_.clear();
+    for (auto& f : batch_) {
+      buffers_.emplace_back(f.header.data(), f.header.size());
+      if (f.length > 0) buffers_.emplace_back(f.payload, f.length);
+    }
+    writing_ = true;
+    asio::async_write(socket_, buffers_, [self = shared_from_this()](error_code ec, std::size_t) {
+      self->writing_ = false;
+      if (self->closed_) return;
+      if (ec) return self->fail({ErrorCode::kNetwork, fmt::format("send failed on {}: {}",
+                                                                  self->description_, errno_text(ec))});
+      self->kick();
+    });
+  }
+
+  void read_header() {
+    asio::async_read(socket_, asio::buffer(header_),
+                     [self = shared_from_this()](error_code ec, std::size_t n) {
+                       if (self->closed_) return;
+                       if (ec) return self->fail_read(ec, n, "frame header");
+                       self->on_header();
+                     });
+  }
+
+  void fail_read(const error_code& ec, std::size_t got, const char* what) {
+    if (ec == asio::error::eof && got == 0 && std::string_view(what) == "frame header")
+      return fail({ErrorCode::kNetwork, fmt::format("peer closed rail {}", description_)});
+    if (ec == asio::error::eof)
+      return fail({ErrorCode::kProtocol, fmt::format("truncated frame on rail {}: the peer closed "
+                                                     "the connection in the middle of a {}",
+                                                     description_, what)});
+    fail({ErrorCode::kNetwork, fmt::format("receive failed on {}: {}", description_, errno_text(ec))});
+  }
+
+  void on_header() {
+    auto h = decode(header_);
+    if (!h) return fail(h.status().with_context(fmt::format("rail {}", description_)));
+    cur_ = *h;
+    switch (cur_.op) {
+      case FrameOp::kWrite: return on_write();
+      case FrameOp::kWriteAck:
+        if (cur_.length != 0) return malformed("WRITE_ACK with a payload");
+        if (events_) events_->on_write_confirmed(cur_.cookie);
+        return read_header();
+      case FrameOp::kWriteNack:
+        if (cur_.length > kMaxNackText) return malformed("WRITE_NACK reason too long");
+        return read_payload(cur_.length, [this] {
+          std::string why(reinterpret_cast<const char*>(payload_.data()), payload_.size());
+          if (events_) events_->on_write_refused(cur_.cookie, Status(ErrorCode::kRemoteRefused, why));
+        });
+      case FrameOp::kControl:
+        if (cur_.length > kMaxControl) return malformed(fmt::format("control message of {} bytes", cur_.length));
+        return read_payload(cur_.length, [this] {
+          if (events_) events_->on_control(std::move(payload_));
+        });
+      case FrameOp::kHelloAck:
+      case FrameOp::kHello:
+        return malformed("handshake frame after the handshake");
+    }
+    malformed(fmt::format("unknown frame op {}", static_cast<int>(cur_.op)));
+  }
+
+  void malformed(const std::string& what) {
+    fail({ErrorCode::kProtocol, fmt::format("malformed frame on rail {}: {}", description_, what)});
+  }
+
+  template <typename F>
+  void read_payload(std::size_t len, F&& then) {
+    payload_.assign(len, std::byte{0});
+    asio::async_read(socket_, asio::buffer(payload_),
+                     [self = shared_from_this(), then = std::forward<F>(then)](error_code ec, std::size_t n) {
+                       if (self->closed_) return;
+                       if (ec) return self->fail_read(ec, n, "frame payload");
+                       then();
+                       if (!self->closed_) self->read_header();
+                     });
+  }
+
+  void on_write() {
+    if (cur_.length > kMaxWrite) return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
+    std::byte* dest = nullptr;
+    std::string refusal;
+    {
+      std::lock_guard lock(keys_->mutex);
+      auto it = keys_->regions.find(cur_.key);
+      if (it == keys_->regions.end()) {
+        refusal = fmt::format("write of {} bytes at offset {} names key 0x{:x}, which is not "
+                              "registered on {}", cur_.length, cur_.offset, cur_.key, nic_.name);
+      } else if (cur_.offset > it->second.second || cur_.length > it->second.second - cur_.offset) {
+        refusal = fmt::format("write of {} bytes at offset {} falls outside the registered region "
+                              "of {} bytes (key 0x{:x} on {})", cur_.length, cur_.offset,
+                              it->second.second, cur_.key, nic_.name);
+      } else {
+        dest = it->second.first + cur_.offset;
+      }
+    }
+    if (!refusal.empty()) {
+      counters_->refused_writes.fetch_add(1);
+      R2CCL_WARN("refused a remote write on rail {}: {}", description_, refusal);
+      drained_ = 0;
+      return drain(refusal);
+    }
+    const std::size_t len = cur_.length;
+    asio::async_read(socket_, asio::buffer(dest, len),
+                     [self = shared_from_this()](error_code ec, std::size_t n) {
+                       if (self->closed_) return;
+                       if (ec) return self->fail_read(ec, n, "write payload");
+                       const auto cookie = self->cur_.cookie;
+                       if (self->events_) self->events_->on_write_arrived(self->cur_.imm, self->cur_.length);
+                       if (self->closed_) return;
+                       self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
+                       self->read_header();
+                     });
+  }
+
+  // Reads and discards a refused write's payload, then tells the sender why.
+  void drain(std::string refusal) {
+    if (drained_ == cur_.length) {
+      queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, 0, cur_.cookie}, nullptr, 0,
+            Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
+                  reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
+            true);
+      return read_header();
+    }
+    scratch_.resize(64 * 1024);
+    const std::size_t n = std::min<std::size_t>(scratch_.size(), cur_.length - drained_);
+    asio::async_read(socket_, asio::buffer(scratch_.data(), n),
+                     [self = shared_from_this(), refusal = std::move(refusal)](error_code ec, std::size_t got) mutable {
+                       if (self->closed_) return;
+                       if (ec) return self->fail_read(ec, got, "write payload");
+                       self->drained_ += got;
+                       self->drain(std::move(refusal));
+                     });
+  }
+
+  void fail(const Status& why) {
+    if (closed_) return;
+    R2CCL_INFO("rail {} failed: {}", description_, why.message());
+    RailEvents* ev = events_;
+    events_ = nullptr;
+    close();
+    if (ev) ev->on_rail_failed(why);
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    error_code ec;
+    socket_.shutdown(tcp::socket::shutdown_both, ec);
+    socket_.close(ec);
+    pending_.clear();
+  }
+
+  tcp::socket socket_;
+  RailNic nic_;
+  std::shared_ptr<KeyTable> keys_;
+  std::shared_ptr<Counters> counters_;
+  RailHello hello_;
+  std::string description_;
+  RailEvents* events_ = nullptr;
+  bool closed_ = false;
+
+  HeaderBytes header_{};
+  FrameHeader cur_;
+  Bytes payload_;
+  std::vector<std::byte> scratch_;
+  std::size_t drained_ = 0;
+
+  std::deque<OutFrame> pending_;
+  std::vector<OutFrame> batch_;
+  std::vector<asio::const_buffer> buffers_;
+  bool writing_ = false;
+};
+
+class TcpProvider final : public Provider {
+ public:
+  TcpProvider(ProgressEngine& engine, std::vector<RailNic> devices, const Token& token)
+      : engine_(engine), devices_(std::move(devices)), token_(token),
+        counters_(std::make_shared<Counters>()) {}
+
+  ~TcpProvider() override {
+    engine_.call([this] {
+      for (auto& d : state_) {
+        error_code ec;
+        d->acceptor.close(ec);
+      }
+      state_.clear();
+    });
+  }
+
+  Status open() {
+    for (const auto& nic : devices_) {
+      auto d = std::make_unique<DeviceState>(engine_.io());
+      error_code ec;
+      tcp::endpoint ep(asio::ip::make_address_v4(nic.address, ec), 0);
+      if (ec) return {ErrorCode::kInvalidArgument, fmt::format("{}: '{}' is not an IPv4 address", nic.name, nic.address)};
+      d->acceptor.open(ep.protocol(), ec);
+      if (!ec) d->acceptor.bind(ep, ec);
+      if (!ec) d->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+      if (ec)
+        return {ErrorCode::kNetwork, fmt::format("cannot listen on {} ({}): {}", nic.name, nic.address, ec.message())};
+      d->port = d->acceptor.local_endpoint().port();
+      state_.push_back(std::move(d));
+    }
+    engine_.call([this] {
+      for (std::size_t i = 0; i < state_.size(); ++i) accept(i);
+    });
+    return Status::ok();
+  }
+
+  std::string_view name() const override { return "tcp"; }
+  const std::vector<RailNic>& devices() const override { return devices_; }
+
+  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length) override {
+    if (device >= state_.size())
+      return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
+    auto& t = *state_[device]->keys;
+    std::lock_guard lock(t.mutex);
+    std::uint64_t key = 0;
+    do {
+      key = t.rng();
+    } while (key == 0 || t.regions.count(key) != 0);
+    t.regions[key] = {static_cast<std::byte*>(base), length};
+    return key;
+  }
+
+  Status deregister_memory(std::size_t device, std::uint64_t key) override {
+    if (device >= state_.size()) return {ErrorCode::kInvalidArgument, fmt::format("no device {}", device)};
+    auto& t = *state_[device]->keys;
+    std::lock_guard lock(t.mutex);
+    if (t.regions.erase(key) == 0)
+      return {ErrorCode::kNotFound, fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
+    return Status::ok();
+  }
+
+  Bytes endpoint(std::size_t device) const override {
+    return ByteWriter().str(devices_[device].address).u16(state_[device]->port).take();
+  }
+
+  void set_accept_handler(AcceptHandler handler) override {
+    engine_.call([&] { accept_handler_ = std::move(handler); });
+  }
+
+  void connect(std::size_t device, const Bytes& remote, const RailHello& hello,
+               std::chrono::milliseconds timeout, ConnectHandler handler) override {
+    ByteReader r(remote);
+    std::string host = r.str(64);
+    const auto port = r.u16();
+    error_code ec;
+    auto addr = asio::ip::make_address_v4(host, ec);
+    if (!r.finish("tcp endpoint").is_ok() || ec || device >= state_.size()) {
+      engine_.post([handler = std::move(handler), host] {
+        handler(Status(ErrorCode::kProtocol, fmt::format("peer published a malformed tcp endpoint '{}'", host)));
+      });
+      return;
+    }
+    engine_.post([this, device, ep = tcp::endpoint(addr, port), hello, timeout, handler = std::move(handler)]() mutable {
+      start_connect(device, ep, hello, timeout, std::move(handler));
+    });
+  }
+
+  ProviderCounters counters() const override {
+    return {counters_->refused_writes.load(), counters_->dropped_connections.load()};
+  }
+
+ private:
+  struct DeviceState {
+    explicit DeviceState(asio::io_context& io) : acceptor(io) {}
+    tcp::acceptor acceptor;
+    std::uint16_t port = 0;
+    std::shared_ptr<KeyTable> keys = std::make_shared<KeyTable>();
+  };
+
+  // Handshake state of one connection (either side).
+  struct Handshake {
+    Handshake(asio::io_context& io, tcp::socket s) : socket(std::move(s)), timer(io) {}
+    tcp::socket socket;
+    asio::steady_timer timer;
+    HeaderBytes header{};
+    Bytes payload;
+    Bytes out;
+    bool done = false;
+  };
+
+  void start_connect(std::size_t device, tcp::endpoint ep, RailHello hello,
+                     std::chrono::milliseconds timeout, ConnectHandler handler) {
+    const RailNic& nic = devices_[device];
+    tcp::socket s(engine_.io());
+    if (auto ec = bind_to_nic(s, nic))
+      return handler(Status(ErrorCode::kNetwork, fmt::format("cannot bind a rail socket to {} ({}): {}",
+                                                              nic.name, nic.address, ec.message())));
+    auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
+    const std::string what = fmt::format("rail {} from {} ({}) to {}:{}", hello.rail, nic.name,
+                                         nic.address, ep.address().to_string(), ep.port());
+    auto finish = std::make_shared<ConnectHandler>(std::move(handler));
+    auto fail = [hs, finish, what](const std::string& why) {
+      if (hs->done) return;
+      hs->done = true;
+      error_code ec;
+      hs->timer.cancel();
+      hs->socket.close(ec);
+      (*finish)(Status(ErrorCode::kNetwork, fmt::format("cannot open {}: {}", what, why)));
+    };
+    hs->timer.expires_after(timeout);
+    hs->timer.async_wait([fail, timeout](error_code ec) {
+      if (!ec) fail(fmt::format("no handshake within {}ms", timeout.count()));
+    });
+    hs->socket.async_connect(ep, [this, hs, fail, finish, hello, device](error_code ec) {
+      if (hs->done) return;
+      if (ec) return fail(ec.message());
+      tune(hs->socket);
+      Bytes payload = encode_hello(hello);
+      HeaderBytes h = encode(FrameHeader{FrameOp::kHello, 0, 0, 0, 0, payload.size(), 0});
+      hs->out.assign(h.begin(), h.end());
+      hs->out.insert(hs->out.end(), payload.begin(), payload.end());
+      asio::async_write(hs->socket, asio::buffer(hs->out), [this, hs, fail, finish, hello, device](error_code ec2, std::size_t) {
+        if (hs->done) return;
+        if (ec2) return fail(ec2.message());
+        asio::async_read(hs->socket, asio::buffer(hs->header), [this, hs, fail, finish, hello, device](error_code ec3, std::size_t) {
+          if (hs->done) return;
+          if (ec3)
+            return fail(ec3 == asio::error::eof ? "the peer closed the connection during the handshake (wrong token?)"
+                                                : ec3.message());
+          auto h3 = decode(hs->header);
+          if (!h3 || h3->op != FrameOp::kHelloAck || h3->length != 0) return fail("malformed handshake reply");
+          hs->done = true;
+          hs->timer.cancel();
+          auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device], state_[device]->keys,
+                                                counters_, hello);
+          (*finish)(std::shared_ptr<Rail>(rail));
+        });
+      });
+    });
+  }
+
+  void accept(std::size_t device) {
+    auto& d = *state_[device];
+    d.acceptor.async_accept([this, device](error_code ec, tcp::socket s) {
+      if (ec) return;  // acceptor closed
+      if (device >= state_.size()) return;
+      tune(s);
+      on_incoming(device, std::move(s));
+      accept(device);
+    });
+  }
+
+  void on_incoming(std::size_t device, tcp::socket s) {
+    auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
+    error_code ec;
+    auto remote = hs->socket.remote_endpoint(ec);
+    const std::string from = fmt::format("{}:{}", remote.address().to_string(), remote.port());
+    const std::string nic = devices_[device].name;
+    auto drop = [this, hs, from, nic](const std::string& why) {
+      if (hs->done) return;
+      hs->done = true;
+      counters_->dropped_connections.fetch_add(1);
+      R2CCL_WARN("dropped a rail connection from {} on {}: {}", from, nic, why);
+      error_code e;
+      hs->timer.cancel();
+      hs->socket.close(e);
+    };
+    hs->timer.expires_after(kHelloTimeout);
+    hs->timer.async_wait([drop](error_code e) {
+      if (!e) drop("no hello within 5s");
+    });
+    asio::async_read(hs->socket, asio::buffer(hs->header), [this, hs, drop, device](error_code e, std::size_t) {
+      if (hs->done) return;
+      if (e) return drop(fmt::format("closed before its hello ({})", e.message()));
+      auto h = decode(hs->header);
+      if (!h || h->op != FrameOp::kHello || h->length != kHelloSize) return drop("malformed hello");
+      hs->payload.resize(kHelloSize);
+      asio::async_read(hs->socket, asio::buffer(hs->payload), [this, hs, drop, device](error_code e2, std::size_t) {
+        if (hs->done) return;
+        if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
+        ByteReader r(hs->payload);
+        RailHello hello;
+        r.raw(hello.token.data(), hello.token.size());
+        hello.src_rank = r.u32();
+        hello.dst_rank = r.u32();
+        hello.rail = r.u32();
+        hello.epoch = r.u32();
+        if (hello.token != token_) return drop("wrong token");
+        if (!accept_handler_) return drop("not accepting rails yet");
+        hs->done = true;
+        hs->timer.cancel();
+        auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device], state_[device]->keys,
+                                              counters_, hello);
+        if (!accept_handler_(rail)) {
+          counters_->dropped_connections.fetch_add(1);
+          rail->fence();
+          return;
+        }
+        rail->send_hello_ack();
+      });
+    });
+  }
+
+  ProgressEngine& engine_;
+  std::vector<RailNic> devices_;
+  Token token_;
+  std::shared_ptr<Counters> counters_;
+  std::vector<std::unique_ptr<DeviceState>> state_;
+  AcceptHandler accept_handler_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Provider>> make_tcp_provider(ProgressEngine& engine, std::vector<RailNic> devices,
+                                                    const Token& token) {
+  if (devices.empty()) return Status(ErrorCode::kInvalidArgument, "the tcp provider needs at least one NIC");
+  auto p = std::make_unique<TcpProvider>(engine, std::move(devices), token);
+  R2CCL_RETURN_IF_ERROR(p->open());
+  return std::unique_ptr<Provider>(std::move(p));
+}
+
+}  // namespace r2ccl
