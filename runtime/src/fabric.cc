@@ -255,10 +255,8 @@ class Channel {
     }
   }
 
-  // From here on, a peer closing its rails is expected (it is shutting down too).
-  void begin_shutdown() { closing_ = true; }
-
   void shutdown() {
+    closing_ = true;
     for (auto& s : rails_)
       if (s->rail) s->rail->fence();
     const Status gone(ErrorCode::kAborted, "the fabric was destroyed");
@@ -534,7 +532,9 @@ class Channel {
       scheduler_.release(index, c.length);
       replay_.push_back(c);
     }
-    log(closing_ ? LogLevel::kDebug : LogLevel::kWarn,
+    // A peer that closes its rails while nothing is in flight is most likely shutting down.
+    const bool idle = sends_.empty() && recv_slots_.empty() && lost.empty();
+    log(closing_ || idle ? LogLevel::kInfo : LogLevel::kWarn,
         "rail {} ({} -> {}) to rank {} failed: {}; replaying {} chunk(s) on {} rail(s)", index,
         s.nic.name, s.remote_nic, peer_, why.message(), lost.size(), scheduler_.usable_count());
     pump();
@@ -644,14 +644,6 @@ Result<std::string> route_source_address(const std::string& host, std::uint16_t 
 Fabric::Fabric() = default;
 
 Fabric::~Fabric() {
-  if (engine_ && bootstrap_) {
-    // Leave together, so that nobody takes the others' closing rails for failures.
-    engine_->call([this] {
-      for (auto& c : channels_)
-        if (c) c->begin_shutdown();
-    });
-    (void)bootstrap_->barrier(std::min(config_.timeout, milliseconds(5000)));
-  }
   if (engine_) {
     engine_->call([this] {
       if (watchdog_) {

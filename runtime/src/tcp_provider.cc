@@ -318,7 +318,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   // Reads and discards a refused write's payload, then tells the sender why.
   void drain(std::string refusal) {
     if (drained_ == cur_.length) {
-      queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, 0, cur_.cookie}, nullptr, 0,
+      queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr, 0,
             Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
                   reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
             true);

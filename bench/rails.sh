@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# bench/rails.sh: does striping over four rails give four times one rail?
+#
+#   bench/rails.sh BUILD_DIR        (normally through `scripts/run bench`)
+#
+# Builds a netns testbed of 2 hosts x 4 NICs with every rail shaped to 100mbit,
+# then runs a verified 64 MiB sendrecv between the two hosts twice in this one
+# run: with R2CCL_NICS=eth1 (one rail) and with all four rails.  Prints a Markdown
+# table and the target "four rails >= 3.6x one rail".
+# Exit status: 0 PASS, 1 FAIL (or a run failed), 2 usage, 77 no testbed here.
+set -euo pipefail
+
+readonly TB_NAME=rails
+readonly RATE=100mbit
+readonly TARGET=3.6
+readonly RANK_TIMEOUT=240 # hard wall-clock limit per rank (s); one rail needs ~30 s
+readonly ARGS=(sendrecv -b 64M -e 64M -n 3 -w 1 -c 1)
+
+[[ $# -ge 1 ]] || { echo "usage: bench/rails.sh BUILD_DIR" >&2; exit 2; }
+build=$1
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+testbed=$root/tests/testbed/testbed
+perf=$build/bin/r2ccl-perf
+[[ -x $perf ]] || { echo "bench: $perf not found (build first: scripts/run build)" >&2; exit 2; }
+
+if [[ $EUID -ne 0 ]]; then
+  echo "bench: needs root for the netns testbed; skipped" >&2
+  exit 77
+fi
+if ! why=$("$testbed" check 2>&1 >/dev/null); then
+  echo "bench: no testbed here (${why#testbed: }); skipped" >&2
+  exit 77
+fi
+
+work=$(mktemp -d /tmp/r2ccl-bench.XXXXXX)
+created=
+cleanup() {
+  [[ -z $created ]] || "$testbed" destroy "$TB_NAME" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# links_running NS -> every ethN in NS is operationally UP (r2ccl needs RUNNING,
+# which the kernel sets a little after carrier).
+links_running() {
+  local out
+  out=$(ip -n "$1" -o link show 2>/dev/null) || return 1
+  ! grep -E '^[0-9]+: eth[0-9]+' <<<"$out" | grep -Evq 'state UP' &&
+    ! grep -q 'NO-CARRIER' <<<"$out"
+}
+
+wait_running() {
+  local h t
+  for h in 0 1; do
+    for ((t = 0; t < 200; t++)); do
+      links_running "$TB_NAME-h$h" && continue 2
+      sleep 0.05
+    done
+    echo "bench: links of host $h of testbed $TB_NAME did not come up" >&2
+    return 1
+  done
+}
+
+# run_pair TAG PORT [ENV...] -> runs rank 0 on host 0 and rank 1 on host 1; rank 0
+# writes $work/TAG.json.  Fails (with both ranks' stderr) unless both exit 0.
+run_pair() {
+  local tag=$1 port=$2 pid0 pid1 rc0=0 rc1=0 r
+  shift 2
+  local env=(R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=198.19.0.1:$port" R2CCL_BOOTSTRAP_TIMEOUT=30s R2CCL_TIMEOUT=120s "$@")
+  timeout -k 5 "$RANK_TIMEOUT" "$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 "${env[@]}" \
+    "$perf" "${ARGS[@]}" --json "$work/$tag.json" >"$work/$tag.0.out" 2>"$work/$tag.0.err" &
+  pid0=$!
+  timeout -k 5 "$RANK_TIMEOUT" "$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 "${env[@]}" \
+    "$perf" "${ARGS[@]}" >"$work/$tag.1.out" 2>"$work/$tag.1.err" &
+  pid1=$!
+  wait "$pid0" || rc0=$?
+  wait "$pid1" || rc1=$?
+  if ((rc0 != 0 || rc1 != 0)); then
+    echo "bench: $tag run failed (rank 0 exit $rc0, rank 1 exit $rc1; 124 = killed after ${RANK_TIMEOUT}s)" >&2
+    for r in 0 1; do
+      cat "$work/$tag.$r.out" "$work/$tag.$r.err" >&2
+    done
+    return 1
+  fi
+}
+
+# busbw_mbps FILE -> the 64 MiB row's bus bandwidth in MB/s from rank 0's JSON.
+busbw_mbps() {
+  local v
+  v=$(sed -n 's/^ *"avg_busbw_gbps": *\([0-9.eE+-]*\),\{0,1\}$/\1/p' "$1" | head -n 1)
+  [[ -n $v ]] || { echo "bench: no avg_busbw_gbps in $1" >&2; return 1; }
+  awk -v g="$v" 'BEGIN { printf "%.2f", g * 1000 }'
+}
+
+echo "bench: testbed '$TB_NAME': 2 hosts x 4 NICs, every rail shaped to $RATE; r2ccl-perf ${ARGS[*]}"
+"$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
+created=1
+wait_running
+
+# rails_in FILE -> the number of rails rank 0 used, from its JSON.
+rails_in() { sed -n 's/^ *"rails": *\([0-9]*\),\{0,1\}$/\1/p' "$1" | head -n 1; }
+
+run_pair one 29501 R2CCL_NICS=eth1
+run_pair four 29502
+for want in one:1 four:4; do
+  got=$(rails_in "$work/${want%%:*}.json")
+  if [[ $got != "${want#*:}" ]]; then
+    echo "bench: the ${want%%:*}-rail run used '${got}' rails, expected ${want#*:}" >&2
+    exit 1
+  fi
+done
+one=$(busbw_mbps "$work/one.json")
+four=$(busbw_mbps "$work/four.json")
+ratio=$(awk -v a="$four" -v b="$one" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "0" }')
+verdict=$(awk -v r="$ratio" -v t="$TARGET" 'BEGIN { print (r >= t) ? "PASS" : "FAIL" }')
+
+echo
+echo "| rails | busbw (MB/s) | vs one rail |"
+echo "|---|---:|---:|"
+echo "| 1 (eth1) | $one | 1.00x |"
+echo "| 4 (eth1..eth4) | $four | ${ratio}x |"
+echo
+echo "four rails >= ${TARGET}x one rail: $verdict (${ratio}x)"
+[[ $verdict == PASS ]]

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# r2ccl demo: two ranks with four rails each move one large verified message and
+# show how the bytes were striped over the rails.
+#
+#   scripts/demo.sh BUILD_DIR        (normally through `scripts/run demo`)
+#
+# With root and a working netns testbed it builds testbed "demo" (2 hosts x 4 NICs,
+# every rail shaped to 200mbit) and runs rank 0 on host 0 and rank 1 on host 1.
+# Otherwise it says why and runs the same two ranks on loopback, each with four
+# 127.0.0.x addresses as its rails.  Exit status: 0 when both ranks succeed.
+set -euo pipefail
+
+readonly RANK_TIMEOUT=180 # hard wall-clock limit per rank (s)
+readonly TB_NAME=demo
+readonly RATE=200mbit
+readonly ARGS=(sendrecv -b 64M -e 64M -n 2 -w 1 -c 1 --rails)
+
+[[ $# -ge 1 ]] || { echo "usage: scripts/demo.sh BUILD_DIR" >&2; exit 2; }
+build=$1
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+testbed=$root/tests/testbed/testbed
+perf=$build/bin/r2ccl-perf
+[[ -x $perf ]] || { echo "demo: $perf not found (build first: scripts/run build)" >&2; exit 2; }
+
+work=$(mktemp -d /tmp/r2ccl-demo.XXXXXX)
+created=
+cleanup() {
+  [[ -z $created ]] || "$testbed" destroy "$TB_NAME" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# links_running NS -> every ethN in NS is operationally UP (carrier alone is not
+# enough: r2ccl only picks interfaces the kernel reports as RUNNING).
+links_running() {
+  local out
+  out=$(ip -n "$1" -o link show 2>/dev/null) || return 1
+  ! grep -E '^[0-9]+: eth[0-9]+' <<<"$out" | grep -Evq 'state UP' &&
+    ! grep -q 'NO-CARRIER' <<<"$out"
+}
+
+wait_running() {
+  local h t
+  for h in 0 1; do
+    for ((t = 0; t < 200; t++)); do
+      links_running "$TB_NAME-h$h" && continue 2
+      sleep 0.05
+    done
+    echo "demo: links of host $h of testbed $TB_NAME did not come up" >&2
+    return 1
+  done
+}
+
+# port_free PORT -> nothing listens on TCP PORT here.
+port_free() { [[ -z $(ss -Htln "sport = :$1" 2>/dev/null) ]]; }
+
+pick_port() {
+  local p
+  for ((p = 29500; p < 29600; p++)); do
+    port_free "$p" && { echo "$p"; return 0; }
+  done
+  echo "demo: no free TCP port in 29500..29599" >&2
+  return 1
+}
+
+mode=loopback
+why=
+if [[ $EUID -ne 0 ]]; then
+  why="not root, so no network namespaces"
+elif ! why=$("$testbed" check 2>&1 >/dev/null); then
+  why=${why#testbed: }
+else
+  mode=testbed
+fi
+
+echo "r2ccl demo: two ranks, one 64 MiB message each way (rank 0 -> rank 1 -> rank 0), every byte verified."
+echo "r2ccl demo: each rank has four rails; r2ccl splits the message into 512K chunks and stripes them over all four."
+if [[ $mode == testbed ]]; then
+  echo "r2ccl demo: network: testbed '$TB_NAME', 2 hosts (network namespaces) x 4 NICs eth1..eth4, each rail shaped to $RATE."
+  "$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
+  created=1
+  wait_running
+  boot=198.19.0.1:29500
+  cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
+  cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
+else
+  echo "r2ccl demo: no testbed ($why); running on loopback instead."
+  echo "r2ccl demo: network: loopback, rank 0 rails 127.0.0.11-14, rank 1 rails 127.0.0.21-24 (not shaped)."
+  port=$(pick_port)
+  boot=127.0.0.1:$port
+  cmd0=(env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.11,127.0.0.12,127.0.0.13,127.0.0.14")
+  cmd1=(env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.21,127.0.0.22,127.0.0.23,127.0.0.24")
+fi
+echo "r2ccl demo: command: r2ccl-perf ${ARGS[*]}  (bootstrap at $boot)"
+echo
+
+common=(R2CCL_BOOTSTRAP_TIMEOUT=30s R2CCL_TIMEOUT=60s)
+timeout -k 5 "$RANK_TIMEOUT" "${cmd0[@]}" "${common[@]}" "$perf" "${ARGS[@]}" >"$work/r0.out" 2>"$work/r0.err" &
+pid0=$!
+timeout -k 5 "$RANK_TIMEOUT" "${cmd1[@]}" "${common[@]}" "$perf" "${ARGS[@]}" >"$work/r1.out" 2>"$work/r1.err" &
+pid1=$!
+rc0=0
+rc1=0
+wait "$pid0" || rc0=$?
+wait "$pid1" || rc1=$?
+
+cat "$work/r0.out"
+if ((rc0 != 0 || rc1 != 0)); then
+  echo
+  echo "r2ccl demo: FAILED (rank 0 exit $rc0, rank 1 exit $rc1; 124 = killed after ${RANK_TIMEOUT}s)" >&2
+  for r in 0 1; do
+    if [[ -s $work/r$r.err ]]; then
+      echo "--- rank $r stderr:" >&2
+      cat "$work/r$r.err" >&2
+    fi
+  done
+  exit 1
+fi
+echo
+echo "r2ccl demo: OK: both ranks exited 0."

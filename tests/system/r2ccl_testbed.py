@@ -1,0 +1,424 @@
+"""Helpers for r2ccl system tests: netns testbeds and multi-process rank launches.
+
+* ``Testbed``: a context manager around ``tests/testbed/testbed``.  Each instance gets
+  a unique name ("st" + pid + counter), is created on enter and destroyed on exit,
+  and is also destroyed from atexit and SIGTERM/SIGHUP handlers, so interrupted runs
+  leave no namespaces behind.  If ``testbed check`` exits 77 the test is skipped with
+  its reason.
+* ``launch_ranks``: starts one process per rank (``r2ccl-perf`` by default) either in a
+  testbed host namespace or in the current namespace (loopback), each in its own
+  process group, with a hard wall-clock limit.  On expiry every process group (and
+  any stray descendant) is killed and the test fails with the collected output.
+
+Every wait here is bounded.  The binaries come from ``$R2CCL_TEST_BIN`` (default:
+``<repo>/build/bin``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(os.environ.get("R2CCL_TEST_BIN", str(REPO / "build" / "bin")))
+PERF = BIN_DIR / "r2ccl-perf"
+TESTBED = REPO / "tests" / "testbed" / "testbed"
+
+# Testbed subcommands are bounded internally (a few seconds); these are backstops.
+TESTBED_CMD_TIMEOUT = 60.0
+BINARY_WAIT = 120.0  # the binary may be relinked under us; wait at most this long
+LINK_WAIT = 10.0  # operstate UP on every NIC after create
+
+_counter = itertools.count(1)
+_live: Dict[str, "Testbed"] = {}
+_live_lock = threading.Lock()
+_check_result: Optional[tuple] = None
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def wait_for_binary(path: Path = PERF, timeout: float = BINARY_WAIT) -> Path:
+    """Returns `path` once it exists and is executable (it may be briefly missing
+    while it is rebuilt); fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{path} does not exist (set R2CCL_TEST_BIN or build the project)")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------- testbed
+
+
+def _run(argv: Sequence[str], timeout: float = TESTBED_CMD_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def testbed_check() -> None:  # noqa: D401 (not a test despite the name)
+    """Skips the calling test if the testbed cannot run here (exit 77), fails on
+    other errors.  The result is cached for the session."""
+    global _check_result
+    if _check_result is None:
+        try:
+            r = _run([str(TESTBED), "check"])
+            _check_result = (r.returncode, r.stderr.strip() or r.stdout.strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _check_result = (1, f"testbed check failed to run: {e}")
+    rc, why = _check_result
+    if rc == 77:
+        pytest.skip(f"testbed unavailable: {why}")
+    if rc != 0:
+        pytest.fail(f"testbed check exited {rc}: {why}")
+
+
+def _destroy_all() -> None:
+    with _live_lock:
+        beds = list(_live.values())
+    for tb in beds:
+        tb.destroy()
+
+
+def _on_signal(signum, _frame):
+    _destroy_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+testbed_check.__test__ = False
+atexit.register(_destroy_all)
+if threading.current_thread() is threading.main_thread():
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(_sig) in (signal.SIG_DFL, None):
+            signal.signal(_sig, _on_signal)
+
+
+def _unique_name() -> str:
+    # ^[a-z][a-z0-9]{0,11}$: "st" + 4 pid digits + counter (up to 6 digits).
+    return f"st{os.getpid() % 10000:04d}{next(_counter)}"
+
+
+class Testbed:
+    """``with Testbed(hosts=2, nics=4, rate="100mbit") as tb: ...``"""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: int, nics: int, rate: Optional[str] = None, name: Optional[str] = None):
+        self.hosts = hosts
+        self.nics = nics
+        self.rate = rate
+        self.name = name or _unique_name()
+        self._created = False
+
+    # -- lifecycle
+    def __enter__(self) -> "Testbed":
+        testbed_check()
+        with _live_lock:
+            _live[self.name] = self
+        argv = [str(TESTBED), "create", self.name, "--hosts", str(self.hosts), "--nics", str(self.nics)]
+        if self.rate:
+            argv += ["--rate", self.rate]
+        self._created = True
+        r = _run(argv)
+        if r.returncode == 77:
+            self.destroy()
+            pytest.skip(f"testbed unavailable: {r.stderr.strip()}")
+        if r.returncode != 0:
+            self.destroy()
+            pytest.fail(f"testbed create {self.name} exited {r.returncode}: {r.stderr.strip()}")
+        self.wait_links_up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def destroy(self) -> None:
+        with _live_lock:
+            _live.pop(self.name, None)
+        if not self._created:
+            return
+        self._created = False
+        try:
+            _run([str(TESTBED), "destroy", self.name])
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+    def wait_links_up(self, timeout: float = LINK_WAIT) -> None:
+        """`testbed create` waits for carrier (LOWER_UP), but the kernel sets the
+        operational state (IFF_RUNNING, which r2ccl's NIC auto-detection needs) a
+        little later through linkwatch; wait, bounded, until every NIC of every host
+        is operationally UP."""
+        deadline = time.monotonic() + timeout
+        want = ["eth0"] + [f"eth{i}" for i in range(1, self.nics + 1)]
+        pending: List[str] = []
+        while True:
+            pending = []
+            for h in range(self.hosts):
+                r = _run(["ip", "-n", self.ns(h), "-o", "link", "show"], timeout=10)
+                state = {}
+                for line in r.stdout.splitlines():
+                    parts = line.split()
+                    if len(parts) < 3:
+                        continue
+                    dev = parts[1].rstrip(":").split("@")[0]
+                    flags = parts[2].strip("<>").split(",")
+                    oper = parts[parts.index("state") + 1] if "state" in parts else "?"
+                    state[dev] = "NO-CARRIER" not in flags and "LOWER_UP" in flags and oper == "UP"
+                pending += [f"h{h}:{d}" for d in want if not state.get(d)]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                pytest.fail(f"testbed {self.name}: links not operationally up after {timeout}s: {pending}")
+            time.sleep(0.05)
+
+    # -- addressing
+    def ns(self, host) -> str:
+        return f"{self.name}-h{host}" if host != "sw" else f"{self.name}-sw"
+
+    @staticmethod
+    def mgmt_addr(host: int) -> str:
+        return f"198.19.0.{host + 1}"
+
+    @staticmethod
+    def addr(host: int, nic: int) -> str:
+        return f"198.18.{nic}.{host + 1}"
+
+    def exec_argv(self, host, argv: Sequence[str]) -> List[str]:
+        return [str(TESTBED), "exec", self.name, str(host), "--", *argv]
+
+    def run(self, host, argv: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+        return _run(self.exec_argv(host, argv), timeout=timeout)
+
+    def tb(self, *args: str) -> subprocess.CompletedProcess:
+        """Runs a testbed subcommand on this testbed, e.g. tb("down", "0", "eth2")."""
+        return _run([str(TESTBED), args[0], self.name, *args[1:]])
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (bounded number of tries)."""
+    for _ in range(50):
+        port = random.randint(20000, 60999)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found on {host}")
+
+
+def random_port() -> int:
+    """A port for a fresh namespace (nothing else listens there)."""
+    return random.randint(20000, 60999)
+
+
+def rank_env(rank: int, nranks: int, bootstrap: str, **extra: str) -> Dict[str, str]:
+    env = {"R2CCL_RANK": str(rank), "R2CCL_NRANKS": str(nranks), "R2CCL_BOOTSTRAP": bootstrap}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class Proc:
+    """One process to launch.  `argv` defaults to r2ccl-perf with `args`;
+    `host` is a testbed host index (None: this namespace); `delay` is seconds after
+    the launch starts."""
+
+    env: Dict[str, str] = field(default_factory=dict)
+    args: Sequence[str] = ()
+    host: Optional[int] = None
+    delay: float = 0.0
+    argv: Optional[Sequence[str]] = None
+    name: str = ""
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+    name: str = ""
+
+    def __iter__(self):  # allows: rc, out, err = result
+        return iter((self.returncode, self.stdout, self.stderr))
+
+    def describe(self) -> str:
+        return (f"--- {self.name}: rc={self.returncode} after {self.elapsed:.1f}s\n"
+                f"[stdout]\n{self.stdout}\n[stderr]\n{self.stderr}")
+
+
+def describe(results: Sequence[Result]) -> str:
+    return "\n".join(r.describe() for r in results)
+
+
+def _base_env() -> Dict[str, str]:
+    env = {}
+    for k, v in os.environ.items():
+        if k.startswith(("OMPI_", "PMI_", "PMIX_")):
+            continue
+        if k.startswith("R2CCL_") and not k.startswith("R2CCL_TEST_"):
+            continue
+        env[k] = v
+    return env
+
+
+def _descendants(pid: int) -> List[int]:
+    children: Dict[int, List[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    for _ in range(10000):  # bounded walk
+        if not todo:
+            break
+        p = todo.pop()
+        for c in children.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    victims = _descendants(p.pid)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for v in victims:
+        try:
+            os.kill(v, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def launch_ranks(procs: Sequence[Proc], testbed: Optional[Testbed] = None, timeout: float = 60.0,
+                 cwd: Optional[Path] = None) -> List[Result]:
+    """Starts every Proc (in order of `delay`), waits for all of them, returns their
+    Results in the order given.  If they are not all done within `timeout` seconds
+    of the start, every process group is killed and the test fails."""
+    wait_for_binary()
+    base = _base_env()
+    tmp = tempfile.TemporaryDirectory(prefix="r2ccl-st-")
+    n = len(procs)
+    popens: List[Optional[subprocess.Popen]] = [None] * n
+    files = []
+    started = [0.0] * n
+    ended: List[Optional[float]] = [None] * n
+    names = [p.name or f"proc {i} (R2CCL_RANK={p.env.get('R2CCL_RANK', '-')})" for i, p in enumerate(procs)]
+    order = sorted(range(n), key=lambda i: procs[i].delay)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    timed_out = False
+    try:
+        for i in range(n):
+            files.append((open(os.path.join(tmp.name, f"{i}.out"), "w+"),
+                          open(os.path.join(tmp.name, f"{i}.err"), "w+")))
+        next_start = 0
+        while True:
+            now = time.monotonic()
+            while next_start < n and now - t0 >= procs[order[next_start]].delay:
+                i = order[next_start]
+                p = procs[i]
+                argv = list(p.argv) if p.argv is not None else [str(PERF), *p.args]
+                if p.host is not None:
+                    if testbed is None:
+                        raise ValueError("Proc.host needs a testbed")
+                    argv = testbed.exec_argv(p.host, argv)
+                env = dict(base)
+                env.update(p.env)
+                popens[i] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=files[i][0],
+                                             stderr=files[i][1], start_new_session=True,
+                                             cwd=str(cwd or REPO))
+                started[i] = time.monotonic()
+                next_start += 1
+            for i, po in enumerate(popens):
+                if po is not None and ended[i] is None and po.poll() is not None:
+                    ended[i] = time.monotonic()
+            if next_start == n and all(e is not None for e in ended):
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            time.sleep(0.02)
+    finally:
+        for i, po in enumerate(popens):
+            if po is not None and (timed_out or po.poll() is None):
+                _kill_tree(po)
+        for po in popens:
+            if po is not None:
+                try:
+                    po.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+    results = []
+    for i, po in enumerate(popens):
+        out, err = files[i]
+        out.seek(0)
+        err.seek(0)
+        rc = po.returncode if po is not None and po.returncode is not None else -999
+        end = ended[i] if ended[i] is not None else time.monotonic()
+        results.append(Result(rc, out.read(), err.read(), end - started[i] if po else 0.0, names[i]))
+        out.close()
+        err.close()
+    tmp.cleanup()
+    if timed_out:
+        pytest.fail(f"processes still running after the {timeout:.0f}s limit; killed them\n" + describe(results))
+    return results
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def perf_ranks(nranks: int, bootstrap: str, args: Sequence[str], *, hosts: Optional[Sequence[int]] = None,
+               nics: Optional[Sequence[str]] = None, extra_env: Optional[Dict[str, str]] = None,
+               json_path: Optional[str] = None) -> List[Proc]:
+    """One r2ccl-perf Proc per rank.  `hosts[r]`: testbed host of rank r (None: here);
+    `nics[r]`: R2CCL_NICS of rank r; `json_path` is added as --json to rank 0."""
+    out = []
+    for r in range(nranks):
+        env = rank_env(r, nranks, bootstrap, **(extra_env or {}))
+        if nics is not None:
+            env["R2CCL_NICS"] = nics[r]
+        a = list(args)
+        if json_path and r == 0:
+            a += ["--json", json_path]
+        out.append(Proc(env=env, args=a, host=None if hosts is None else hosts[r]))
+    return out
+
+
+def loopback_nics(rank: int, k: int) -> str:
+    """R2CCL_NICS for `rank` on loopback: 127.0.0.(10*(rank+1)+i), i = 1..k."""
+    return ",".join(f"127.0.0.{10 * (rank + 1) + i}" for i in range(1, k + 1))
+
+
+def load_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,145 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "r2ccl/runtime/config.h"
+#include "test_util.h"
+
+namespace r2ccl {
+namespace {
+
+using test::env_of;
+
+TEST(Config, DefaultsWhenNothingIsSet) {
+  auto c = parse_config(env_of({}));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->log_level, LogLevel::kWarn);
+  EXPECT_FALSE(c->rank.has_value());
+  EXPECT_FALSE(c->bootstrap.has_value());
+  EXPECT_EQ(c->provider, "tcp");
+  EXPECT_EQ(c->chunk_size, 512u * 1024);
+  EXPECT_EQ(c->rail_window, 2u * 1024 * 1024);
+  EXPECT_EQ(c->timeout.count(), 30000);
+  EXPECT_EQ(c->bootstrap_timeout.count(), 30000);
+  EXPECT_EQ(c->bootstrap_token, Token{});
+  EXPECT_TRUE(c->nics.empty());
+}
+
+TEST(Config, ParsesEveryVariable) {
+  auto c = parse_config(env_of({{"R2CCL_LOG", "DEBUG"},
+                                {"R2CCL_RANK", "3"},
+                                {"R2CCL_NRANKS", "4"},
+                                {"R2CCL_BOOTSTRAP", "198.19.0.1:29500"},
+                                {"R2CCL_BOOTSTRAP_TOKEN", "00112233445566778899aabbccddeeff"},
+                                {"R2CCL_BOOTSTRAP_TIMEOUT", "1500ms"},
+                                {"R2CCL_SOCKET_IFNAME", "eth0"},
+                                {"R2CCL_NICS", "eth1, eth2,eth3"},
+                                {"R2CCL_PROVIDER", "tcp"},
+                                {"R2CCL_CHUNK_SIZE", "64K"},
+                                {"R2CCL_RAIL_WINDOW", "1MiB"},
+                                {"R2CCL_TIMEOUT", "2s"},
+                                {"R2CCL_CONNECT_TIMEOUT", "0.5s"}}));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->log_level, LogLevel::kDebug);
+  EXPECT_EQ(*c->rank, 3);
+  EXPECT_EQ(*c->nranks, 4);
+  EXPECT_EQ(c->bootstrap->host, "198.19.0.1");
+  EXPECT_EQ(c->bootstrap->port, 29500);
+  EXPECT_EQ(token_to_hex(c->bootstrap_token), "00112233445566778899aabbccddeeff");
+  EXPECT_EQ(c->bootstrap_timeout.count(), 1500);
+  EXPECT_EQ(c->socket_ifname, "eth0");
+  EXPECT_EQ(c->nics, (std::vector<std::string>{"eth1", "eth2", "eth3"}));
+  EXPECT_EQ(c->chunk_size, 65536u);
+  EXPECT_EQ(c->rail_window, 1u << 20);
+  EXPECT_EQ(c->timeout.count(), 2000);
+  EXPECT_EQ(c->connect_timeout.count(), 500);
+}
+
+TEST(Config, TakesRankAndSizeFromMpirun) {
+  auto c = parse_config(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  ASSERT_TRUE(c.is_ok());
+  EXPECT_EQ(*c->rank, 1);
+  EXPECT_EQ(*c->nranks, 2);
+  // R2CCL_* wins over mpirun's variables.
+  auto d = parse_config(env_of({{"R2CCL_RANK", "0"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"PMI_SIZE", "2"}}));
+  ASSERT_TRUE(d.is_ok());
+  EXPECT_EQ(*d->rank, 0);
+  EXPECT_EQ(*d->nranks, 2);
+}
+
+struct BadValue {
+  const char* name;
+  const char* value;
+  const char* allowed;  // part of the message saying what is allowed
+};
+
+class ConfigBadValue : public testing::TestWithParam<BadValue> {};
+
+TEST_P(ConfigBadValue, StopsWithAMessageNamingVariableValueAndWhatIsAllowed) {
+  const auto& p = GetParam();
+  std::map<std::string, std::string> vars{{p.name, p.value}};
+  if (std::string(p.name) == "R2CCL_RANK") vars["R2CCL_NRANKS"] = "2";
+  auto c = parse_config(env_of(vars));
+  ASSERT_FALSE(c.is_ok()) << p.name << "=" << p.value << " was accepted";
+  EXPECT_EQ(c.status().code(), ErrorCode::kConfig);
+  const std::string m = c.status().message();
+  EXPECT_NE(m.find(p.name), std::string::npos) << m;
+  EXPECT_NE(m.find(std::string("'") + p.value + "'"), std::string::npos) << m;
+  EXPECT_NE(m.find(p.allowed), std::string::npos) << m;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryVariable, ConfigBadValue,
+    testing::Values(BadValue{"R2CCL_LOG", "loud", "one of error, warn, info, debug, trace"},
+                    BadValue{"R2CCL_RANK", "2", "an integer from 0 to 1"},
+                    BadValue{"R2CCL_RANK", "-1", "an integer from 0 to 1"},
+                    BadValue{"R2CCL_NRANKS", "0", "an integer from 1"},
+                    BadValue{"R2CCL_NRANKS", "two", "an integer from 1"},
+                    BadValue{"R2CCL_BOOTSTRAP", "198.19.0.1", "host:port"},
+                    BadValue{"R2CCL_BOOTSTRAP", "h:70000", "host:port"},
+                    BadValue{"R2CCL_BOOTSTRAP_TOKEN", "abc", "32 hexadecimal digits"},
+                    BadValue{"R2CCL_BOOTSTRAP_TOKEN", "zz112233445566778899aabbccddeeff", "32 hexadecimal digits"},
+                    BadValue{"R2CCL_BOOTSTRAP_TIMEOUT", "soon", "a duration"},
+                    BadValue{"R2CCL_TIMEOUT", "5parsecs", "a duration"},
+                    BadValue{"R2CCL_CONNECT_TIMEOUT", "1ms", "at least 10ms"},
+                    BadValue{"R2CCL_NICS", "eth1,,eth2", "no empty entries"},
+                    BadValue{"R2CCL_NICS", "eth1,eth1", "each NIC once"},
+                    BadValue{"R2CCL_PROVIDER", "carrier-pigeon", "tcp"},
+                    BadValue{"R2CCL_PROVIDER", "verbs", "not available in this build"},
+                    BadValue{"R2CCL_CHUNK_SIZE", "abc", "a size from 4K to 64M"},
+                    BadValue{"R2CCL_CHUNK_SIZE", "1K", "a size from 4K to 64M"},
+                    BadValue{"R2CCL_RAIL_WINDOW", "4K", "a size from 512K to 1G"}),
+    [](const testing::TestParamInfo<BadValue>& i) {
+      std::string n = std::string(i.param.name).substr(6) + "_" + std::to_string(i.index);
+      return n;
+    });
+
+TEST(Config, SizesAndDurations) {
+  EXPECT_EQ(*parse_size("4096"), 4096u);
+  EXPECT_EQ(*parse_size("4k"), 4096u);
+  EXPECT_EQ(*parse_size("2MiB"), 2u << 20);
+  EXPECT_EQ(*parse_size("1G"), 1u << 30);
+  EXPECT_FALSE(parse_size("99999999999999999999G").is_ok());
+  EXPECT_FALSE(parse_size("12Q").is_ok());
+  EXPECT_EQ(parse_duration("250ms")->count(), 250);
+  EXPECT_EQ(parse_duration("2m")->count(), 120000);
+  EXPECT_EQ(parse_duration("3")->count(), 3000);
+  EXPECT_FALSE(parse_duration("3 fortnights").is_ok());
+  EXPECT_EQ(format_size(512 * 1024), "512K");
+  EXPECT_EQ(format_size(1000), "1000");
+}
+
+// The README's configuration table is the one the code has.
+TEST(Config, ReadmeCarriesTheSameTable) {
+  std::ifstream in(std::string(R2CCL_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in.good());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_NE(ss.str().find(config_table_markdown()), std::string::npos)
+      << "README.md must contain exactly this table (r2ccl-perf --print-config-table):\n"
+      << config_table_markdown();
+}
+
+}  // namespace
+}  // namespace r2ccl

@@ -1,0 +1,200 @@
+// Two and three ranks, as threads of this process, over four loopback rails each.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "r2ccl/runtime/fabric.h"
+#include "test_util.h"
+
+namespace r2ccl {
+namespace {
+
+using std::chrono::milliseconds;
+
+struct World {
+  std::vector<std::unique_ptr<Fabric>> ranks;
+};
+
+// Rank r's rails are 127.0.(10+r).1 .. 127.0.(10+r).4
+World make_world(int n, std::map<std::string, std::string> extra = {}) {
+  const auto port = test::free_port();
+  std::vector<std::future<Result<std::unique_ptr<Fabric>>>> fs;
+  for (int r = 0; r < n; ++r) {
+    fs.push_back(std::async(std::launch::async, [=] {
+      std::map<std::string, std::string> vars = extra;
+      vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 10 + r);
+      vars.emplace("R2CCL_CHUNK_SIZE", "64K");
+      vars.emplace("R2CCL_RAIL_WINDOW", "256K");
+      vars.emplace("R2CCL_TIMEOUT", "10s");
+      auto cfg = parse_config(test::env_of(vars));
+      EXPECT_TRUE(cfg.is_ok()) << cfg.status().to_string();
+      BootstrapOptions b{r, n, HostPort{"127.0.0.1", port}, {}, milliseconds(10000), ""};
+      return Fabric::create(*cfg, b);
+    }));
+  }
+  World w;
+  for (auto& f : fs) {
+    auto fab = f.get();
+    EXPECT_TRUE(fab.is_ok()) << fab.status().to_string();
+    if (fab.is_ok()) w.ranks.push_back(std::move(*fab));
+  }
+  return w;
+}
+
+std::vector<std::byte> pattern(std::size_t n, int seed) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(seed) * 17) >> 3);
+  return v;
+}
+
+TEST(Fabric, SendRecvOfEverySizeArrivesIntactOverAllRails) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  auto& a = *w.ranks[0];
+  auto& b = *w.ranks[1];
+  EXPECT_EQ(a.rails_to(1), 4u);
+  const std::size_t max = 3 * 1024 * 1024 + 7;
+  std::vector<std::byte> src(max + 3), dst(max);
+  auto rs = a.register_memory(src.data(), src.size());
+  auto rd = b.register_memory(dst.data(), dst.size());
+  ASSERT_TRUE(rs.is_ok() && rd.is_ok());
+  // 0, 1, odd counts, exactly one chunk, one past a chunk, many chunks with a ragged tail.
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{4095}, std::size_t{65536},
+                        std::size_t{65537}, max}) {
+    auto p = pattern(n, static_cast<int>(n % 251));
+    std::copy(p.begin(), p.end(), src.begin() + 3);
+    std::fill(dst.begin(), dst.end(), std::byte{0xEE});
+    auto recv = b.irecv(0, *rd, 0, n);
+    auto send = a.isend(1, *rs, 3, n);
+    ASSERT_TRUE(recv.is_ok() && send.is_ok());
+    ASSERT_TRUE(a.wait(*send).is_ok()) << n;
+    ASSERT_TRUE(b.wait(*recv).is_ok()) << n;
+    ASSERT_TRUE(std::equal(p.begin(), p.end(), dst.begin())) << "size " << n;
+    if (n < max) {
+      EXPECT_EQ(dst[n], std::byte{0xEE}) << "wrote past the message";
+    }
+  }
+  // Every rail carried part of the large message.
+  auto snap = a.rail_snapshot();
+  ASSERT_EQ(snap.size(), 4u);
+  for (const auto& r : snap) {
+    EXPECT_GT(r.tx_bytes, 0u) << r.nic;
+    EXPECT_EQ(r.state, RailState::kUp);
+    EXPECT_EQ(r.peer, 1);
+  }
+  std::uint64_t total = 0;
+  for (const auto& r : snap) total += r.tx_bytes;
+  EXPECT_EQ(total, 1u + 4095 + 65536 + 65537 + max);  // each byte confirmed exactly once
+  std::uint64_t rx = 0;
+  for (const auto& r : b.rail_snapshot()) rx += r.rx_bytes;
+  EXPECT_EQ(rx, total);
+}
+
+TEST(Fabric, ManyMessagesInFlightBothWaysMatchInOrder) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  constexpr int kMsgs = 16;
+  constexpr std::size_t kLen = 100000;
+  std::vector<std::vector<std::byte>> src(2, std::vector<std::byte>(kMsgs * kLen));
+  std::vector<std::vector<std::byte>> dst(2, std::vector<std::byte>(kMsgs * kLen));
+  std::vector<RegionPtr> rs(2), rd(2);
+  for (int r = 0; r < 2; ++r) {
+    src[r] = pattern(kMsgs * kLen, r + 1);
+    rs[r] = *w.ranks[r]->register_memory(src[r].data(), src[r].size());
+    rd[r] = *w.ranks[r]->register_memory(dst[r].data(), dst[r].size());
+  }
+  std::vector<OpPtr> ops;
+  for (int m = 0; m < kMsgs; ++m)
+    for (int r = 0; r < 2; ++r) {
+      ops.push_back(*w.ranks[r]->irecv(1 - r, rd[r], m * kLen, kLen));
+      ops.push_back(*w.ranks[r]->isend(1 - r, rs[r], m * kLen, kLen));
+    }
+  for (auto& op : ops) ASSERT_TRUE(w.ranks[0]->wait(op).is_ok());
+  EXPECT_EQ(dst[0], src[1]);
+  EXPECT_EQ(dst[1], src[0]);
+}
+
+TEST(Fabric, ThreeRanksRingAndMessagesToSelf) {
+  auto w = make_world(3);
+  ASSERT_EQ(w.ranks.size(), 3u);
+  constexpr std::size_t kLen = 300001;
+  std::vector<std::vector<std::byte>> src(3), dst(3);
+  std::vector<OpPtr> ops;
+  std::vector<RegionPtr> keep;
+  for (int r = 0; r < 3; ++r) {
+    src[r] = pattern(kLen, r + 10);
+    dst[r].assign(2 * kLen, std::byte{0});
+    auto s = *w.ranks[r]->register_memory(src[r].data(), kLen);
+    auto d = *w.ranks[r]->register_memory(dst[r].data(), 2 * kLen);
+    keep.push_back(s);
+    keep.push_back(d);
+    ops.push_back(*w.ranks[r]->irecv((r + 2) % 3, d, 0, kLen));
+    ops.push_back(*w.ranks[r]->isend((r + 1) % 3, s, 0, kLen));
+    ops.push_back(*w.ranks[r]->irecv(r, d, kLen, kLen));  // to self
+    ops.push_back(*w.ranks[r]->isend(r, s, 0, kLen));
+  }
+  for (auto& op : ops) ASSERT_TRUE(w.ranks[0]->wait(op).is_ok()) << op->status().to_string();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(std::equal(src[(r + 2) % 3].begin(), src[(r + 2) % 3].end(), dst[r].begin())) << r;
+    EXPECT_TRUE(std::equal(src[r].begin(), src[r].end(), dst[r].begin() + kLen)) << r;
+  }
+}
+
+TEST(Fabric, SizeMismatchFailsBothSidesWithAClearErrorAndTheFabricStaysUsable) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  std::vector<std::byte> buf(1000, std::byte{1}), out(1000);
+  auto rs = *w.ranks[0]->register_memory(buf.data(), buf.size());
+  auto rd = *w.ranks[1]->register_memory(out.data(), out.size());
+  auto recv = *w.ranks[1]->irecv(0, rd, 0, 200);
+  auto send = *w.ranks[0]->isend(1, rs, 0, 100);
+  Status s = w.ranks[0]->wait(send);
+  Status r = w.ranks[1]->wait(recv);
+  const std::string want = "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, the receiver posted 200 bytes";
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), want);
+  EXPECT_EQ(r.message(), want);
+  // The next message pair works.
+  auto recv2 = *w.ranks[1]->irecv(0, rd, 0, 1000);
+  auto send2 = *w.ranks[0]->isend(1, rs, 0, 1000);
+  EXPECT_TRUE(w.ranks[0]->wait(send2).is_ok());
+  EXPECT_TRUE(w.ranks[1]->wait(recv2).is_ok());
+  EXPECT_EQ(out, buf);
+}
+
+TEST(Fabric, BadArgumentsAreRefusedWithTheirReason) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  auto& a = *w.ranks[0];
+  std::vector<std::byte> buf(100);
+  auto reg = *a.register_memory(buf.data(), buf.size());
+  auto e1 = a.isend(2, reg, 0, 10);
+  EXPECT_EQ(e1.status().message(), "send: peer 2 is out of range (0..1)");
+  auto e2 = a.irecv(-1, reg, 0, 10);
+  EXPECT_EQ(e2.status().message(), "receive: peer -1 is out of range (0..1)");
+  auto e3 = a.isend(1, nullptr, 0, 10);
+  EXPECT_EQ(e3.status().message(), "send: the buffer is not registered (null region)");
+  auto e4 = a.isend(1, reg, 50, 51);
+  EXPECT_EQ(e4.status().message(), "send: 51 bytes at offset 50 exceed the registered region of 100 bytes");
+  auto e5 = a.isend(1, reg, SIZE_MAX, 2);
+  EXPECT_EQ(e5.status().code(), ErrorCode::kInvalidArgument);
+  auto e6 = a.register_memory(nullptr, 5);
+  EXPECT_EQ(e6.status().message(), "cannot register a null buffer");
+}
+
+TEST(Fabric, ASendWithoutAMatchingReceiveFailsAtTheDeadline) {
+  auto w = make_world(2, {{"R2CCL_TIMEOUT", "300ms"}});
+  ASSERT_EQ(w.ranks.size(), 2u);
+  std::vector<std::byte> buf(100);
+  auto reg = *w.ranks[0]->register_memory(buf.data(), buf.size());
+  auto op = *w.ranks[0]->isend(1, reg, 0, 100);
+  Status s = w.ranks[0]->wait(op);
+  EXPECT_EQ(s.code(), ErrorCode::kTimeout);
+  EXPECT_NE(s.message().find("send #0 of 100 bytes to rank 1 timed out after 300ms (rank 1 never posted the matching receive)"),
+            std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("rails: 0 (127.0.10.1 -> 127.0.11.1) up"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace r2ccl

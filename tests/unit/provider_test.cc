@@ -1,0 +1,286 @@
+// The tcp provider between two providers on loopback addresses, plus a raw socket that speaks
+// (or breaks) the wire format described at the top of runtime/src/tcp_provider.cc.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+
+#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider.h"
+
+namespace r2ccl {
+namespace {
+
+using std::chrono::milliseconds;
+
+struct Recorder final : RailEvents {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<std::uint64_t> confirmed;
+  std::vector<std::pair<std::uint64_t, std::string>> refused;
+  std::vector<std::pair<std::uint32_t, std::size_t>> arrived;
+  std::vector<Bytes> control;
+  std::vector<std::string> failed;
+
+  void on_write_confirmed(std::uint64_t c) override { push([&] { confirmed.push_back(c); }); }
+  void on_write_refused(std::uint64_t c, const Status& why) override { push([&] { refused.emplace_back(c, why.message()); }); }
+  void on_write_arrived(std::uint32_t imm, std::size_t n) override { push([&] { arrived.emplace_back(imm, n); }); }
+  void on_control(Bytes b) override { push([&] { control.push_back(std::move(b)); }); }
+  void on_rail_failed(const Status& why) override { push([&] { failed.push_back(why.message()); }); }
+
+  template <typename F>
+  void push(F f) {
+    {
+      std::lock_guard l(m);
+      f();
+    }
+    cv.notify_all();
+  }
+  template <typename P>
+  bool wait(P pred) {
+    std::unique_lock l(m);
+    return cv.wait_for(l, std::chrono::seconds(10), pred);
+  }
+};
+
+RailNic nic(const std::string& a) { return RailNic{a, a, -1, ""}; }
+Token token_of(std::uint8_t b) {
+  Token t{};
+  t.fill(b);
+  return t;
+}
+
+class TcpProviderTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    auto a = make_tcp_provider(engine_, {nic("127.0.0.51")}, token_of(7));
+    auto b = make_tcp_provider(engine_, {nic("127.0.0.52")}, token_of(7));
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    a_ = std::move(*a);
+    b_ = std::move(*b);
+    b_->set_accept_handler([this](std::shared_ptr<Rail> r) {
+      std::lock_guard l(m_);
+      r->start(&b_events_);
+      accepted_.push_back(std::move(r));
+      return true;
+    });
+  }
+  void TearDown() override {
+    engine_.call([this] {
+      for (auto& r : accepted_) r->fence();
+      if (rail_a_) rail_a_->fence();
+    });
+  }
+
+  // Opens a rail a -> b with the given token.
+  Result<std::shared_ptr<Rail>> open(const Token& token) {
+    std::promise<Result<std::shared_ptr<Rail>>> done;
+    RailHello hello{token, 0, 1, 0, 0};
+    a_->connect(0, b_->endpoint(0), hello, milliseconds(3000),
+                [&](Result<std::shared_ptr<Rail>> r) { done.set_value(std::move(r)); });
+    auto r = done.get_future().get();
+    if (r.is_ok()) engine_.call([&] { (*r)->start(&a_events_); });
+    return r;
+  }
+
+  ProgressEngine engine_;
+  std::unique_ptr<Provider> a_, b_;
+  Recorder a_events_, b_events_;
+  std::mutex m_;
+  std::vector<std::shared_ptr<Rail>> accepted_;
+  std::shared_ptr<Rail> rail_a_;
+};
+
+TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
+  std::vector<std::byte> dst(1 << 20, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  ASSERT_TRUE(key.is_ok());
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  EXPECT_NE(rail_a_->describe().find("127.0.0.51 127.0.0.51:"), std::string::npos) << rail_a_->describe();
+
+  std::vector<std::byte> src(100000);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 7 + 3);
+  ASSERT_TRUE(engine_.call([&] {
+    return rail_a_->post_write({src.data(), src.size(), *key, 1000, 42, 9});
+  }).is_ok());
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.confirmed.empty(); }));
+  EXPECT_EQ(a_events_.confirmed[0], 9u);
+  ASSERT_TRUE(b_events_.wait([&] { return !b_events_.arrived.empty(); }));
+  EXPECT_EQ(b_events_.arrived[0], std::make_pair(42u, src.size()));
+  EXPECT_EQ(std::memcmp(dst.data() + 1000, src.data(), src.size()), 0);
+  EXPECT_EQ(dst[999], std::byte{0});
+  EXPECT_EQ(dst[1000 + src.size()], std::byte{0});
+
+  // A control message in each direction.
+  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}}); }).is_ok());
+  ASSERT_TRUE(b_events_.wait([&] { return !b_events_.control.empty(); }));
+  EXPECT_EQ(b_events_.control[0], (Bytes{std::byte{1}, std::byte{2}}));
+  EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
+}
+
+TEST_F(TcpProviderTest, WriteOutsideTheRegionIsRefusedAndReportedAndTheRailStaysUp) {
+  std::vector<std::byte> dst(4096, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok());
+  rail_a_ = *r;
+  std::vector<std::byte> src(100, std::byte{0x5a});
+  engine_.call([&] {
+    (void)rail_a_->post_write({src.data(), 100, *key, 4050, 1, 1});   // 54 bytes past the end
+    (void)rail_a_->post_write({src.data(), 100, *key + 1, 0, 2, 2});  // unknown key
+    (void)rail_a_->post_write({src.data(), 100, *key, 3996, 3, 3});   // exactly fits
+  });
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.refused.size() == 2 && a_events_.confirmed.size() == 1; }));
+  EXPECT_EQ(a_events_.refused[0].first, 1u);
+  EXPECT_NE(a_events_.refused[0].second.find("write of 100 bytes at offset 4050 falls outside the registered region of 4096 bytes"),
+            std::string::npos) << a_events_.refused[0].second;
+  EXPECT_EQ(a_events_.refused[1].first, 2u);
+  EXPECT_NE(a_events_.refused[1].second.find("which is not registered on 127.0.0.52"), std::string::npos);
+  EXPECT_EQ(a_events_.confirmed[0], 3u);
+  EXPECT_EQ(b_->counters().refused_writes, 2u);
+  EXPECT_TRUE(a_events_.failed.empty());
+  EXPECT_TRUE(b_events_.failed.empty());
+  for (std::size_t i = 0; i < 3996; ++i) ASSERT_EQ(dst[i], std::byte{0}) << i;
+  EXPECT_EQ(dst[4095], std::byte{0x5a});
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == 1; }));
+  EXPECT_EQ(b_events_.arrived[0].first, 3u);
+}
+
+TEST_F(TcpProviderTest, AProviderWithTheWrongTokenIsDropped) {
+  auto r = open(token_of(8));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("wrong token?"), std::string::npos) << r.status().message();
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
+  EXPECT_TRUE(accepted_.empty());
+}
+
+// --- raw sockets speaking the wire format ---------------------------------------------------
+
+class RawPeer {
+ public:
+  explicit RawPeer(const Bytes& endpoint) {
+    ByteReader r(endpoint);
+    std::string host = r.str();
+    const auto port = r.u16();
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{5, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  }
+  ~RawPeer() { ::close(fd_); }
+  bool connected() const { return connected_; }
+
+  static Bytes header(std::uint16_t magic, std::uint8_t op, std::uint64_t key, std::uint64_t offset,
+                      std::uint64_t length, std::uint64_t cookie = 0, std::uint32_t imm = 0) {
+    return ByteWriter().u16(magic).u8(op).u8(0).u32(imm).u64(key).u64(offset).u64(length).u64(cookie).take();
+  }
+  void send(const Bytes& b) { ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size())); }
+  void hello(const Token& t) {
+    Bytes payload = ByteWriter().raw(t.data(), t.size()).u32(0).u32(1).u32(0).u32(0).take();
+    Bytes h = header(0x3252, 1, 0, 0, payload.size());
+    h.insert(h.end(), payload.begin(), payload.end());
+    send(h);
+  }
+  // Bytes read until EOF or 40 bytes; -1 on timeout.
+  ssize_t read_some(std::size_t want) {
+    std::vector<std::byte> buf(want);
+    std::size_t got = 0;
+    while (got < want) {
+      ssize_t n = ::recv(fd_, buf.data() + got, want - got, 0);
+      if (n == 0) break;
+      if (n < 0) return -1;
+      got += static_cast<std::size_t>(n);
+    }
+    return static_cast<ssize_t>(got);
+  }
+  void close_now() { ::shutdown(fd_, SHUT_RDWR); }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+TEST_F(TcpProviderTest, AConnectionWithoutTheTokenIsDropped) {
+  RawPeer p(b_->endpoint(0));
+  ASSERT_TRUE(p.connected());
+  p.hello(token_of(99));
+  EXPECT_EQ(p.read_some(40), 0);  // closed without a handshake reply
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
+  EXPECT_TRUE(accepted_.empty());
+
+  RawPeer q(b_->endpoint(0));
+  q.send(Bytes(40, std::byte{0x11}));  // not even a hello
+  EXPECT_EQ(q.read_some(40), 0);
+  EXPECT_EQ(b_->counters().dropped_connections, 2u);
+}
+
+TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
+  auto good = open(token_of(7));
+  ASSERT_TRUE(good.is_ok());
+  rail_a_ = *good;
+  RawPeer p(b_->endpoint(0));
+  p.hello(token_of(7));
+  ASSERT_EQ(p.read_some(40), 40);  // HELLO_ACK
+  ASSERT_TRUE(b_events_.wait([&] { return accepted_.size() == 2; }));
+  p.send(RawPeer::header(0xdead, 3, 0, 0, 0));
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 1; }));
+  EXPECT_NE(b_events_.failed[0].find("malformed frame: bad magic 0xdead"), std::string::npos) << b_events_.failed[0];
+  EXPECT_EQ(p.read_some(40), 0);  // that rail is closed
+
+  // An unknown op and an oversized control message are malformed too.
+  RawPeer q(b_->endpoint(0));
+  q.hello(token_of(7));
+  ASSERT_EQ(q.read_some(40), 40);
+  q.send(RawPeer::header(0x3252, 77, 0, 0, 0));
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 2; }));
+  EXPECT_NE(b_events_.failed[1].find("unknown frame op 77"), std::string::npos) << b_events_.failed[1];
+  RawPeer s(b_->endpoint(0));
+  s.hello(token_of(7));
+  ASSERT_EQ(s.read_some(40), 40);
+  s.send(RawPeer::header(0x3252, 6, 0, 0, 1ull << 40));
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 3; }));
+  EXPECT_NE(b_events_.failed[2].find("control message of 1099511627776 bytes"), std::string::npos) << b_events_.failed[2];
+
+  // The well-behaved rail still works.
+  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{9}}); }).is_ok());
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 1; }));
+  EXPECT_TRUE(a_events_.failed.empty());
+}
+
+TEST_F(TcpProviderTest, ATruncatedFrameClosesThatRail) {
+  RawPeer p(b_->endpoint(0));
+  p.hello(token_of(7));
+  ASSERT_EQ(p.read_some(40), 40);
+  Bytes h = RawPeer::header(0x3252, 6, 0, 0, 100);
+  h.resize(h.size() + 10, std::byte{1});  // 10 of the 100 announced bytes
+  p.send(h);
+  p.close_now();
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 1; }));
+  EXPECT_NE(b_events_.failed[0].find("truncated frame on rail"), std::string::npos) << b_events_.failed[0];
+  EXPECT_NE(b_events_.failed[0].find("in the middle of a frame payload"), std::string::npos) << b_events_.failed[0];
+  EXPECT_TRUE(b_events_.control.empty());
+}
+
+TEST(TcpProvider, NeedsANicAndAValidAddress) {
+  ProgressEngine engine;
+  auto none = make_tcp_provider(engine, {}, {});
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().message(), "the tcp provider needs at least one NIC");
+  auto foreign = make_tcp_provider(engine, {nic("198.18.255.254")}, {});
+  ASSERT_FALSE(foreign.is_ok());
+  EXPECT_NE(foreign.status().message().find("cannot listen on 198.18.255.254"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace r2ccl
