@@ -1,6 +1,7 @@
 // r2ccl-perf: benchmarks in the style of nccl-tests.
 //
-//   R2CCL_RANK=0 R2CCL_NRANKS=2 R2CCL_BOOTSTRAP=198.19.0.1:29500 r2ccl-perf sendrecv -b 8 -e 64M -c 1
+//   R2CCL_RANK=0 R2CCL_NRANKS=2 R2CCL_BOOTSTRAP=198.19.0.1:29500 r2ccl-perf sendrecv -b 8 -e 64M -c
+//   1
 //
 // Every rank sends to rank+1 and receives from rank-1 (a ring of point-to-point transfers, as
 // nccl-tests' sendrecv). Rank 0 prints the table. Exit status: 0 when every check passed, 1 when
@@ -41,7 +42,8 @@ struct Options {
 
 // The byte at `i` of the message rank `src` sends in round `round`.
 void fill_pattern(std::byte* p, std::size_t n, int src, std::uint64_t round) {
-  std::uint64_t seed = (static_cast<std::uint64_t>(src) + 1) * 0x9E3779B97F4A7C15ull ^ (round * 0xD1B54A32D192ED03ull);
+  std::uint64_t seed = (static_cast<std::uint64_t>(src) + 1) * 0x9E3779B97F4A7C15ull ^
+                       (round * 0xD1B54A32D192ED03ull);
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint64_t x = (seed + (i >> 3) * 0xBF58476D1CE4E5B9ull);
     p[i] = static_cast<std::byte>((x ^ (x >> 29)) >> (8 * (i & 7)));
@@ -52,7 +54,8 @@ std::uint64_t count_wrong(const std::byte* p, std::size_t n, int src, std::uint6
   std::vector<std::byte> want(n);
   fill_pattern(want.data(), n, src, round);
   std::uint64_t wrong = 0;
-  for (std::size_t i = 0; i < n; ++i) wrong += p[i] != want[i];
+  for (std::size_t i = 0; i < n; ++i)
+    wrong += p[i] != want[i];
   return wrong;
 }
 
@@ -145,7 +148,9 @@ int run(const Options& o) {
   auto minb = r2ccl::parse_size(o.min_bytes);
   auto maxb = r2ccl::parse_size(o.max_bytes);
   if (!minb || !maxb || *minb > *maxb || o.step_factor <= 1 || o.iters < 1 || o.warmup < 0) {
-    fmt::print(stderr, "r2ccl-perf: bad sizes: -b {} -e {} -f {} -n {} -w {} (need -b <= -e, -f > 1, -n >= 1, -w >= 0)\n",
+    fmt::print(stderr,
+               "r2ccl-perf: bad sizes: -b {} -e {} -f {} -n {} -w {} (need -b <= -e, -f > 1, -n >= "
+               "1, -w >= 0)\n",
                o.min_bytes, o.max_bytes, o.step_factor, o.iters, o.warmup);
     return 2;
   }
@@ -173,16 +178,20 @@ int run(const Options& o) {
   report["rails"] = f.nics().size();
   report["results"] = nlohmann::json::array();
   if (root) {
-    fmt::print("# r2ccl-perf {}: {} ranks, {} rail(s) per rank ({}), chunk {}, provider {}\n", o.op,
-               f.nranks(), f.nics().size(),
-               [&] {
-                 std::string s;
-                 for (const auto& n : f.nics()) s += (s.empty() ? "" : ",") + n.name;
-                 return s;
-               }(),
-               r2ccl::format_size(f.config().chunk_size), f.config().provider);
-    fmt::print("#\n# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type", "time", "algbw", "busbw", "#wrong");
-    fmt::print("# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)", "");
+    fmt::print(
+        "# r2ccl-perf {}: {} ranks, {} rail(s) per rank ({}), chunk {}, provider {}\n", o.op,
+        f.nranks(), f.nics().size(),
+        [&] {
+          std::string s;
+          for (const auto& n : f.nics())
+            s += (s.empty() ? "" : ",") + n.name;
+          return s;
+        }(),
+        r2ccl::format_size(f.config().chunk_size), f.config().provider);
+    fmt::print("#\n# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type",
+               "time", "algbw", "busbw", "#wrong");
+    fmt::print("# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "(us)",
+               "(GB/s)", "(GB/s)", "");
   }
   int exit_code = 0;
   double busbw_sum = 0;
@@ -205,7 +214,10 @@ int run(const Options& o) {
     after = f.rail_snapshot();
     if (o.check && error.empty()) {
       auto w = bench.checked(bytes, ++round);
-      if (w) wrong = *w; else error = w.status().to_string();
+      if (w)
+        wrong = *w;
+      else
+        error = w.status().to_string();
     }
     auto g = gather(f, seconds / o.iters, wrong, error);
     if (!g) {
@@ -227,13 +239,17 @@ int run(const Options& o) {
       fmt::print("  {:>12} {:>12} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7}\n", bytes, bytes, "uint8",
                  g->max_seconds * 1e6, algbw, busbw, o.check ? std::to_string(g->wrong) : "N/A");
     std::fflush(stdout);
-    report["results"].push_back({{"bytes", bytes}, {"time_us", g->max_seconds * 1e6}, {"algbw_gbps", algbw},
-                                 {"busbw_gbps", busbw}, {"wrong", o.check ? nlohmann::json(g->wrong) : nlohmann::json()}});
+    report["results"].push_back({{"bytes", bytes},
+                                 {"time_us", g->max_seconds * 1e6},
+                                 {"algbw_gbps", algbw},
+                                 {"busbw_gbps", busbw},
+                                 {"wrong", o.check ? nlohmann::json(g->wrong) : nlohmann::json()}});
     const auto next = static_cast<std::size_t>(static_cast<double>(bytes) * o.step_factor);
     bytes = next > bytes ? next : bytes + 1;
   }
   if (root && rows > 0) {
-    fmt::print("# Out of bounds values : {} {}\n", exit_code == 1 ? "some" : "0", exit_code == 0 ? "OK" : "FAILED");
+    fmt::print("# Out of bounds values : {} {}\n", exit_code == 1 ? "some" : "0",
+               exit_code == 0 ? "OK" : "FAILED");
     fmt::print("# Avg bus bandwidth    : {:.4f} GB/s\n#\n", busbw_sum / rows);
   }
   report["avg_busbw_gbps"] = rows ? busbw_sum / rows : 0.0;
@@ -245,32 +261,43 @@ int run(const Options& o) {
     const auto& b = before[i];
     const double tx = static_cast<double>(a.tx_bytes - b.tx_bytes);
     const double rx = static_cast<double>(a.rx_bytes - b.rx_bytes);
-    rail_rows.push_back({{"peer", a.peer}, {"rail", a.rail}, {"nic", a.nic}, {"remote_nic", a.remote_nic},
-                         {"state", std::string(r2ccl::rail_state_name(a.state))}, {"tx_bytes", tx}, {"rx_bytes", rx},
+    rail_rows.push_back({{"peer", a.peer},
+                         {"rail", a.rail},
+                         {"nic", a.nic},
+                         {"remote_nic", a.remote_nic},
+                         {"state", std::string(r2ccl::rail_state_name(a.state))},
+                         {"tx_bytes", tx},
+                         {"rx_bytes", rx},
                          {"tx_mbps", last_seconds > 0 ? tx / last_seconds / 1e6 : 0.0},
-                         {"replayed_chunks", a.replayed_chunks}, {"failovers", a.failovers}});
+                         {"replayed_chunks", a.replayed_chunks},
+                         {"failovers", a.failovers}});
   }
   report["rail_stats"] = rail_rows;
   if (o.rails && root) {
     double total = 0;
-    for (const auto& r : rail_rows) total += r["tx_bytes"].get<double>();
-    fmt::print("# Per-rail traffic of rank 0, last size's timed iterations ({:.3f} s):\n", last_seconds);
-    fmt::print("# {:>4} {:>4} {:<22} {:>9} {:>12} {:>12} {:>7} {:>10}\n", "peer", "rail", "nic -> remote nic", "state",
-               "tx (MB)", "rx (MB)", "share", "tx MB/s");
+    for (const auto& r : rail_rows)
+      total += r["tx_bytes"].get<double>();
+    fmt::print("# Per-rail traffic of rank 0, last size's timed iterations ({:.3f} s):\n",
+               last_seconds);
+    fmt::print("# {:>4} {:>4} {:<22} {:>9} {:>12} {:>12} {:>7} {:>10}\n", "peer", "rail",
+               "nic -> remote nic", "state", "tx (MB)", "rx (MB)", "share", "tx MB/s");
     for (const auto& r : rail_rows) {
       const double tx = r["tx_bytes"].get<double>();
-      fmt::print("  {:>4} {:>4} {:<22} {:>9} {:>12.2f} {:>12.2f} {:>6.1f}% {:>10}\n", r["peer"].get<int>(),
-                 r["rail"].get<int>(), r["nic"].get<std::string>() + " -> " + r["remote_nic"].get<std::string>(),
+      fmt::print("  {:>4} {:>4} {:<22} {:>9} {:>12.2f} {:>12.2f} {:>6.1f}% {:>10}\n",
+                 r["peer"].get<int>(), r["rail"].get<int>(),
+                 r["nic"].get<std::string>() + " -> " + r["remote_nic"].get<std::string>(),
                  r["state"].get<std::string>(), tx / 1e6, r["rx_bytes"].get<double>() / 1e6,
                  total > 0 ? 100.0 * tx / total : 0.0, mbps(tx, last_seconds));
     }
-    fmt::print("  total tx {:.2f} MB in {:.3f} s = {} MB/s\n", total / 1e6, last_seconds, mbps(total, last_seconds));
+    fmt::print("  total tx {:.2f} MB in {:.3f} s = {} MB/s\n", total / 1e6, last_seconds,
+               mbps(total, last_seconds));
   }
   if (root && !o.json_path.empty()) {
     std::ofstream out(o.json_path);
     out << report.dump(2) << "\n";
   }
-  if (root && o.check) fmt::print("# Check: {}\n", exit_code == 0 ? "every byte verified on every rank" : "FAILED");
+  if (root && o.check)
+    fmt::print("# Check: {}\n", exit_code == 0 ? "every byte verified on every rank" : "FAILED");
   return exit_code;
 }
 

@@ -3,13 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "r2ccl/runtime/asio.h"
 #include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <thread>
+#include "r2ccl/runtime/asio.h"
 
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/topology.h"
@@ -38,7 +38,10 @@ enum class FrameType : std::uint16_t {
 
 std::array<std::byte, kHeaderSize> encode_header(FrameType type, std::size_t len) {
   ByteWriter w;
-  w.u32(kMagic).u16(static_cast<std::uint16_t>(type)).u16(kVersion).u32(static_cast<std::uint32_t>(len));
+  w.u32(kMagic)
+      .u16(static_cast<std::uint16_t>(type))
+      .u16(kVersion)
+      .u32(static_cast<std::uint32_t>(len));
   std::array<std::byte, kHeaderSize> h{};
   std::memcpy(h.data(), w.bytes().data(), kHeaderSize);
   return h;
@@ -58,10 +61,12 @@ Result<Header> decode_header(const std::array<std::byte, kHeaderSize>& h) {
   if (magic != kMagic)
     return Status(ErrorCode::kProtocol, "not an r2ccl bootstrap connection (bad magic)");
   if (version != kVersion)
-    return Status(ErrorCode::kProtocol,
-                  fmt::format("bootstrap protocol version {} (this build speaks {})", version, kVersion));
+    return Status(
+        ErrorCode::kProtocol,
+        fmt::format("bootstrap protocol version {} (this build speaks {})", version, kVersion));
   if (len > kMaxFrame)
-    return Status(ErrorCode::kProtocol, fmt::format("bootstrap frame of {} bytes is too large", len));
+    return Status(ErrorCode::kProtocol,
+                  fmt::format("bootstrap frame of {} bytes is too large", len));
   return Header{static_cast<FrameType>(type), len};
 }
 
@@ -92,9 +97,10 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     boost::system::error_code ec;
     auto addr = asio::ip::make_address(at.host, ec);
     if (ec)
-      return Status(ErrorCode::kBootstrap,
-                    fmt::format("rank 0 cannot listen on {}: '{}' is not an IP address of this host",
-                                at.to_string(), at.host));
+      return Status(
+          ErrorCode::kBootstrap,
+          fmt::format("rank 0 cannot listen on {}: '{}' is not an IP address of this host",
+                      at.to_string(), at.host));
     tcp::endpoint ep(addr, at.port);
     root->acceptor_.open(ep.protocol(), ec);
     if (!ec) root->acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
@@ -113,7 +119,8 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
       boost::system::error_code ec;
       acceptor_.close(ec);
       deadline_.cancel();
-      for (auto& s : sessions_) s->socket.close(ec);
+      for (auto& s : sessions_)
+        s->socket.close(ec);
       sessions_.clear();
     });
     work_.reset();
@@ -136,8 +143,12 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
   using SessionPtr = std::shared_ptr<Session>;
 
   BootstrapRoot(const Token& token, int nranks, milliseconds timeout)
-      : acceptor_(io_), deadline_(io_), work_(asio::make_work_guard(io_)), token_(token),
-        nranks_(nranks), timeout_(timeout) {}
+      : acceptor_(io_),
+        deadline_(io_),
+        work_(asio::make_work_guard(io_)),
+        token_(token),
+        nranks_(nranks),
+        timeout_(timeout) {}
 
   void run() {
     if (nranks_ > 0) by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
@@ -161,21 +172,23 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
   }
 
   void read(const SessionPtr& s) {
-    asio::async_read(s->socket, asio::buffer(s->header), [this, s](boost::system::error_code ec, std::size_t) {
-      if (ec) return on_closed(s);
-      auto h = decode_header(s->header);
-      if (!h) {
-        R2CCL_WARN("bootstrap root: dropped connection from {}: {}", s->peer, h.status().message());
-        return drop(s);
-      }
-      s->payload.assign(h->length, std::byte{0});
-      asio::async_read(s->socket, asio::buffer(s->payload),
-                       [this, s, type = h->type](boost::system::error_code ec2, std::size_t) {
-                         if (ec2) return on_closed(s);
-                         on_frame(s, type);
-                         if (!s->closing && s->socket.is_open()) read(s);
-                       });
-    });
+    asio::async_read(
+        s->socket, asio::buffer(s->header), [this, s](boost::system::error_code ec, std::size_t) {
+          if (ec) return on_closed(s);
+          auto h = decode_header(s->header);
+          if (!h) {
+            R2CCL_WARN("bootstrap root: dropped connection from {}: {}", s->peer,
+                       h.status().message());
+            return drop(s);
+          }
+          s->payload.assign(h->length, std::byte{0});
+          asio::async_read(s->socket, asio::buffer(s->payload),
+                           [this, s, type = h->type](boost::system::error_code ec2, std::size_t) {
+                             if (ec2) return on_closed(s);
+                             on_frame(s, type);
+                             if (!s->closing && s->socket.is_open()) read(s);
+                           });
+        });
   }
 
   void send(const SessionPtr& s, FrameType type, const Bytes& payload) {
@@ -183,12 +196,13 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     if (s->out.size() == 1) write_next(s);
   }
   void write_next(const SessionPtr& s) {
-    asio::async_write(s->socket, asio::buffer(s->out.front()), [this, s](boost::system::error_code ec, std::size_t) {
-      s->out.pop_front();
-      if (ec) return on_closed(s);
-      if (!s->out.empty()) return write_next(s);
-      if (s->closing) drop(s);
-    });
+    asio::async_write(s->socket, asio::buffer(s->out.front()),
+                      [this, s](boost::system::error_code ec, std::size_t) {
+                        s->out.pop_front();
+                        if (ec) return on_closed(s);
+                        if (!s->out.empty()) return write_next(s);
+                        if (s->closing) drop(s);
+                      });
   }
   void refuse(const SessionPtr& s, const std::string& why) {
     R2CCL_WARN("bootstrap root: refused {}: {}", s->peer, why);
@@ -222,7 +236,9 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
       return;
     }
     if (token != token_) {
-      refuse(s, "wrong bootstrap token: it does not match rank 0's (check R2CCL_BOOTSTRAP_TOKEN or the unique id)");
+      refuse(s,
+             "wrong bootstrap token: it does not match rank 0's (check R2CCL_BOOTSTRAP_TOKEN or "
+             "the unique id)");
       return;
     }
     if (failed_) {
@@ -234,8 +250,8 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
       by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
     }
     if (nranks != nranks_) {
-      refuse(s, fmt::format("world size mismatch: this process has {} ranks, rank 0 has {}",
-                            nranks, nranks_));
+      refuse(s, fmt::format("world size mismatch: this process has {} ranks, rank 0 has {}", nranks,
+                            nranks_));
       return;
     }
     if (rank < 0 || rank >= nranks_) {
@@ -245,13 +261,14 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     }
     if (complete_) {
       refuse(s, fmt::format("rank {} joined after the rendezvous of all {} ranks completed "
-                            "(two processes claim rank {}?)", rank, nranks_, rank));
+                            "(two processes claim rank {}?)",
+                            rank, nranks_, rank));
       return;
     }
     auto& slot = by_rank_[static_cast<std::size_t>(rank)];
     if (slot) {
-      refuse(s, fmt::format("rank {} is already taken by another process (connected from {})",
-                            rank, slot->peer));
+      refuse(s, fmt::format("rank {} is already taken by another process (connected from {})", rank,
+                            slot->peer));
       return;
     }
     s->rank = rank;
@@ -265,9 +282,11 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
       deadline_.cancel();
       ByteWriter w;
       w.u32(static_cast<std::uint32_t>(nranks_));
-      for (const auto& i : info_) w.blob(i);
+      for (const auto& i : info_)
+        w.blob(i);
       Bytes welcome = w.take();
-      for (auto& peer : by_rank_) send(peer, FrameType::kWelcome, welcome);
+      for (auto& peer : by_rank_)
+        send(peer, FrameType::kWelcome, welcome);
     }
   }
 
@@ -282,7 +301,8 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     if (std::all_of(slots.begin(), slots.end(), [](const auto& b) { return b.has_value(); })) {
       ByteWriter w;
       w.u64(seq).u32(static_cast<std::uint32_t>(nranks_));
-      for (const auto& b : slots) w.blob(*b);
+      for (const auto& b : slots)
+        w.blob(*b);
       Bytes result = w.take();
       colls_.erase(seq);
       for (auto& peer : by_rank_)
@@ -364,14 +384,19 @@ constexpr std::uint32_t kIdMagic = 0x44493252;  // "R2ID"
 Result<UniqueId> UniqueId::create(const std::string& bind_host) {
   Token token{};
   std::random_device rd;
-  for (auto& b : token) b = static_cast<std::uint8_t>(rd());
+  for (auto& b : token)
+    b = static_cast<std::uint8_t>(rd());
   R2CCL_ASSIGN_OR_RETURN(auto root, BootstrapRoot::start(HostPort{bind_host, 0}, token, 0,
                                                          milliseconds(24 * 3600 * 1000)));
   UniqueId id;
   ByteWriter w;
-  w.u32(kIdMagic).str(root->address().host).u16(root->address().port).raw(token.data(), token.size());
+  w.u32(kIdMagic)
+      .str(root->address().host)
+      .u16(root->address().port)
+      .raw(token.data(), token.size());
   if (w.bytes().size() > kSize)
-    return Status(ErrorCode::kInvalidArgument, fmt::format("host name '{}' is too long", bind_host));
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("host name '{}' is too long", bind_host));
   std::memcpy(id.bytes.data(), w.bytes().data(), w.bytes().size());
   std::lock_guard lock(g_roots_mutex);
   g_pending_roots[token] = std::move(root);
@@ -380,12 +405,15 @@ Result<UniqueId> UniqueId::create(const std::string& bind_host) {
 
 namespace {
 Status decode_id(const UniqueId& id, HostPort* at, Token* token) {
-  ByteReader r(std::span<const std::byte>(reinterpret_cast<const std::byte*>(id.bytes.data()), id.bytes.size()));
-  if (r.u32() != kIdMagic) return {ErrorCode::kInvalidArgument, "not an r2ccl unique id (bad magic)"};
+  ByteReader r(std::span<const std::byte>(reinterpret_cast<const std::byte*>(id.bytes.data()),
+                                          id.bytes.size()));
+  if (r.u32() != kIdMagic)
+    return {ErrorCode::kInvalidArgument, "not an r2ccl unique id (bad magic)"};
   at->host = r.str(64);
   at->port = r.u16();
   r.raw(token->data(), token->size());
-  if (!r.ok() || at->host.empty()) return {ErrorCode::kInvalidArgument, "malformed r2ccl unique id"};
+  if (!r.ok() || at->host.empty())
+    return {ErrorCode::kInvalidArgument, "malformed r2ccl unique id"};
   return Status::ok();
 }
 }  // namespace
@@ -407,12 +435,14 @@ Result<Token> UniqueId::token() const {
 Result<BootstrapOptions> BootstrapOptions::from_config(const Config& config) {
   BootstrapOptions o;
   if (!config.nranks)
-    return Status(ErrorCode::kConfig, "R2CCL_NRANKS is not set (and no mpirun world size was found)");
+    return Status(ErrorCode::kConfig,
+                  "R2CCL_NRANKS is not set (and no mpirun world size was found)");
   if (!config.rank)
     return Status(ErrorCode::kConfig, "R2CCL_RANK is not set (and no mpirun rank was found)");
   if (!config.bootstrap)
     return Status(ErrorCode::kConfig,
-                  "R2CCL_BOOTSTRAP is not set: give rank 0's host:port, e.g. R2CCL_BOOTSTRAP=198.19.0.1:29500");
+                  "R2CCL_BOOTSTRAP is not set: give rank 0's host:port, e.g. "
+                  "R2CCL_BOOTSTRAP=198.19.0.1:29500");
   o.rank = *config.rank;
   o.nranks = *config.nranks;
   o.root = *config.bootstrap;
@@ -444,7 +474,8 @@ struct Bootstrap::Connection {
   // Runs io until `done` or the deadline; on the deadline cancels and reports a timeout.
   bool run_until(Clock::time_point deadline, const bool& done) {
     io.restart();
-    while (!done && Clock::now() < deadline) io.run_one_until(deadline);
+    while (!done && Clock::now() < deadline)
+      io.run_one_until(deadline);
     if (done) return true;
     boost::system::error_code ec;
     socket.cancel(ec);
@@ -460,13 +491,15 @@ struct Bootstrap::Connection {
     asio::write(socket, asio::buffer(frame(type, payload)), ec);
     if (ec) {
       broken = true;
-      return {ErrorCode::kNetwork, fmt::format("lost the control connection to rank 0: {}", ec.message())};
+      return {ErrorCode::kNetwork,
+              fmt::format("lost the control connection to rank 0: {}", ec.message())};
     }
     return Status::ok();
   }
 
   // Reads one frame; an ERROR frame from the root becomes an error with its message.
-  Result<std::pair<FrameType, Bytes>> receive(Clock::time_point deadline, const std::string& waiting_for) {
+  Result<std::pair<FrameType, Bytes>> receive(Clock::time_point deadline,
+                                              const std::string& waiting_for) {
     if (broken) return Status(ErrorCode::kNetwork, "the control connection to rank 0 is broken");
     std::array<std::byte, kHeaderSize> header{};
     Bytes payload;
@@ -485,10 +518,11 @@ struct Bootstrap::Connection {
         return;
       }
       payload.resize(h->length);
-      asio::async_read(socket, asio::buffer(payload), [&](boost::system::error_code ec2, std::size_t) {
-        error = ec2;
-        done = true;
-      });
+      asio::async_read(socket, asio::buffer(payload),
+                       [&](boost::system::error_code ec2, std::size_t) {
+                         error = ec2;
+                         done = true;
+                       });
     });
     if (!run_until(deadline, done))
       return Status(ErrorCode::kTimeout, fmt::format("timed out waiting for {}", waiting_for));
@@ -524,7 +558,8 @@ Bootstrap::~Bootstrap() {
 Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
                                                    std::span<const std::byte> local_info) {
   if (o.nranks < 1)
-    return Status(ErrorCode::kInvalidArgument, fmt::format("world size {} is not positive", o.nranks));
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("world size {} is not positive", o.nranks));
   if (o.rank < 0 || o.rank >= o.nranks)
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("rank {} is out of range for a world of {} ranks (0..{})", o.rank,
@@ -557,8 +592,8 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
     tcp::resolver resolver(c.io);
     auto results = resolver.resolve(o.root.host, std::to_string(o.root.port), ec);
     if (ec || results.empty())
-      return Status(ErrorCode::kBootstrap,
-                    fmt::format("cannot resolve rank 0's address {}: {}", o.root.to_string(), ec.message()));
+      return Status(ErrorCode::kBootstrap, fmt::format("cannot resolve rank 0's address {}: {}",
+                                                       o.root.to_string(), ec.message()));
     addr = results.begin()->endpoint().address();
   }
   const tcp::endpoint root_ep(addr, o.root.port);
@@ -573,8 +608,11 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   while (!connected) {
     c.socket = tcp::socket(c.io);
     c.socket.open(root_ep.protocol(), ec);
-    if (!ec && !bind_ip.empty()) c.socket.bind(tcp::endpoint(asio::ip::make_address(bind_ip), 0), ec);
-    if (ec) return Status(ErrorCode::kBootstrap, fmt::format("cannot open the control socket: {}", ec.message()));
+    if (!ec && !bind_ip.empty())
+      c.socket.bind(tcp::endpoint(asio::ip::make_address(bind_ip), 0), ec);
+    if (ec)
+      return Status(ErrorCode::kBootstrap,
+                    fmt::format("cannot open the control socket: {}", ec.message()));
     bool done = false;
     boost::system::error_code cerr;
     c.socket.async_connect(root_ep, [&](boost::system::error_code e) {
@@ -602,12 +640,16 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   b->control_address_ = c.socket.local_endpoint(ec).address().to_string();
 
   ByteWriter hello;
-  hello.u32(kVersion).raw(o.token.data(), o.token.size())
-      .u32(static_cast<std::uint32_t>(o.rank)).u32(static_cast<std::uint32_t>(o.nranks)).blob(local_info);
+  hello.u32(kVersion)
+      .raw(o.token.data(), o.token.size())
+      .u32(static_cast<std::uint32_t>(o.rank))
+      .u32(static_cast<std::uint32_t>(o.nranks))
+      .blob(local_info);
   R2CCL_RETURN_IF_ERROR(c.send(FrameType::kHello, hello.take()));
   // The root enforces the deadline and names the missing ranks; wait a little longer for its word.
-  auto reply = c.receive(deadline + milliseconds(1000),
-                         fmt::format("all {} ranks to join at rank 0 ({})", o.nranks, o.root.to_string()));
+  auto reply =
+      c.receive(deadline + milliseconds(1000),
+                fmt::format("all {} ranks to join at rank 0 ({})", o.nranks, o.root.to_string()));
   if (!reply) return reply.status().with_context(fmt::format("rank {} bootstrap", o.rank));
   if (reply->first != FrameType::kWelcome)
     return Status(ErrorCode::kProtocol, "rank 0 answered the hello with an unexpected frame");
@@ -615,7 +657,8 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   const auto n = r.u32();
   if (n != static_cast<std::uint32_t>(o.nranks))
     return Status(ErrorCode::kProtocol, "rank 0's welcome has the wrong world size");
-  for (std::uint32_t i = 0; i < n; ++i) b->rank_info_.push_back(r.blob());
+  for (std::uint32_t i = 0; i < n; ++i)
+    b->rank_info_.push_back(r.blob());
   R2CCL_RETURN_IF_ERROR(r.finish("bootstrap welcome"));
   R2CCL_DEBUG("bootstrap: rank {} of {} joined via {}", o.rank, o.nranks, b->control_address_);
   return b;
@@ -633,7 +676,8 @@ Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
     return Status(ErrorCode::kProtocol, "control path: all-gather results out of order");
   const auto n = r.u32();
   std::vector<Bytes> out;
-  for (std::uint32_t i = 0; i < n; ++i) out.push_back(r.blob());
+  for (std::uint32_t i = 0; i < n; ++i)
+    out.push_back(r.blob());
   R2CCL_RETURN_IF_ERROR(r.finish("control-path all-gather result"));
   return out;
 }

@@ -99,7 +99,8 @@ void RailScheduler::set_usable(std::size_t rail, bool usable) {
 }
 
 std::size_t RailScheduler::usable_count() const {
-  return static_cast<std::size_t>(std::count_if(rails_.begin(), rails_.end(), [](const auto& r) { return r.usable; }));
+  return static_cast<std::size_t>(
+      std::count_if(rails_.begin(), rails_.end(), [](const auto& r) { return r.usable; }));
 }
 
 std::optional<std::size_t> RailScheduler::pick(std::uint64_t bytes) {

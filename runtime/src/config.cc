@@ -53,14 +53,15 @@ bool iequals(std::string_view a, std::string_view b) {
 }
 
 std::string trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front())))
+    s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back())))
+    s.remove_suffix(1);
   return std::string(s);
 }
 
 Status bad(const std::string& name, const std::string& value, std::string_view allowed) {
-  return {ErrorCode::kConfig,
-          fmt::format("{}='{}' is invalid: expected {}", name, value, allowed)};
+  return {ErrorCode::kConfig, fmt::format("{}='{}' is invalid: expected {}", name, value, allowed)};
 }
 
 Result<long long> parse_int(const std::string& text) {
@@ -75,13 +76,18 @@ Result<long long> parse_int(const std::string& text) {
 
 }  // namespace
 
-std::string HostPort::to_string() const { return fmt::format("{}:{}", host, port); }
+std::string HostPort::to_string() const {
+  return fmt::format("{}:{}", host, port);
+}
 
-std::span<const ConfigEntry> config_table() { return kTable; }
+std::span<const ConfigEntry> config_table() {
+  return kTable;
+}
 
 std::string config_table_markdown() {
   std::string out = "| Variable | Default | Meaning |\n|---|---|---|\n";
-  for (const auto& e : kTable) out += fmt::format("| `{}` | {} | {} |\n", e.name, e.default_text, e.meaning);
+  for (const auto& e : kTable)
+    out += fmt::format("| `{}` | {} | {} |\n", e.name, e.default_text, e.meaning);
   return out;
 }
 
@@ -96,7 +102,8 @@ EnvLookup process_env() {
 Result<std::size_t> parse_size(const std::string& raw) {
   std::string text = trim(raw);
   std::size_t digits = 0;
-  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits])))
+    ++digits;
   if (digits == 0)
     return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not a size", raw));
   auto number = parse_int(text.substr(0, digits));
@@ -166,10 +173,10 @@ Result<HostPort> parse_host_port(const std::string& raw) {
     return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' is not host:port", raw));
   auto port = parse_int(text.substr(colon + 1));
   if (!port || *port < 1 || *port > 65535)
-    return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("'{}' has a bad port (1..65535)", raw));
+    return Status(ErrorCode::kInvalidArgument, fmt::format("'{}' has a bad port (1..65535)", raw));
   std::string host = text.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   return HostPort{host, static_cast<std::uint16_t>(*port)};
 }
 
@@ -191,7 +198,8 @@ Result<Token> parse_token(const std::string& raw) {
 
 std::string token_to_hex(const Token& token) {
   std::string out;
-  for (auto b : token) out += fmt::format("{:02x}", b);
+  for (auto b : token)
+    out += fmt::format("{:02x}", b);
   return out;
 }
 
@@ -212,9 +220,8 @@ Result<Config> parse_config(const EnvLookup& env) {
   }
 
   // World size first, so the rank can be checked against it.
-  auto int_var = [&](const char* name, const std::vector<const char*>& fallbacks,
-                     long long min, long long max,
-                     std::optional<int>& out) -> Status {
+  auto int_var = [&](const char* name, const std::vector<const char*>& fallbacks, long long min,
+                     long long max, std::optional<int>& out) -> Status {
     std::optional<std::string> v = get(name);
     std::string from = name;
     for (const char* f : fallbacks) {
@@ -256,7 +263,8 @@ Result<Config> parse_config(const EnvLookup& env) {
     return Status::ok();
   };
   using std::chrono::milliseconds;
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_BOOTSTRAP_TIMEOUT", milliseconds(10), c.bootstrap_timeout));
+  R2CCL_RETURN_IF_ERROR(
+      duration_var("R2CCL_BOOTSTRAP_TIMEOUT", milliseconds(10), c.bootstrap_timeout));
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_TIMEOUT", milliseconds(10), c.timeout));
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_CONNECT_TIMEOUT", milliseconds(10), c.connect_timeout));
 
@@ -269,7 +277,8 @@ Result<Config> parse_config(const EnvLookup& env) {
       if (comma == std::string::npos) comma = list.size();
       std::string item = trim(std::string_view(list).substr(pos, comma - pos));
       if (item.empty())
-        return bad("R2CCL_NICS", *v, "a comma-separated list of interface names or addresses with no empty entries");
+        return bad("R2CCL_NICS", *v,
+                   "a comma-separated list of interface names or addresses with no empty entries");
       if (std::find(c.nics.begin(), c.nics.end(), item) != c.nics.end())
         return bad("R2CCL_NICS", *v, fmt::format("each NIC once ('{}' repeats)", item));
       c.nics.push_back(item);

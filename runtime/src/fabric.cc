@@ -25,11 +25,16 @@ using std::chrono::milliseconds;
 
 std::string_view rail_state_name(RailState s) {
   switch (s) {
-    case RailState::kUp: return "up";
-    case RailState::kSuspect: return "suspect";
-    case RailState::kDown: return "down";
-    case RailState::kProbing: return "probing";
-    case RailState::kDegraded: return "degraded";
+    case RailState::kUp:
+      return "up";
+    case RailState::kSuspect:
+      return "suspect";
+    case RailState::kDown:
+      return "down";
+    case RailState::kProbing:
+      return "probing";
+    case RailState::kDegraded:
+      return "degraded";
   }
   return "?";
 }
@@ -50,7 +55,8 @@ Status Op::status() const {
 Status Op::wait(milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!cv_.wait_for(lock, timeout, [&] { return done_; }))
-    return {ErrorCode::kTimeout, fmt::format("operation did not complete within {}ms", timeout.count())};
+    return {ErrorCode::kTimeout,
+            fmt::format("operation did not complete within {}ms", timeout.count())};
   return status_;
 }
 
@@ -79,7 +85,11 @@ struct Cts {
 
 Bytes encode_cts(const Cts& c) {
   ByteWriter w;
-  w.u8(static_cast<std::uint8_t>(ControlType::kCts)).u64(c.seq).u64(c.length).u32(c.chunk).u64(c.offset);
+  w.u8(static_cast<std::uint8_t>(ControlType::kCts))
+      .u64(c.seq)
+      .u64(c.length)
+      .u32(c.chunk)
+      .u64(c.offset);
   c.region.encode(w);
   return w.take();
 }
@@ -88,7 +98,9 @@ std::uint32_t chunk_count(std::uint64_t length, std::uint64_t chunk) {
   return static_cast<std::uint32_t>((length + chunk - 1) / chunk);
 }
 
-std::string describe_bytes(std::uint64_t n) { return fmt::format("{} bytes", n); }
+std::string describe_bytes(std::uint64_t n) {
+  return fmt::format("{} bytes", n);
+}
 
 }  // namespace
 
@@ -133,18 +145,21 @@ class Channel {
   }
 
   std::size_t attached() const {
-    return static_cast<std::size_t>(std::count_if(rails_.begin(), rails_.end(), [](const auto& s) { return s->rail != nullptr; }));
+    return static_cast<std::size_t>(std::count_if(
+        rails_.begin(), rails_.end(), [](const auto& s) { return s->rail != nullptr; }));
   }
   std::string missing_rails() const {
     std::vector<std::string> out;
     for (std::size_t i = 0; i < rails_.size(); ++i)
       if (!rails_[i]->rail)
-        out.push_back(fmt::format("rail {} ({} -> {}){}", i, rails_[i]->nic.name, rails_[i]->remote_nic,
-                                  rails_[i]->last_error.empty() ? "" : ": " + rails_[i]->last_error));
+        out.push_back(
+            fmt::format("rail {} ({} -> {}){}", i, rails_[i]->nic.name, rails_[i]->remote_nic,
+                        rails_[i]->last_error.empty() ? "" : ": " + rails_[i]->last_error));
     return fmt::format("{}", fmt::join(out, "; "));
   }
 
-  void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length, Clock::time_point deadline) {
+  void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                 Clock::time_point deadline) {
     const auto seq = next_send_seq_++;
     Send s;
     s.op = std::move(op);
@@ -160,12 +175,14 @@ class Channel {
     }
   }
 
-  void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length, Clock::time_point deadline) {
+  void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                 Clock::time_point deadline) {
     const auto seq = next_recv_seq_++;
     const auto slot = static_cast<std::uint32_t>(seq % ChunkImm::kSlots);
     if (recv_slots_.count(slot) != 0) {
-      op->complete({ErrorCode::kUnavailable,
-                    fmt::format("more than {} receives from rank {} outstanding", ChunkImm::kSlots, peer_)});
+      op->complete(
+          {ErrorCode::kUnavailable,
+           fmt::format("more than {} receives from rank {} outstanding", ChunkImm::kSlots, peer_)});
       return;
     }
     Cts cts;
@@ -201,12 +218,14 @@ class Channel {
       const auto total = s.nchunks;
       auto op = s.op;
       drop_send(it++);
-      op->complete({ErrorCode::kTimeout,
-                    fmt::format("send #{} of {} to rank {} timed out after {}ms ({}): rails: {}", seq,
-                                describe_bytes(s.length), peer_, config_.timeout.count(),
-                                s.started ? fmt::format("{} of {} chunks confirmed", confirmed, total)
-                                          : std::string("rank ") + std::to_string(peer_) + " never posted the matching receive",
-                                rail_summary())});
+      op->complete(
+          {ErrorCode::kTimeout,
+           fmt::format("send #{} of {} to rank {} timed out after {}ms ({}): rails: {}", seq,
+                       describe_bytes(s.length), peer_, config_.timeout.count(),
+                       s.started ? fmt::format("{} of {} chunks confirmed", confirmed, total)
+                                 : std::string("rank ") + std::to_string(peer_) +
+                                       " never posted the matching receive",
+                       rail_summary())});
     }
     for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
       auto& r = it->second;
@@ -214,10 +233,12 @@ class Channel {
         ++it;
         continue;
       }
-      r.op->complete({ErrorCode::kTimeout,
-                      fmt::format("receive #{} of {} from rank {} timed out after {}ms ({} of {} chunks "
-                                  "arrived): rails: {}", r.seq, describe_bytes(r.length), peer_,
-                                  config_.timeout.count(), r.arrivals.count(), r.arrivals.chunks(), rail_summary())});
+      r.op->complete(
+          {ErrorCode::kTimeout,
+           fmt::format("receive #{} of {} from rank {} timed out after {}ms ({} of {} chunks "
+                       "arrived): rails: {}",
+                       r.seq, describe_bytes(r.length), peer_, config_.timeout.count(),
+                       r.arrivals.count(), r.arrivals.chunks(), rail_summary())});
       it = recv_slots_.erase(it);
     }
   }
@@ -260,8 +281,10 @@ class Channel {
     for (auto& s : rails_)
       if (s->rail) s->rail->fence();
     const Status gone(ErrorCode::kAborted, "the fabric was destroyed");
-    for (auto& [seq, s] : sends_) s.op->complete(gone);
-    for (auto& [slot, r] : recv_slots_) r.op->complete(gone);
+    for (auto& [seq, s] : sends_)
+      s.op->complete(gone);
+    for (auto& [slot, r] : recv_slots_)
+      r.op->complete(gone);
     sends_.clear();
     recv_slots_.clear();
   }
@@ -271,8 +294,12 @@ class Channel {
     Channel* channel = nullptr;
     std::uint32_t index = 0;
     void on_write_confirmed(std::uint64_t cookie) override { channel->on_confirmed(index, cookie); }
-    void on_write_refused(std::uint64_t cookie, const Status& why) override { channel->on_refused(index, cookie, why); }
-    void on_write_arrived(std::uint32_t imm, std::size_t length) override { channel->on_arrived(index, imm, length); }
+    void on_write_refused(std::uint64_t cookie, const Status& why) override {
+      channel->on_refused(index, cookie, why);
+    }
+    void on_write_arrived(std::uint32_t imm, std::size_t length) override {
+      channel->on_arrived(index, imm, length);
+    }
     void on_control(Bytes message) override { channel->on_control(index, std::move(message)); }
     void on_rail_failed(const Status& why) override { channel->on_rail_failed(index, why); }
   };
@@ -311,8 +338,10 @@ class Channel {
     std::vector<std::string> parts;
     for (std::size_t i = 0; i < rails_.size(); ++i) {
       const auto& s = *rails_[i];
-      std::string p = fmt::format("{} ({} -> {}) {}", i, s.nic.name, s.remote_nic, rail_state_name(s.tel.state.load()));
-      if (scheduler_.inflight(i) > 0) p += fmt::format(", {} bytes unconfirmed", scheduler_.inflight(i));
+      std::string p = fmt::format("{} ({} -> {}) {}", i, s.nic.name, s.remote_nic,
+                                  rail_state_name(s.tel.state.load()));
+      if (scheduler_.inflight(i) > 0)
+        p += fmt::format(", {} bytes unconfirmed", scheduler_.inflight(i));
       if (!s.last_error.empty()) p += ": " + s.last_error;
       parts.push_back(p);
     }
@@ -326,7 +355,8 @@ class Channel {
   void flush_control() {
     while (!control_backlog_.empty()) {
       std::size_t i = 0;
-      while (i < rails_.size() && !(rails_[i]->rail && scheduler_.usable(i))) ++i;
+      while (i < rails_.size() && !(rails_[i]->rail && scheduler_.usable(i)))
+        ++i;
       if (i == rails_.size()) return;  // no rail yet; sent when one comes up
       Status st = rails_[i]->rail->post_control(control_backlog_.front());
       if (!st) return;
@@ -340,7 +370,8 @@ class Channel {
     if (cts.length != s.length) {
       const std::string why = fmt::format(
           "size mismatch in message #{} between rank {} and rank {}: the sender sends {}, the "
-          "receiver posted {}", seq, me_, peer_, describe_bytes(s.length), describe_bytes(cts.length));
+          "receiver posted {}",
+          seq, me_, peer_, describe_bytes(s.length), describe_bytes(cts.length));
       ByteWriter w;
       w.u8(static_cast<std::uint8_t>(ControlType::kAbort)).u64(seq).str(why);
       send_control(w.take());
@@ -352,7 +383,8 @@ class Channel {
     if (cts.region.keys.size() < rails_.size() || cts.chunk == 0) {
       auto op = s.op;
       sends_.erase(it);
-      op->complete({ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
+      op->complete(
+          {ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
       return;
     }
     s.started = true;
@@ -361,9 +393,11 @@ class Channel {
     if (s.nchunks > ChunkImm::kMaxChunks) {
       auto op = s.op;
       sends_.erase(it);
-      op->complete({ErrorCode::kInvalidArgument,
-                    fmt::format("a message of {} needs {} chunks of {}; at most {} fit: raise R2CCL_CHUNK_SIZE",
-                                describe_bytes(s.length), s.nchunks, cts.chunk, ChunkImm::kMaxChunks)});
+      op->complete(
+          {ErrorCode::kInvalidArgument,
+           fmt::format(
+               "a message of {} needs {} chunks of {}; at most {} fit: raise R2CCL_CHUNK_SIZE",
+               describe_bytes(s.length), s.nchunks, cts.chunk, ChunkImm::kMaxChunks)});
       return;
     }
     if (s.nchunks == 0) {
@@ -386,7 +420,8 @@ class Channel {
         c = replay_.front();
         replay = true;
       } else {
-        while (!ready_.empty() && sends_.count(ready_.front()) == 0) ready_.pop_front();
+        while (!ready_.empty() && sends_.count(ready_.front()) == 0)
+          ready_.pop_front();
         if (ready_.empty()) return;
         auto& s = sends_.at(ready_.front());
         c.message = ready_.front();
@@ -431,7 +466,8 @@ class Channel {
   }
 
   void drop_send(std::map<std::uint64_t, Send>::iterator it) {
-    for (const auto& c : ledger_.take_message(it->first)) scheduler_.release(c.rail, c.length);
+    for (const auto& c : ledger_.take_message(it->first))
+      scheduler_.release(c.rail, c.length);
     std::erase_if(replay_, [&](const InflightChunk& c) { return c.message == it->first; });
     sends_.erase(it);
   }
@@ -491,7 +527,8 @@ class Channel {
       c.chunk = r.u32();
       c.offset = r.u64();
       c.region = RemoteRegion::decode(r);
-      if (!r.finish("clear-to-send").is_ok()) return protocol_error(rail, "malformed clear-to-send");
+      if (!r.finish("clear-to-send").is_ok())
+        return protocol_error(rail, "malformed clear-to-send");
       if (sends_.count(c.seq) != 0)
         start_send(c.seq, c);
       else
@@ -571,8 +608,8 @@ class SelfChannel {
       recvs_.pop_front();
       if (s.length != r.length) {
         Status why(ErrorCode::kInvalidArgument,
-                   fmt::format("size mismatch in a message to self: sent {}, posted {}", describe_bytes(s.length),
-                               describe_bytes(r.length)));
+                   fmt::format("size mismatch in a message to self: sent {}, posted {}",
+                               describe_bytes(s.length), describe_bytes(r.length)));
         s.op->complete(why);
         r.op->complete(why);
         continue;
@@ -584,8 +621,10 @@ class SelfChannel {
   }
   void shutdown() {
     const Status gone(ErrorCode::kAborted, "the fabric was destroyed");
-    for (auto& e : sends_) e.op->complete(gone);
-    for (auto& e : recvs_) e.op->complete(gone);
+    for (auto& e : sends_)
+      e.op->complete(gone);
+    for (auto& e : recvs_)
+      e.op->complete(gone);
     sends_.clear();
     recvs_.clear();
   }
@@ -620,7 +659,8 @@ Result<std::string> route_source_address(const std::string& host, std::uint16_t 
   dst.sin_family = AF_INET;
   dst.sin_port = htons(port);
   if (inet_pton(AF_INET, host.c_str(), &dst.sin_addr) != 1)
-    return Status(ErrorCode::kConfig, fmt::format("R2CCL_BOOTSTRAP host '{}' is not an IPv4 address", host));
+    return Status(ErrorCode::kConfig,
+                  fmt::format("R2CCL_BOOTSTRAP host '{}' is not an IPv4 address", host));
   const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Status(ErrorCode::kNetwork, "cannot open a UDP socket");
   std::string out;
@@ -687,16 +727,20 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
 
   ByteWriter info;
   info.u32(static_cast<std::uint32_t>(nics.size()));
-  for (std::size_t i = 0; i < nics.size(); ++i) info.str(nics[i].name).blob(f->provider_->endpoint(i));
+  for (std::size_t i = 0; i < nics.size(); ++i)
+    info.str(nics[i].name).blob(f->provider_->endpoint(i));
   R2CCL_ASSIGN_OR_RETURN(f->bootstrap_, Bootstrap::join(boot, info.bytes()));
   R2CCL_RETURN_IF_ERROR(f->connect_all(f->bootstrap_->rank_info()));
   f->arm_watchdog();
   R2CCL_INFO("fabric up: rank {} of {}, {} rail(s): {}", f->rank(), f->nranks(), nics.size(),
-             fmt::join([&] {
-               std::vector<std::string> n;
-               for (const auto& r : nics) n.push_back(r.name + "=" + r.address);
-               return n;
-             }(), ", "));
+             fmt::join(
+                 [&] {
+                   std::vector<std::string> n;
+                   for (const auto& r : nics)
+                     n.push_back(r.name + "=" + r.address);
+                   return n;
+                 }(),
+                 ", "));
   return f;
 }
 
@@ -715,7 +759,8 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
       peers[p].names.push_back(r.str(256));
       peers[p].endpoints.push_back(r.blob(1024));
     }
-    R2CCL_RETURN_IF_ERROR(r.finish("rail endpoints").with_context(fmt::format("rank {}'s bootstrap info", p)));
+    R2CCL_RETURN_IF_ERROR(
+        r.finish("rail endpoints").with_context(fmt::format("rank {}'s bootstrap info", p)));
   }
   channels_.resize(infos.size());
   for (std::size_t p = 0; p < infos.size(); ++p) {
@@ -723,21 +768,24 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
     const std::size_t n = std::min(nics.size(), peers[p].names.size());
     if (n == 0) return {ErrorCode::kUnavailable, fmt::format("rank {} has no rails", p)};
     std::vector<RailNic> local(nics.begin(), nics.begin() + static_cast<std::ptrdiff_t>(n));
-    std::vector<std::string> remote(peers[p].names.begin(), peers[p].names.begin() + static_cast<std::ptrdiff_t>(n));
+    std::vector<std::string> remote(peers[p].names.begin(),
+                                    peers[p].names.begin() + static_cast<std::ptrdiff_t>(n));
     channels_[p] = std::make_unique<Channel>(config_, me, static_cast<int>(p), local, remote);
   }
   self_ = std::make_unique<SelfChannel>();
   provider_->set_accept_handler([this, me](std::shared_ptr<Rail> rail) {
     const auto& h = rail->hello();
-    if (h.dst_rank != static_cast<std::uint32_t>(me) || h.src_rank >= channels_.size() || !channels_[h.src_rank] ||
-        static_cast<int>(h.src_rank) > me) {
-      R2CCL_WARN("refused a rail claiming to be rank {} -> rank {} rail {}", h.src_rank, h.dst_rank, h.rail);
+    if (h.dst_rank != static_cast<std::uint32_t>(me) || h.src_rank >= channels_.size() ||
+        !channels_[h.src_rank] || static_cast<int>(h.src_rank) > me) {
+      R2CCL_WARN("refused a rail claiming to be rank {} -> rank {} rail {}", h.src_rank, h.dst_rank,
+                 h.rail);
       return false;
     }
     return channels_[h.src_rank]->attach(h.rail, std::move(rail));
   });
   // Everybody accepts before anybody connects.
-  R2CCL_RETURN_IF_ERROR(bootstrap_->barrier(config_.connect_timeout).with_context("before connecting rails"));
+  R2CCL_RETURN_IF_ERROR(
+      bootstrap_->barrier(config_.connect_timeout).with_context("before connecting rails"));
 
   // The lower rank connects to the higher one; rail i joins NIC i on both sides.
   for (std::size_t p = static_cast<std::size_t>(me) + 1; p < channels_.size(); ++p) {
@@ -762,13 +810,14 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
     std::string missing = engine_->call([&] {
       std::vector<std::string> out;
       for (const auto& c : channels_)
-        if (c && c->attached() < c->nrails()) out.push_back(fmt::format("to rank {}: {}", c->peer(), c->missing_rails()));
+        if (c && c->attached() < c->nrails())
+          out.push_back(fmt::format("to rank {}: {}", c->peer(), c->missing_rails()));
       return fmt::format("{}", fmt::join(out, "; "));
     });
     if (missing.empty()) break;
     if (Clock::now() >= deadline)
-      return {ErrorCode::kNetwork, fmt::format("rank {} could not open every rail within {}ms: {}", me,
-                                               config_.connect_timeout.count(), missing)};
+      return {ErrorCode::kNetwork, fmt::format("rank {} could not open every rail within {}ms: {}",
+                                               me, config_.connect_timeout.count(), missing)};
     std::this_thread::sleep_for(milliseconds(5));
   }
   return bootstrap_->barrier(config_.connect_timeout).with_context("after connecting rails");
@@ -799,9 +848,15 @@ void Fabric::arm_watchdog() {
   });
 }
 
-int Fabric::rank() const { return bootstrap_->rank(); }
-int Fabric::nranks() const { return bootstrap_->nranks(); }
-const std::vector<RailNic>& Fabric::nics() const { return provider_->devices(); }
+int Fabric::rank() const {
+  return bootstrap_->rank();
+}
+int Fabric::nranks() const {
+  return bootstrap_->nranks();
+}
+const std::vector<RailNic>& Fabric::nics() const {
+  return provider_->devices();
+}
 
 std::size_t Fabric::rails_to(int peer) const {
   if (peer < 0 || peer >= nranks() || !channels_[static_cast<std::size_t>(peer)]) return 0;
@@ -822,7 +877,9 @@ Status Fabric::check_args(int peer, const RegionPtr& region, std::size_t offset,
   if (peer < 0 || peer >= nranks())
     return {ErrorCode::kInvalidArgument,
             fmt::format("{}: peer {} is out of range (0..{})", what, peer, nranks() - 1)};
-  if (!region) return {ErrorCode::kInvalidArgument, fmt::format("{}: the buffer is not registered (null region)", what)};
+  if (!region)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the buffer is not registered (null region)", what)};
   if (offset > region->length || length > region->length - offset)
     return {ErrorCode::kInvalidArgument,
             fmt::format("{}: {} bytes at offset {} exceed the registered region of {} bytes", what,
@@ -830,7 +887,8 @@ Status Fabric::check_args(int peer, const RegionPtr& region, std::size_t offset,
   return Status::ok();
 }
 
-Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length) {
+Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offset,
+                            std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "send"));
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
@@ -843,7 +901,8 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   return op;
 }
 
-Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length) {
+Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offset,
+                            std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "receive"));
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
@@ -872,6 +931,8 @@ std::vector<RailSnapshot> Fabric::rail_snapshot() const {
   });
 }
 
-ProviderCounters Fabric::provider_counters() const { return provider_->counters(); }
+ProviderCounters Fabric::provider_counters() const {
+  return provider_->counters();
+}
 
 }  // namespace r2ccl

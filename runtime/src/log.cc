@@ -15,28 +15,38 @@ std::mutex g_write_mutex;
 
 std::string_view log_level_name(LogLevel level) {
   switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kTrace: return "trace";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kTrace:
+      return "trace";
   }
   return "?";
 }
 
-void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level)); }
-LogLevel log_level() { return static_cast<LogLevel>(g_level.load(std::memory_order_relaxed)); }
-void set_log_rank(int rank) { g_rank.store(rank); }
+void set_log_level(LogLevel level) {
+  g_level.store(static_cast<int>(level));
+}
+LogLevel log_level() {
+  return static_cast<LogLevel>(g_level.load(std::memory_order_relaxed));
+}
+void set_log_rank(int rank) {
+  g_rank.store(rank);
+}
 
 void log_write(LogLevel level, std::string_view message) {
   using namespace std::chrono;
   const double t = duration<double>(steady_clock::now().time_since_epoch()).count();
   const int rank = g_rank.load();
-  std::string line =
-      rank >= 0 ? fmt::format("r2ccl[rank {} pid {}] {:.6f} {}: {}\n", rank, getpid(), t,
-                              log_level_name(level), message)
-                : fmt::format("r2ccl[pid {}] {:.6f} {}: {}\n", getpid(), t, log_level_name(level),
-                              message);
+  std::string line = rank >= 0 ? fmt::format("r2ccl[rank {} pid {}] {:.6f} {}: {}\n", rank,
+                                             getpid(), t, log_level_name(level), message)
+                               : fmt::format("r2ccl[pid {}] {:.6f} {}: {}\n", getpid(), t,
+                                             log_level_name(level), message);
   std::lock_guard lock(g_write_mutex);
   std::fputs(line.c_str(), stderr);
 }

@@ -8,7 +8,8 @@ namespace r2ccl {
 
 void RemoteRegion::encode(ByteWriter& w) const {
   w.u64(id).u64(length).u32(static_cast<std::uint32_t>(keys.size()));
-  for (auto k : keys) w.u64(k);
+  for (auto k : keys)
+    w.u64(k);
 }
 
 RemoteRegion RemoteRegion::decode(ByteReader& r) {
@@ -16,7 +17,8 @@ RemoteRegion RemoteRegion::decode(ByteReader& r) {
   rr.id = r.u64();
   rr.length = r.u64();
   const auto n = r.u32();
-  for (std::uint32_t i = 0; i < n && i < 64 && r.ok(); ++i) rr.keys.push_back(r.u64());
+  for (std::uint32_t i = 0; i < n && i < 64 && r.ok(); ++i)
+    rr.keys.push_back(r.u64());
   return rr;
 }
 

@@ -14,7 +14,9 @@ ProgressEngine::ProgressEngine()
         }
       }) {}
 
-ProgressEngine::~ProgressEngine() { stop(); }
+ProgressEngine::~ProgressEngine() {
+  stop();
+}
 
 void ProgressEngine::stop() {
   work_.reset();

@@ -6,18 +6,30 @@ namespace r2ccl {
 
 std::string_view error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kConfig: return "configuration error";
-    case ErrorCode::kBootstrap: return "bootstrap error";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kNetwork: return "network error";
-    case ErrorCode::kProtocol: return "protocol error";
-    case ErrorCode::kRemoteRefused: return "refused by peer";
-    case ErrorCode::kNotFound: return "not found";
-    case ErrorCode::kUnavailable: return "unavailable";
-    case ErrorCode::kAborted: return "aborted";
-    case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kConfig:
+      return "configuration error";
+    case ErrorCode::kBootstrap:
+      return "bootstrap error";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kNetwork:
+      return "network error";
+    case ErrorCode::kProtocol:
+      return "protocol error";
+    case ErrorCode::kRemoteRefused:
+      return "refused by peer";
+    case ErrorCode::kNotFound:
+      return "not found";
+    case ErrorCode::kUnavailable:
+      return "unavailable";
+    case ErrorCode::kAborted:
+      return "aborted";
+    case ErrorCode::kInternal:
+      return "internal error";
   }
   return "unknown error";
 }

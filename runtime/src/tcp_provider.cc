@@ -12,11 +12,11 @@
 #include <sys/socket.h>
 
 #include <atomic>
-#include "r2ccl/runtime/asio.h"
 #include <deque>
 #include <mutex>
 #include <random>
 #include <unordered_map>
+#include "r2ccl/runtime/asio.h"
 
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/progress.h"
@@ -61,8 +61,14 @@ using HeaderBytes = std::array<std::byte, kHeaderSize>;
 
 HeaderBytes encode(const FrameHeader& h) {
   ByteWriter w;
-  w.u16(kFrameMagic).u8(static_cast<std::uint8_t>(h.op)).u8(h.flags).u32(h.imm).u64(h.key)
-      .u64(h.offset).u64(h.length).u64(h.cookie);
+  w.u16(kFrameMagic)
+      .u8(static_cast<std::uint8_t>(h.op))
+      .u8(h.flags)
+      .u32(h.imm)
+      .u64(h.key)
+      .u64(h.offset)
+      .u64(h.length)
+      .u64(h.cookie);
   HeaderBytes out{};
   std::memcpy(out.data(), w.bytes().data(), kHeaderSize);
   return out;
@@ -102,7 +108,9 @@ struct Counters {
   std::atomic<std::uint64_t> dropped_connections{0};
 };
 
-std::string errno_text(const error_code& ec) { return ec.message(); }
+std::string errno_text(const error_code& ec) {
+  return ec.message();
+}
 
 // Binds a socket to a NIC: the address always, the device too where permitted.
 error_code bind_to_nic(tcp::socket& s, const RailNic& nic) {
@@ -128,8 +136,11 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
  public:
   TcpRail(tcp::socket socket, RailNic nic, std::shared_ptr<KeyTable> keys,
           std::shared_ptr<Counters> counters, RailHello hello)
-      : socket_(std::move(socket)), nic_(std::move(nic)), keys_(std::move(keys)),
-        counters_(std::move(counters)), hello_(hello) {
+      : socket_(std::move(socket)),
+        nic_(std::move(nic)),
+        keys_(std::move(keys)),
+        counters_(std::move(counters)),
+        hello_(hello) {
     error_code ec;
     auto l = socket_.local_endpoint(ec);
     auto r = socket_.remote_endpoint(ec);
@@ -152,14 +163,16 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   Status post_control(Bytes message) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
     if (message.size() > kMaxControl)
-      return {ErrorCode::kInvalidArgument, fmt::format("control message of {} bytes exceeds {}",
-                                                       message.size(), kMaxControl)};
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("control message of {} bytes exceeds {}", message.size(), kMaxControl)};
     FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message.size(), 0};
     queue(h, nullptr, 0, std::move(message));
     return Status::ok();
   }
 
-  void send_hello_ack() { queue(FrameHeader{FrameOp::kHelloAck, 0, 0, 0, 0, 0, 0}, nullptr, 0, {}); }
+  void send_hello_ack() {
+    queue(FrameHeader{FrameOp::kHelloAck, 0, 0, 0, 0, 0, 0}, nullptr, 0, {});
+  }
 
   void fence() override {
     events_ = nullptr;
@@ -209,8 +222,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     asio::async_write(socket_, buffers_, [self = shared_from_this()](error_code ec, std::size_t) {
       self->writing_ = false;
       if (self->closed_) return;
-      if (ec) return self->fail({ErrorCode::kNetwork, fmt::format("send failed on {}: {}",
-                                                                  self->description_, errno_text(ec))});
+      if (ec)
+        return self->fail({ErrorCode::kNetwork, fmt::format("send failed on {}: {}",
+                                                            self->description_, errno_text(ec))});
       self->kick();
     });
   }
@@ -231,7 +245,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       return fail({ErrorCode::kProtocol, fmt::format("truncated frame on rail {}: the peer closed "
                                                      "the connection in the middle of a {}",
                                                      description_, what)});
-    fail({ErrorCode::kNetwork, fmt::format("receive failed on {}: {}", description_, errno_text(ec))});
+    fail({ErrorCode::kNetwork,
+          fmt::format("receive failed on {}: {}", description_, errno_text(ec))});
   }
 
   void on_header() {
@@ -239,7 +254,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (!h) return fail(h.status().with_context(fmt::format("rail {}", description_)));
     cur_ = *h;
     switch (cur_.op) {
-      case FrameOp::kWrite: return on_write();
+      case FrameOp::kWrite:
+        return on_write();
       case FrameOp::kWriteAck:
         if (cur_.length != 0) return malformed("WRITE_ACK with a payload");
         if (events_) events_->on_write_confirmed(cur_.cookie);
@@ -248,10 +264,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         if (cur_.length > kMaxNackText) return malformed("WRITE_NACK reason too long");
         return read_payload(cur_.length, [this] {
           std::string why(reinterpret_cast<const char*>(payload_.data()), payload_.size());
-          if (events_) events_->on_write_refused(cur_.cookie, Status(ErrorCode::kRemoteRefused, why));
+          if (events_)
+            events_->on_write_refused(cur_.cookie, Status(ErrorCode::kRemoteRefused, why));
         });
       case FrameOp::kControl:
-        if (cur_.length > kMaxControl) return malformed(fmt::format("control message of {} bytes", cur_.length));
+        if (cur_.length > kMaxControl)
+          return malformed(fmt::format("control message of {} bytes", cur_.length));
         return read_payload(cur_.length, [this] {
           if (events_) events_->on_control(std::move(payload_));
         });
@@ -269,29 +287,34 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   template <typename F>
   void read_payload(std::size_t len, F&& then) {
     payload_.assign(len, std::byte{0});
-    asio::async_read(socket_, asio::buffer(payload_),
-                     [self = shared_from_this(), then = std::forward<F>(then)](error_code ec, std::size_t n) {
-                       if (self->closed_) return;
-                       if (ec) return self->fail_read(ec, n, "frame payload");
-                       then();
-                       if (!self->closed_) self->read_header();
-                     });
+    asio::async_read(
+        socket_, asio::buffer(payload_),
+        [self = shared_from_this(), then = std::forward<F>(then)](error_code ec, std::size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->fail_read(ec, n, "frame payload");
+          then();
+          if (!self->closed_) self->read_header();
+        });
   }
 
   void on_write() {
-    if (cur_.length > kMaxWrite) return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
+    if (cur_.length > kMaxWrite)
+      return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
     std::byte* dest = nullptr;
     std::string refusal;
     {
       std::lock_guard lock(keys_->mutex);
       auto it = keys_->regions.find(cur_.key);
       if (it == keys_->regions.end()) {
-        refusal = fmt::format("write of {} bytes at offset {} names key 0x{:x}, which is not "
-                              "registered on {}", cur_.length, cur_.offset, cur_.key, nic_.name);
+        refusal = fmt::format(
+            "write of {} bytes at offset {} names key 0x{:x}, which is not "
+            "registered on {}",
+            cur_.length, cur_.offset, cur_.key, nic_.name);
       } else if (cur_.offset > it->second.second || cur_.length > it->second.second - cur_.offset) {
-        refusal = fmt::format("write of {} bytes at offset {} falls outside the registered region "
-                              "of {} bytes (key 0x{:x} on {})", cur_.length, cur_.offset,
-                              it->second.second, cur_.key, nic_.name);
+        refusal = fmt::format(
+            "write of {} bytes at offset {} falls outside the registered region "
+            "of {} bytes (key 0x{:x} on {})",
+            cur_.length, cur_.offset, it->second.second, cur_.key, nic_.name);
       } else {
         dest = it->second.first + cur_.offset;
       }
@@ -303,16 +326,17 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       return drain(refusal);
     }
     const std::size_t len = cur_.length;
-    asio::async_read(socket_, asio::buffer(dest, len),
-                     [self = shared_from_this()](error_code ec, std::size_t n) {
-                       if (self->closed_) return;
-                       if (ec) return self->fail_read(ec, n, "write payload");
-                       const auto cookie = self->cur_.cookie;
-                       if (self->events_) self->events_->on_write_arrived(self->cur_.imm, self->cur_.length);
-                       if (self->closed_) return;
-                       self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
-                       self->read_header();
-                     });
+    asio::async_read(
+        socket_, asio::buffer(dest, len),
+        [self = shared_from_this()](error_code ec, std::size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->fail_read(ec, n, "write payload");
+          const auto cookie = self->cur_.cookie;
+          if (self->events_) self->events_->on_write_arrived(self->cur_.imm, self->cur_.length);
+          if (self->closed_) return;
+          self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
+          self->read_header();
+        });
   }
 
   // Reads and discards a refused write's payload, then tells the sender why.
@@ -327,7 +351,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     scratch_.resize(64 * 1024);
     const std::size_t n = std::min<std::size_t>(scratch_.size(), cur_.length - drained_);
     asio::async_read(socket_, asio::buffer(scratch_.data(), n),
-                     [self = shared_from_this(), refusal = std::move(refusal)](error_code ec, std::size_t got) mutable {
+                     [self = shared_from_this(), refusal = std::move(refusal)](
+                         error_code ec, std::size_t got) mutable {
                        if (self->closed_) return;
                        if (ec) return self->fail_read(ec, got, "write payload");
                        self->drained_ += got;
@@ -377,7 +402,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 class TcpProvider final : public Provider {
  public:
   TcpProvider(ProgressEngine& engine, std::vector<RailNic> devices, const Token& token)
-      : engine_(engine), devices_(std::move(devices)), token_(token),
+      : engine_(engine),
+        devices_(std::move(devices)),
+        token_(token),
         counters_(std::make_shared<Counters>()) {}
 
   ~TcpProvider() override {
@@ -395,17 +422,21 @@ class TcpProvider final : public Provider {
       auto d = std::make_unique<DeviceState>(engine_.io());
       error_code ec;
       tcp::endpoint ep(asio::ip::make_address_v4(nic.address, ec), 0);
-      if (ec) return {ErrorCode::kInvalidArgument, fmt::format("{}: '{}' is not an IPv4 address", nic.name, nic.address)};
+      if (ec)
+        return {ErrorCode::kInvalidArgument,
+                fmt::format("{}: '{}' is not an IPv4 address", nic.name, nic.address)};
       d->acceptor.open(ep.protocol(), ec);
       if (!ec) d->acceptor.bind(ep, ec);
       if (!ec) d->acceptor.listen(asio::socket_base::max_listen_connections, ec);
       if (ec)
-        return {ErrorCode::kNetwork, fmt::format("cannot listen on {} ({}): {}", nic.name, nic.address, ec.message())};
+        return {ErrorCode::kNetwork,
+                fmt::format("cannot listen on {} ({}): {}", nic.name, nic.address, ec.message())};
       d->port = d->acceptor.local_endpoint().port();
       state_.push_back(std::move(d));
     }
     engine_.call([this] {
-      for (std::size_t i = 0; i < state_.size(); ++i) accept(i);
+      for (std::size_t i = 0; i < state_.size(); ++i)
+        accept(i);
     });
     return Status::ok();
   }
@@ -413,7 +444,8 @@ class TcpProvider final : public Provider {
   std::string_view name() const override { return "tcp"; }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
-  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length) override {
+  Result<std::uint64_t> register_memory(std::size_t device, void* base,
+                                        std::size_t length) override {
     if (device >= state_.size())
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
     auto& t = *state_[device]->keys;
@@ -427,11 +459,13 @@ class TcpProvider final : public Provider {
   }
 
   Status deregister_memory(std::size_t device, std::uint64_t key) override {
-    if (device >= state_.size()) return {ErrorCode::kInvalidArgument, fmt::format("no device {}", device)};
+    if (device >= state_.size())
+      return {ErrorCode::kInvalidArgument, fmt::format("no device {}", device)};
     auto& t = *state_[device]->keys;
     std::lock_guard lock(t.mutex);
     if (t.regions.erase(key) == 0)
-      return {ErrorCode::kNotFound, fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
+      return {ErrorCode::kNotFound,
+              fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
     return Status::ok();
   }
 
@@ -452,11 +486,13 @@ class TcpProvider final : public Provider {
     auto addr = asio::ip::make_address_v4(host, ec);
     if (!r.finish("tcp endpoint").is_ok() || ec || device >= state_.size()) {
       engine_.post([handler = std::move(handler), host] {
-        handler(Status(ErrorCode::kProtocol, fmt::format("peer published a malformed tcp endpoint '{}'", host)));
+        handler(Status(ErrorCode::kProtocol,
+                       fmt::format("peer published a malformed tcp endpoint '{}'", host)));
       });
       return;
     }
-    engine_.post([this, device, ep = tcp::endpoint(addr, port), hello, timeout, handler = std::move(handler)]() mutable {
+    engine_.post([this, device, ep = tcp::endpoint(addr, port), hello, timeout,
+                  handler = std::move(handler)]() mutable {
       start_connect(device, ep, hello, timeout, std::move(handler));
     });
   }
@@ -489,8 +525,9 @@ class TcpProvider final : public Provider {
     const RailNic& nic = devices_[device];
     tcp::socket s(engine_.io());
     if (auto ec = bind_to_nic(s, nic))
-      return handler(Status(ErrorCode::kNetwork, fmt::format("cannot bind a rail socket to {} ({}): {}",
-                                                              nic.name, nic.address, ec.message())));
+      return handler(
+          Status(ErrorCode::kNetwork, fmt::format("cannot bind a rail socket to {} ({}): {}",
+                                                  nic.name, nic.address, ec.message())));
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     const std::string what = fmt::format("rail {} from {} ({}) to {}:{}", hello.rail, nic.name,
                                          nic.address, ep.address().to_string(), ep.port());
@@ -515,23 +552,30 @@ class TcpProvider final : public Provider {
       HeaderBytes h = encode(FrameHeader{FrameOp::kHello, 0, 0, 0, 0, payload.size(), 0});
       hs->out.assign(h.begin(), h.end());
       hs->out.insert(hs->out.end(), payload.begin(), payload.end());
-      asio::async_write(hs->socket, asio::buffer(hs->out), [this, hs, fail, finish, hello, device](error_code ec2, std::size_t) {
-        if (hs->done) return;
-        if (ec2) return fail(ec2.message());
-        asio::async_read(hs->socket, asio::buffer(hs->header), [this, hs, fail, finish, hello, device](error_code ec3, std::size_t) {
-          if (hs->done) return;
-          if (ec3)
-            return fail(ec3 == asio::error::eof ? "the peer closed the connection during the handshake (wrong token?)"
-                                                : ec3.message());
-          auto h3 = decode(hs->header);
-          if (!h3 || h3->op != FrameOp::kHelloAck || h3->length != 0) return fail("malformed handshake reply");
-          hs->done = true;
-          hs->timer.cancel();
-          auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device], state_[device]->keys,
-                                                counters_, hello);
-          (*finish)(std::shared_ptr<Rail>(rail));
-        });
-      });
+      asio::async_write(
+          hs->socket, asio::buffer(hs->out),
+          [this, hs, fail, finish, hello, device](error_code ec2, std::size_t) {
+            if (hs->done) return;
+            if (ec2) return fail(ec2.message());
+            asio::async_read(
+                hs->socket, asio::buffer(hs->header),
+                [this, hs, fail, finish, hello, device](error_code ec3, std::size_t) {
+                  if (hs->done) return;
+                  if (ec3)
+                    return fail(
+                        ec3 == asio::error::eof
+                            ? "the peer closed the connection during the handshake (wrong token?)"
+                            : ec3.message());
+                  auto h3 = decode(hs->header);
+                  if (!h3 || h3->op != FrameOp::kHelloAck || h3->length != 0)
+                    return fail("malformed handshake reply");
+                  hs->done = true;
+                  hs->timer.cancel();
+                  auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device],
+                                                        state_[device]->keys, counters_, hello);
+                  (*finish)(std::shared_ptr<Rail>(rail));
+                });
+          });
     });
   }
 
@@ -565,36 +609,40 @@ class TcpProvider final : public Provider {
     hs->timer.async_wait([drop](error_code e) {
       if (!e) drop("no hello within 5s");
     });
-    asio::async_read(hs->socket, asio::buffer(hs->header), [this, hs, drop, device](error_code e, std::size_t) {
-      if (hs->done) return;
-      if (e) return drop(fmt::format("closed before its hello ({})", e.message()));
-      auto h = decode(hs->header);
-      if (!h || h->op != FrameOp::kHello || h->length != kHelloSize) return drop("malformed hello");
-      hs->payload.resize(kHelloSize);
-      asio::async_read(hs->socket, asio::buffer(hs->payload), [this, hs, drop, device](error_code e2, std::size_t) {
-        if (hs->done) return;
-        if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
-        ByteReader r(hs->payload);
-        RailHello hello;
-        r.raw(hello.token.data(), hello.token.size());
-        hello.src_rank = r.u32();
-        hello.dst_rank = r.u32();
-        hello.rail = r.u32();
-        hello.epoch = r.u32();
-        if (hello.token != token_) return drop("wrong token");
-        if (!accept_handler_) return drop("not accepting rails yet");
-        hs->done = true;
-        hs->timer.cancel();
-        auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device], state_[device]->keys,
-                                              counters_, hello);
-        if (!accept_handler_(rail)) {
-          counters_->dropped_connections.fetch_add(1);
-          rail->fence();
-          return;
-        }
-        rail->send_hello_ack();
-      });
-    });
+    asio::async_read(
+        hs->socket, asio::buffer(hs->header), [this, hs, drop, device](error_code e, std::size_t) {
+          if (hs->done) return;
+          if (e) return drop(fmt::format("closed before its hello ({})", e.message()));
+          auto h = decode(hs->header);
+          if (!h || h->op != FrameOp::kHello || h->length != kHelloSize)
+            return drop("malformed hello");
+          hs->payload.resize(kHelloSize);
+          asio::async_read(hs->socket, asio::buffer(hs->payload),
+                           [this, hs, drop, device](error_code e2, std::size_t) {
+                             if (hs->done) return;
+                             if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
+                             ByteReader r(hs->payload);
+                             RailHello hello;
+                             r.raw(hello.token.data(), hello.token.size());
+                             hello.src_rank = r.u32();
+                             hello.dst_rank = r.u32();
+                             hello.rail = r.u32();
+                             hello.epoch = r.u32();
+                             if (hello.token != token_) return drop("wrong token");
+                             if (!accept_handler_) return drop("not accepting rails yet");
+                             hs->done = true;
+                             hs->timer.cancel();
+                             auto rail =
+                                 std::make_shared<TcpRail>(std::move(hs->socket), devices_[device],
+                                                           state_[device]->keys, counters_, hello);
+                             if (!accept_handler_(rail)) {
+                               counters_->dropped_connections.fetch_add(1);
+                               rail->fence();
+                               return;
+                             }
+                             rail->send_hello_ack();
+                           });
+        });
   }
 
   ProgressEngine& engine_;
@@ -607,9 +655,11 @@ class TcpProvider final : public Provider {
 
 }  // namespace
 
-Result<std::unique_ptr<Provider>> make_tcp_provider(ProgressEngine& engine, std::vector<RailNic> devices,
+Result<std::unique_ptr<Provider>> make_tcp_provider(ProgressEngine& engine,
+                                                    std::vector<RailNic> devices,
                                                     const Token& token) {
-  if (devices.empty()) return Status(ErrorCode::kInvalidArgument, "the tcp provider needs at least one NIC");
+  if (devices.empty())
+    return Status(ErrorCode::kInvalidArgument, "the tcp provider needs at least one NIC");
   auto p = std::make_unique<TcpProvider>(engine, std::move(devices), token);
   R2CCL_RETURN_IF_ERROR(p->open());
   return std::unique_ptr<Provider>(std::move(p));

@@ -138,7 +138,8 @@ Result<std::string> interface_ipv4(const std::string& name) {
     return i.ipv4;
   }
   std::vector<std::string> names;
-  for (const auto& i : list) names.push_back(i.name);
+  for (const auto& i : list)
+    names.push_back(i.name);
   return Status(ErrorCode::kNotFound, fmt::format("no interface named '{}' on this host (have: {})",
                                                   name, fmt::join(names, ", ")));
 }
@@ -172,13 +173,15 @@ Result<std::vector<RailNic>> select_rails(const Topology& topo,
         auto owner = std::find_if(topo.interfaces.begin(), topo.interfaces.end(),
                                   [&](const auto& i) { return i.ipv4 == want; });
         RailNic r{want, want, -1, ""};
-        if (owner != topo.interfaces.end()) r = RailNic{want, want, owner->numa_node, owner->pci_bus_id};
+        if (owner != topo.interfaces.end())
+          r = RailNic{want, want, owner->numa_node, owner->pci_bus_id};
         rails.push_back(r);
         continue;
       }
       return Status(ErrorCode::kConfig,
                     fmt::format("R2CCL_NICS: no interface named '{}' on this host (interfaces with "
-                                "an IPv4 address: {})", want, fmt::join(usable, ", ")));
+                                "an IPv4 address: {})",
+                                want, fmt::join(usable, ", ")));
     }
     return rails;
   }

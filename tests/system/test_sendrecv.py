@@ -228,3 +228,33 @@ def test_mpirun_two_ranks(perf):
     assert r.returncode == 0, r.describe()
     assert "# r2ccl-perf sendrecv: 2 ranks" in r.stdout, r.describe()
     assert_all_ok([r])
+
+
+# ------------------------------------------------------------------- failures at run time
+
+
+def test_size_mismatch_between_ranks_is_reported(perf):
+    """Rank 0 sends 1M while rank 1 posts 2M: both fail (rc 2) with a clear message
+    instead of hanging or 'verifying' garbage."""
+    procs, _ = loop_ranks(2, ["sendrecv", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1", "-c", "1"],
+                          extra_env={"R2CCL_TIMEOUT": "5s"})
+    procs[1].args = ["sendrecv", "-b", "2M", "-e", "2M", "-n", "2", "-w", "1", "-c", "1"]
+    res = launch_ranks(procs, timeout=60)
+    assert [r.returncode for r in res] == [2, 2], describe(res)
+    assert "size mismatch" in res[0].stderr and "1048576" in res[0].stderr and "2097152" in res[0].stderr, \
+        describe(res)
+    assert CHECK_LINE not in res[0].stdout, describe(res)
+
+
+def test_peer_killed_midway(perf):
+    """Rank 1 is SIGKILLed in the middle of a 64 MiB transfer on a shaped testbed:
+    rank 0 must exit 2 with an error naming rank 1 (not hang, not succeed)."""
+    args = ["sendrecv", "-b", "64M", "-e", "64M", "-n", "3", "-w", "1", "-c", "1"]
+    with Testbed(hosts=2, nics=2, rate="100mbit") as tb:
+        procs = tb_ranks(tb, 2, args, extra_env={"R2CCL_TIMEOUT": "5s"})
+        procs[1].argv = ["timeout", "-s", "KILL", "2", str(PERF), *args]
+        r0, r1 = launch_ranks(procs, testbed=tb, timeout=90)
+    assert r1.returncode == 137, describe([r0, r1])
+    assert r0.returncode == 2, describe([r0, r1])
+    assert "rank 1" in r0.stderr, describe([r0, r1])
+    assert CHECK_LINE not in r0.stdout, describe([r0, r1])

@@ -12,7 +12,8 @@ namespace {
 
 using std::chrono::milliseconds;
 
-BootstrapOptions options(int rank, int nranks, std::uint16_t port, milliseconds timeout = milliseconds(5000)) {
+BootstrapOptions options(int rank, int nranks, std::uint16_t port,
+                         milliseconds timeout = milliseconds(5000)) {
   BootstrapOptions o;
   o.rank = rank;
   o.nranks = nranks;
@@ -21,7 +22,9 @@ BootstrapOptions options(int rank, int nranks, std::uint16_t port, milliseconds 
   return o;
 }
 
-Bytes info_of(int rank) { return ByteWriter().str("rank-" + std::to_string(rank)).take(); }
+Bytes info_of(int rank) {
+  return ByteWriter().str("rank-" + std::to_string(rank)).take();
+}
 
 std::future<Result<std::unique_ptr<Bootstrap>>> join_async(BootstrapOptions o) {
   return std::async(std::launch::async, [o] { return Bootstrap::join(o, info_of(o.rank)); });
@@ -30,7 +33,8 @@ std::future<Result<std::unique_ptr<Bootstrap>>> join_async(BootstrapOptions o) {
 TEST(Bootstrap, FourRanksRendezvousAllGatherAndBarrier) {
   const auto port = test::free_port();
   std::vector<std::future<Result<std::unique_ptr<Bootstrap>>>> futures;
-  for (int r = 3; r >= 0; --r) futures.push_back(join_async(options(r, 4, port)));  // rank 0 last
+  for (int r = 3; r >= 0; --r)
+    futures.push_back(join_async(options(r, 4, port)));  // rank 0 last
   std::vector<std::unique_ptr<Bootstrap>> ranks(4);
   for (auto& f : futures) {
     auto b = f.get();
@@ -41,7 +45,8 @@ TEST(Bootstrap, FourRanksRendezvousAllGatherAndBarrier) {
   for (int r = 0; r < 4; ++r) {
     const auto& info = ranks[static_cast<std::size_t>(r)]->rank_info();
     ASSERT_EQ(info.size(), 4u);
-    for (int p = 0; p < 4; ++p) EXPECT_EQ(info[static_cast<std::size_t>(p)], info_of(p));
+    for (int p = 0; p < 4; ++p)
+      EXPECT_EQ(info[static_cast<std::size_t>(p)], info_of(p));
     EXPECT_EQ(ranks[static_cast<std::size_t>(r)]->control_address(), "127.0.0.1");
   }
   // Two rounds of all-gather on the control path, then a barrier.
@@ -64,8 +69,11 @@ TEST(Bootstrap, FourRanksRendezvousAllGatherAndBarrier) {
   }
   std::vector<std::future<Status>> barriers;
   for (int r = 0; r < 4; ++r)
-    barriers.push_back(std::async(std::launch::async, [&, r] { return ranks[static_cast<std::size_t>(r)]->barrier(milliseconds(5000)); }));
-  for (auto& b : barriers) EXPECT_TRUE(b.get().is_ok());
+    barriers.push_back(std::async(std::launch::async, [&, r] {
+      return ranks[static_cast<std::size_t>(r)]->barrier(milliseconds(5000));
+    }));
+  for (auto& b : barriers)
+    EXPECT_TRUE(b.get().is_ok());
 }
 
 TEST(Bootstrap, UniqueIdCarriesAddressAndRandomToken) {
@@ -95,7 +103,8 @@ TEST(Bootstrap, UniqueIdCarriesAddressAndRandomToken) {
   wrong->timeout = milliseconds(2000);
   auto w = Bootstrap::join(*wrong, info_of(1));
   ASSERT_FALSE(w.is_ok());
-  EXPECT_NE(w.status().message().find("wrong bootstrap token"), std::string::npos) << w.status().message();
+  EXPECT_NE(w.status().message().find("wrong bootstrap token"), std::string::npos)
+      << w.status().message();
 }
 
 TEST(Bootstrap, WrongTokenIsRefusedAndRankZeroTimesOutNamingIt) {
@@ -107,14 +116,16 @@ TEST(Bootstrap, WrongTokenIsRefusedAndRankZeroTimesOutNamingIt) {
   auto b1 = Bootstrap::join(o1, info_of(1));
   ASSERT_FALSE(b1.is_ok());
   EXPECT_EQ(b1.status().code(), ErrorCode::kBootstrap);
-  EXPECT_NE(b1.status().message().find("wrong bootstrap token: it does not match rank 0's"), std::string::npos)
+  EXPECT_NE(b1.status().message().find("wrong bootstrap token: it does not match rank 0's"),
+            std::string::npos)
       << b1.status().message();
   auto b0 = f0.get();
   ASSERT_FALSE(b0.is_ok());
   const std::string m = b0.status().message();
   EXPECT_NE(m.find("timed out after 1500ms waiting at rank 0 (127.0.0.1:" + std::to_string(port) +
                    ") for rank(s) 1 to join (1 of 2 joined)"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   EXPECT_NE(m.find("refused: 127.0.0.1:"), std::string::npos) << m;
   EXPECT_NE(m.find("wrong bootstrap token"), std::string::npos) << m;
 }
@@ -124,8 +135,10 @@ TEST(Bootstrap, MismatchedWorldSizeIsRefused) {
   auto f0 = join_async(options(0, 2, port, milliseconds(1500)));
   auto b1 = Bootstrap::join(options(1, 3, port, milliseconds(1500)), info_of(1));
   ASSERT_FALSE(b1.is_ok());
-  EXPECT_NE(b1.status().message().find("world size mismatch: this process has 3 ranks, rank 0 has 2"),
-            std::string::npos) << b1.status().message();
+  EXPECT_NE(
+      b1.status().message().find("world size mismatch: this process has 3 ranks, rank 0 has 2"),
+      std::string::npos)
+      << b1.status().message();
   EXPECT_FALSE(f0.get().is_ok());
 }
 
@@ -151,8 +164,10 @@ TEST(Bootstrap, TwoProcessesClaimingOneRank) {
   std::this_thread::sleep_for(milliseconds(300));
   auto dup = Bootstrap::join(options(1, 3, port), info_of(1));
   ASSERT_FALSE(dup.is_ok());
-  EXPECT_NE(dup.status().message().find("rank 1 is already taken by another process (connected from 127.0.0.1:"),
-            std::string::npos) << dup.status().message();
+  EXPECT_NE(dup.status().message().find(
+                "rank 1 is already taken by another process (connected from 127.0.0.1:"),
+            std::string::npos)
+      << dup.status().message();
   auto b2 = Bootstrap::join(options(2, 3, port), info_of(2));
   EXPECT_TRUE(b2.is_ok()) << b2.status().to_string();
   auto b0 = f0.get();  // rank 0 (and its root) stays alive below
@@ -163,7 +178,8 @@ TEST(Bootstrap, TwoProcessesClaimingOneRank) {
   auto late = Bootstrap::join(options(1, 3, port, milliseconds(1000)), info_of(1));
   ASSERT_FALSE(late.is_ok());
   EXPECT_NE(late.status().message().find("joined after the rendezvous of all 3 ranks completed"),
-            std::string::npos) << late.status().message();
+            std::string::npos)
+      << late.status().message();
 }
 
 TEST(Bootstrap, UnreachableRankZeroFailsAfterTheTimeoutNamingTheAddress) {
@@ -173,16 +189,21 @@ TEST(Bootstrap, UnreachableRankZeroFailsAfterTheTimeoutNamingTheAddress) {
   const auto took = std::chrono::steady_clock::now() - t0;
   ASSERT_FALSE(b.is_ok());
   EXPECT_EQ(b.status().code(), ErrorCode::kBootstrap);
-  EXPECT_NE(b.status().message().find("could not reach rank 0 at 127.0.0.1:" + std::to_string(port) + " within 700ms"),
-            std::string::npos) << b.status().message();
-  EXPECT_NE(b.status().message().find("Connection refused"), std::string::npos) << b.status().message();
+  EXPECT_NE(b.status().message().find(
+                "could not reach rank 0 at 127.0.0.1:" + std::to_string(port) + " within 700ms"),
+            std::string::npos)
+      << b.status().message();
+  EXPECT_NE(b.status().message().find("Connection refused"), std::string::npos)
+      << b.status().message();
   EXPECT_LT(took, std::chrono::seconds(10));  // generous: only catches a hang
 }
 
 TEST(Bootstrap, RankZeroCannotListenOnAForeignAddress) {
-  auto b = Bootstrap::join(BootstrapOptions{0, 1, HostPort{"198.18.255.254", 29999}, {}, milliseconds(500), ""}, {});
+  auto b = Bootstrap::join(
+      BootstrapOptions{0, 1, HostPort{"198.18.255.254", 29999}, {}, milliseconds(500), ""}, {});
   ASSERT_FALSE(b.is_ok());
-  EXPECT_NE(b.status().message().find("rank 0 cannot listen on 198.18.255.254:29999"), std::string::npos)
+  EXPECT_NE(b.status().message().find("rank 0 cannot listen on 198.18.255.254:29999"),
+            std::string::npos)
       << b.status().message();
 }
 
@@ -196,8 +217,10 @@ TEST(Bootstrap, ARankLeavingFailsTheOthersCollectivesInsteadOfHanging) {
   b1->reset();  // rank 1 goes away
   auto r = (*b0)->allgather({}, milliseconds(3000));
   ASSERT_FALSE(r.is_ok());
-  EXPECT_NE(r.status().message().find("rank 1 (127.0.0.1:"), std::string::npos) << r.status().message();
-  EXPECT_NE(r.status().message().find("left the control path"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("rank 1 (127.0.0.1:"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("left the control path"), std::string::npos)
+      << r.status().message();
 }
 
 }  // namespace

@@ -23,7 +23,8 @@ TEST(ArrivalSet, CountsEachChunkOnceAndIgnoresOutOfRange) {
   auto missing = s.missing();
   EXPECT_EQ(missing.size(), 128u);
   EXPECT_EQ(missing.front(), 1u);
-  for (std::uint32_t i = 0; i < 130; ++i) s.mark(i);
+  for (std::uint32_t i = 0; i < 130; ++i)
+    s.mark(i);
   EXPECT_TRUE(s.complete());
   EXPECT_TRUE(ArrivalSet(0).complete());
 }
@@ -80,7 +81,8 @@ TEST(RailScheduler, SharesFollowWeights) {
   s.set_weight(0, 3.0);
   s.set_weight(1, 1.0);
   std::vector<int> picks(2, 0);
-  for (int i = 0; i < 400; ++i) ++picks[*s.pick(1000)];
+  for (int i = 0; i < 400; ++i)
+    ++picks[*s.pick(1000)];
   EXPECT_EQ(picks[0], 300);
   EXPECT_EQ(picks[1], 100);
 }
@@ -88,10 +90,12 @@ TEST(RailScheduler, SharesFollowWeights) {
 TEST(RailScheduler, ARailComingBackStartsLevelInsteadOfTakingEverything) {
   RailScheduler s(2, 1ull << 40);
   s.set_usable(1, false);
-  for (int i = 0; i < 100; ++i) EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
+  for (int i = 0; i < 100; ++i)
+    EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
   s.set_usable(1, true);
   std::vector<int> picks(2, 0);
-  for (int i = 0; i < 10; ++i) ++picks[*s.pick(1000)];
+  for (int i = 0; i < 10; ++i)
+    ++picks[*s.pick(1000)];
   EXPECT_EQ(picks[0], 5);
   EXPECT_EQ(picks[1], 5);
 }

@@ -62,7 +62,8 @@ TEST(Config, TakesRankAndSizeFromMpirun) {
   EXPECT_EQ(*c->rank, 1);
   EXPECT_EQ(*c->nranks, 2);
   // R2CCL_* wins over mpirun's variables.
-  auto d = parse_config(env_of({{"R2CCL_RANK", "0"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"PMI_SIZE", "2"}}));
+  auto d =
+      parse_config(env_of({{"R2CCL_RANK", "0"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"PMI_SIZE", "2"}}));
   ASSERT_TRUE(d.is_ok());
   EXPECT_EQ(*d->rank, 0);
   EXPECT_EQ(*d->nranks, 2);
@@ -99,7 +100,8 @@ INSTANTIATE_TEST_SUITE_P(
                     BadValue{"R2CCL_BOOTSTRAP", "198.19.0.1", "host:port"},
                     BadValue{"R2CCL_BOOTSTRAP", "h:70000", "host:port"},
                     BadValue{"R2CCL_BOOTSTRAP_TOKEN", "abc", "32 hexadecimal digits"},
-                    BadValue{"R2CCL_BOOTSTRAP_TOKEN", "zz112233445566778899aabbccddeeff", "32 hexadecimal digits"},
+                    BadValue{"R2CCL_BOOTSTRAP_TOKEN", "zz112233445566778899aabbccddeeff",
+                             "32 hexadecimal digits"},
                     BadValue{"R2CCL_BOOTSTRAP_TIMEOUT", "soon", "a duration"},
                     BadValue{"R2CCL_TIMEOUT", "5parsecs", "a duration"},
                     BadValue{"R2CCL_CONNECT_TIMEOUT", "1ms", "at least 10ms"},

@@ -44,7 +44,8 @@ World make_world(int n, std::map<std::string, std::string> extra = {}) {
 
 std::vector<std::byte> pattern(std::size_t n, int seed) {
   std::vector<std::byte> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(seed) * 17) >> 3);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(seed) * 17) >> 3);
   return v;
 }
 
@@ -84,10 +85,12 @@ TEST(Fabric, SendRecvOfEverySizeArrivesIntactOverAllRails) {
     EXPECT_EQ(r.peer, 1);
   }
   std::uint64_t total = 0;
-  for (const auto& r : snap) total += r.tx_bytes;
+  for (const auto& r : snap)
+    total += r.tx_bytes;
   EXPECT_EQ(total, 1u + 4095 + 65536 + 65537 + max);  // each byte confirmed exactly once
   std::uint64_t rx = 0;
-  for (const auto& r : b.rail_snapshot()) rx += r.rx_bytes;
+  for (const auto& r : b.rail_snapshot())
+    rx += r.rx_bytes;
   EXPECT_EQ(rx, total);
 }
 
@@ -110,7 +113,8 @@ TEST(Fabric, ManyMessagesInFlightBothWaysMatchInOrder) {
       ops.push_back(*w.ranks[r]->irecv(1 - r, rd[r], m * kLen, kLen));
       ops.push_back(*w.ranks[r]->isend(1 - r, rs[r], m * kLen, kLen));
     }
-  for (auto& op : ops) ASSERT_TRUE(w.ranks[0]->wait(op).is_ok());
+  for (auto& op : ops)
+    ASSERT_TRUE(w.ranks[0]->wait(op).is_ok());
   EXPECT_EQ(dst[0], src[1]);
   EXPECT_EQ(dst[1], src[0]);
 }
@@ -134,7 +138,8 @@ TEST(Fabric, ThreeRanksRingAndMessagesToSelf) {
     ops.push_back(*w.ranks[r]->irecv(r, d, kLen, kLen));  // to self
     ops.push_back(*w.ranks[r]->isend(r, s, 0, kLen));
   }
-  for (auto& op : ops) ASSERT_TRUE(w.ranks[0]->wait(op).is_ok()) << op->status().to_string();
+  for (auto& op : ops)
+    ASSERT_TRUE(w.ranks[0]->wait(op).is_ok()) << op->status().to_string();
   for (int r = 0; r < 3; ++r) {
     EXPECT_TRUE(std::equal(src[(r + 2) % 3].begin(), src[(r + 2) % 3].end(), dst[r].begin())) << r;
     EXPECT_TRUE(std::equal(src[r].begin(), src[r].end(), dst[r].begin() + kLen)) << r;
@@ -151,7 +156,9 @@ TEST(Fabric, SizeMismatchFailsBothSidesWithAClearErrorAndTheFabricStaysUsable) {
   auto send = *w.ranks[0]->isend(1, rs, 0, 100);
   Status s = w.ranks[0]->wait(send);
   Status r = w.ranks[1]->wait(recv);
-  const std::string want = "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, the receiver posted 200 bytes";
+  const std::string want =
+      "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, the "
+      "receiver posted 200 bytes";
   EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(s.message(), want);
   EXPECT_EQ(r.message(), want);
@@ -176,7 +183,8 @@ TEST(Fabric, BadArgumentsAreRefusedWithTheirReason) {
   auto e3 = a.isend(1, nullptr, 0, 10);
   EXPECT_EQ(e3.status().message(), "send: the buffer is not registered (null region)");
   auto e4 = a.isend(1, reg, 50, 51);
-  EXPECT_EQ(e4.status().message(), "send: 51 bytes at offset 50 exceed the registered region of 100 bytes");
+  EXPECT_EQ(e4.status().message(),
+            "send: 51 bytes at offset 50 exceed the registered region of 100 bytes");
   auto e5 = a.isend(1, reg, SIZE_MAX, 2);
   EXPECT_EQ(e5.status().code(), ErrorCode::kInvalidArgument);
   auto e6 = a.register_memory(nullptr, 5);
@@ -191,9 +199,12 @@ TEST(Fabric, ASendWithoutAMatchingReceiveFailsAtTheDeadline) {
   auto op = *w.ranks[0]->isend(1, reg, 0, 100);
   Status s = w.ranks[0]->wait(op);
   EXPECT_EQ(s.code(), ErrorCode::kTimeout);
-  EXPECT_NE(s.message().find("send #0 of 100 bytes to rank 1 timed out after 300ms (rank 1 never posted the matching receive)"),
-            std::string::npos) << s.message();
-  EXPECT_NE(s.message().find("rails: 0 (127.0.10.1 -> 127.0.11.1) up"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("send #0 of 100 bytes to rank 1 timed out after 300ms (rank 1 never "
+                             "posted the matching receive)"),
+            std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("rails: 0 (127.0.10.1 -> 127.0.11.1) up"), std::string::npos)
+      << s.message();
 }
 
 }  // namespace

@@ -27,11 +27,21 @@ struct Recorder final : RailEvents {
   std::vector<Bytes> control;
   std::vector<std::string> failed;
 
-  void on_write_confirmed(std::uint64_t c) override { push([&] { confirmed.push_back(c); }); }
-  void on_write_refused(std::uint64_t c, const Status& why) override { push([&] { refused.emplace_back(c, why.message()); }); }
-  void on_write_arrived(std::uint32_t imm, std::size_t n) override { push([&] { arrived.emplace_back(imm, n); }); }
-  void on_control(Bytes b) override { push([&] { control.push_back(std::move(b)); }); }
-  void on_rail_failed(const Status& why) override { push([&] { failed.push_back(why.message()); }); }
+  void on_write_confirmed(std::uint64_t c) override {
+    push([&] { confirmed.push_back(c); });
+  }
+  void on_write_refused(std::uint64_t c, const Status& why) override {
+    push([&] { refused.emplace_back(c, why.message()); });
+  }
+  void on_write_arrived(std::uint32_t imm, std::size_t n) override {
+    push([&] { arrived.emplace_back(imm, n); });
+  }
+  void on_control(Bytes b) override {
+    push([&] { control.push_back(std::move(b)); });
+  }
+  void on_rail_failed(const Status& why) override {
+    push([&] { failed.push_back(why.message()); });
+  }
 
   template <typename F>
   void push(F f) {
@@ -48,7 +58,9 @@ struct Recorder final : RailEvents {
   }
 };
 
-RailNic nic(const std::string& a) { return RailNic{a, a, -1, ""}; }
+RailNic nic(const std::string& a) {
+  return RailNic{a, a, -1, ""};
+}
 Token token_of(std::uint8_t b) {
   Token t{};
   t.fill(b);
@@ -72,7 +84,8 @@ class TcpProviderTest : public testing::Test {
   }
   void TearDown() override {
     engine_.call([this] {
-      for (auto& r : accepted_) r->fence();
+      for (auto& r : accepted_)
+        r->fence();
       if (rail_a_) rail_a_->fence();
     });
   }
@@ -103,13 +116,17 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   auto r = open(token_of(7));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   rail_a_ = *r;
-  EXPECT_NE(rail_a_->describe().find("127.0.0.51 127.0.0.51:"), std::string::npos) << rail_a_->describe();
+  EXPECT_NE(rail_a_->describe().find("127.0.0.51 127.0.0.51:"), std::string::npos)
+      << rail_a_->describe();
 
   std::vector<std::byte> src(100000);
-  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 7 + 3);
-  ASSERT_TRUE(engine_.call([&] {
-    return rail_a_->post_write({src.data(), src.size(), *key, 1000, 42, 9});
-  }).is_ok());
+  for (std::size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<std::byte>(i * 7 + 3);
+  ASSERT_TRUE(
+      engine_.call([&] {
+               return rail_a_->post_write({src.data(), src.size(), *key, 1000, 42, 9});
+             })
+          .is_ok());
   ASSERT_TRUE(a_events_.wait([&] { return !a_events_.confirmed.empty(); }));
   EXPECT_EQ(a_events_.confirmed[0], 9u);
   ASSERT_TRUE(b_events_.wait([&] { return !b_events_.arrived.empty(); }));
@@ -119,7 +136,10 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   EXPECT_EQ(dst[1000 + src.size()], std::byte{0});
 
   // A control message in each direction.
-  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}}); }).is_ok());
+  ASSERT_TRUE(engine_.call([&] {
+                       return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}});
+                     })
+                  .is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return !b_events_.control.empty(); }));
   EXPECT_EQ(b_events_.control[0], (Bytes{std::byte{1}, std::byte{2}}));
   EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
@@ -137,17 +157,23 @@ TEST_F(TcpProviderTest, WriteOutsideTheRegionIsRefusedAndReportedAndTheRailStays
     (void)rail_a_->post_write({src.data(), 100, *key + 1, 0, 2, 2});  // unknown key
     (void)rail_a_->post_write({src.data(), 100, *key, 3996, 3, 3});   // exactly fits
   });
-  ASSERT_TRUE(a_events_.wait([&] { return a_events_.refused.size() == 2 && a_events_.confirmed.size() == 1; }));
+  ASSERT_TRUE(a_events_.wait(
+      [&] { return a_events_.refused.size() == 2 && a_events_.confirmed.size() == 1; }));
   EXPECT_EQ(a_events_.refused[0].first, 1u);
-  EXPECT_NE(a_events_.refused[0].second.find("write of 100 bytes at offset 4050 falls outside the registered region of 4096 bytes"),
-            std::string::npos) << a_events_.refused[0].second;
+  EXPECT_NE(
+      a_events_.refused[0].second.find(
+          "write of 100 bytes at offset 4050 falls outside the registered region of 4096 bytes"),
+      std::string::npos)
+      << a_events_.refused[0].second;
   EXPECT_EQ(a_events_.refused[1].first, 2u);
-  EXPECT_NE(a_events_.refused[1].second.find("which is not registered on 127.0.0.52"), std::string::npos);
+  EXPECT_NE(a_events_.refused[1].second.find("which is not registered on 127.0.0.52"),
+            std::string::npos);
   EXPECT_EQ(a_events_.confirmed[0], 3u);
   EXPECT_EQ(b_->counters().refused_writes, 2u);
   EXPECT_TRUE(a_events_.failed.empty());
   EXPECT_TRUE(b_events_.failed.empty());
-  for (std::size_t i = 0; i < 3996; ++i) ASSERT_EQ(dst[i], std::byte{0}) << i;
+  for (std::size_t i = 0; i < 3996; ++i)
+    ASSERT_EQ(dst[i], std::byte{0}) << i;
   EXPECT_EQ(dst[4095], std::byte{0x5a});
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == 1; }));
   EXPECT_EQ(b_events_.arrived[0].first, 3u);
@@ -183,9 +209,20 @@ class RawPeer {
 
   static Bytes header(std::uint16_t magic, std::uint8_t op, std::uint64_t key, std::uint64_t offset,
                       std::uint64_t length, std::uint64_t cookie = 0, std::uint32_t imm = 0) {
-    return ByteWriter().u16(magic).u8(op).u8(0).u32(imm).u64(key).u64(offset).u64(length).u64(cookie).take();
+    return ByteWriter()
+        .u16(magic)
+        .u8(op)
+        .u8(0)
+        .u32(imm)
+        .u64(key)
+        .u64(offset)
+        .u64(length)
+        .u64(cookie)
+        .take();
   }
-  void send(const Bytes& b) { ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size())); }
+  void send(const Bytes& b) {
+    ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
+  }
   void hello(const Token& t) {
     Bytes payload = ByteWriter().raw(t.data(), t.size()).u32(0).u32(1).u32(0).u32(0).take();
     Bytes h = header(0x3252, 1, 0, 0, payload.size());
@@ -235,7 +272,8 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
   ASSERT_TRUE(b_events_.wait([&] { return accepted_.size() == 2; }));
   p.send(RawPeer::header(0xdead, 3, 0, 0, 0));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 1; }));
-  EXPECT_NE(b_events_.failed[0].find("malformed frame: bad magic 0xdead"), std::string::npos) << b_events_.failed[0];
+  EXPECT_NE(b_events_.failed[0].find("malformed frame: bad magic 0xdead"), std::string::npos)
+      << b_events_.failed[0];
   EXPECT_EQ(p.read_some(40), 0);  // that rail is closed
 
   // An unknown op and an oversized control message are malformed too.
@@ -244,13 +282,15 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
   ASSERT_EQ(q.read_some(40), 40);
   q.send(RawPeer::header(0x3252, 77, 0, 0, 0));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 2; }));
-  EXPECT_NE(b_events_.failed[1].find("unknown frame op 77"), std::string::npos) << b_events_.failed[1];
+  EXPECT_NE(b_events_.failed[1].find("unknown frame op 77"), std::string::npos)
+      << b_events_.failed[1];
   RawPeer s(b_->endpoint(0));
   s.hello(token_of(7));
   ASSERT_EQ(s.read_some(40), 40);
   s.send(RawPeer::header(0x3252, 6, 0, 0, 1ull << 40));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 3; }));
-  EXPECT_NE(b_events_.failed[2].find("control message of 1099511627776 bytes"), std::string::npos) << b_events_.failed[2];
+  EXPECT_NE(b_events_.failed[2].find("control message of 1099511627776 bytes"), std::string::npos)
+      << b_events_.failed[2];
 
   // The well-behaved rail still works.
   ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{9}}); }).is_ok());
@@ -267,8 +307,10 @@ TEST_F(TcpProviderTest, ATruncatedFrameClosesThatRail) {
   p.send(h);
   p.close_now();
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 1; }));
-  EXPECT_NE(b_events_.failed[0].find("truncated frame on rail"), std::string::npos) << b_events_.failed[0];
-  EXPECT_NE(b_events_.failed[0].find("in the middle of a frame payload"), std::string::npos) << b_events_.failed[0];
+  EXPECT_NE(b_events_.failed[0].find("truncated frame on rail"), std::string::npos)
+      << b_events_.failed[0];
+  EXPECT_NE(b_events_.failed[0].find("in the middle of a frame payload"), std::string::npos)
+      << b_events_.failed[0];
   EXPECT_TRUE(b_events_.control.empty());
 }
 

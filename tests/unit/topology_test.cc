@@ -10,7 +10,8 @@ namespace {
 TEST(Topology, FindsLoopbackWithItsAddress) {
   auto t = discover_topology();
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
-  auto lo = std::find_if(t->interfaces.begin(), t->interfaces.end(), [](const auto& i) { return i.name == "lo"; });
+  auto lo = std::find_if(t->interfaces.begin(), t->interfaces.end(),
+                         [](const auto& i) { return i.name == "lo"; });
   ASSERT_NE(lo, t->interfaces.end());
   EXPECT_TRUE(lo->loopback);
   EXPECT_EQ(lo->ipv4, "127.0.0.1");
@@ -21,7 +22,8 @@ TEST(Topology, FindsLoopbackWithItsAddress) {
 TEST(Topology, UnknownInterfaceIsNamedWithWhatExists) {
   auto a = interface_ipv4("nosuch0");
   ASSERT_FALSE(a.is_ok());
-  EXPECT_NE(a.status().message().find("no interface named 'nosuch0' on this host (have: "), std::string::npos);
+  EXPECT_NE(a.status().message().find("no interface named 'nosuch0' on this host (have: "),
+            std::string::npos);
   EXPECT_NE(a.status().message().find("lo"), std::string::npos);
 }
 
@@ -42,7 +44,8 @@ TEST(Topology, BadRailEntriesAreNamed) {
   ASSERT_TRUE(t.is_ok());
   auto a = select_rails(*t, {"lo", "nosuch0"}, "");
   ASSERT_FALSE(a.is_ok());
-  EXPECT_NE(a.status().message().find("R2CCL_NICS: no interface named 'nosuch0' on this host"), std::string::npos)
+  EXPECT_NE(a.status().message().find("R2CCL_NICS: no interface named 'nosuch0' on this host"),
+            std::string::npos)
       << a.status().message();
   auto b = select_rails(*t, {"198.18.255.254"}, "");
   ASSERT_FALSE(b.is_ok());
@@ -66,7 +69,8 @@ TEST(Topology, DefaultRailsSkipLoopbackAndTheControlInterface) {
   EXPECT_EQ((*rails)[1].name, "eth4");
 
   Topology only_control;
-  only_control.interfaces = {{"lo", "127.0.0.1", true, true, -1, "", ""}, {"eth0", "198.19.0.1", true, false, -1, "", ""}};
+  only_control.interfaces = {{"lo", "127.0.0.1", true, true, -1, "", ""},
+                             {"eth0", "198.19.0.1", true, false, -1, "", ""}};
   auto none = select_rails(only_control, {}, "198.19.0.1");
   ASSERT_FALSE(none.is_ok());
   EXPECT_NE(none.status().message().find("no NIC to use as a rail"), std::string::npos);

@@ -35,8 +35,8 @@ struct Config {
   std::optional<HostPort> bootstrap;  // rank 0's listener
   Token bootstrap_token{};            // all zero unless R2CCL_BOOTSTRAP_TOKEN is set
   std::chrono::milliseconds bootstrap_timeout{30000};
-  std::string socket_ifname;          // control-path interface; empty: the one reaching rank 0
-  std::vector<std::string> nics;      // rails; empty: every up, addressed, non-control interface
+  std::string socket_ifname;      // control-path interface; empty: the one reaching rank 0
+  std::vector<std::string> nics;  // rails; empty: every up, addressed, non-control interface
   std::string provider = "tcp";
   std::size_t chunk_size = 512 * 1024;
   std::size_t rail_window = 2 * 1024 * 1024;
@@ -67,7 +67,7 @@ Result<Config> parse_config(const EnvLookup& env);
 std::vector<std::string> unknown_variables();
 
 // Helpers shared with the command-line tools.
-Result<std::size_t> parse_size(const std::string& text);              // 512, 4K, 1M, 2GiB
+Result<std::size_t> parse_size(const std::string& text);                    // 512, 4K, 1M, 2GiB
 Result<std::chrono::milliseconds> parse_duration(const std::string& text);  // 250ms, 5s, 2m
 Result<HostPort> parse_host_port(const std::string& text);
 Result<Token> parse_token(const std::string& hex);

@@ -17,7 +17,9 @@ LogLevel log_level();
 void set_log_rank(int rank);
 void log_write(LogLevel level, std::string_view message);
 
-inline bool log_enabled(LogLevel level) { return static_cast<int>(level) <= static_cast<int>(log_level()); }
+inline bool log_enabled(LogLevel level) {
+  return static_cast<int>(level) <= static_cast<int>(log_level());
+}
 
 template <typename... Args>
 void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
@@ -26,9 +28,9 @@ void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
 
 }  // namespace r2ccl
 
-#define R2CCL_LOG_AT(level, ...)                                            \
-  do {                                                                      \
-    if (::r2ccl::log_enabled(level)) ::r2ccl::log(level, __VA_ARGS__);      \
+#define R2CCL_LOG_AT(level, ...)                                       \
+  do {                                                                 \
+    if (::r2ccl::log_enabled(level)) ::r2ccl::log(level, __VA_ARGS__); \
   } while (0)
 #define R2CCL_ERROR(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kError, __VA_ARGS__)
 #define R2CCL_WARN(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kWarn, __VA_ARGS__)

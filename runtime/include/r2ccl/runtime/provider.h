@@ -71,8 +71,8 @@ class Rail {
 };
 
 struct ProviderCounters {
-  std::uint64_t refused_writes = 0;        // writes outside registered memory, refused
-  std::uint64_t dropped_connections = 0;   // wrong token, bad hello
+  std::uint64_t refused_writes = 0;       // writes outside registered memory, refused
+  std::uint64_t dropped_connections = 0;  // wrong token, bad hello
 };
 
 class Provider {
@@ -84,7 +84,8 @@ class Provider {
   virtual std::string_view name() const = 0;
   virtual const std::vector<RailNic>& devices() const = 0;
 
-  virtual Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length) = 0;
+  virtual Result<std::uint64_t> register_memory(std::size_t device, void* base,
+                                                std::size_t length) = 0;
   virtual Status deregister_memory(std::size_t device, std::uint64_t key) = 0;
 
   // What a peer needs to open a rail to `device` (published through the bootstrap).

@@ -19,7 +19,7 @@ enum class ErrorCode {
   kProtocol,         // a peer sent something malformed or forbidden
   kRemoteRefused,    // the peer refused a write (outside a registered region)
   kNotFound,
-  kUnavailable,      // no usable rail / device
+  kUnavailable,  // no usable rail / device
   kAborted,
   kInternal,
 };
@@ -49,7 +49,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!std::get<Status>(v_).is_ok() && "Result built from an OK status");
   }

@@ -14,15 +14,15 @@ std::string_view rail_state_name(RailState s);
 
 struct RailTelemetry {
   std::atomic<RailState> state{RailState::kUp};
-  std::atomic<std::uint64_t> tx_bytes{0};       // confirmed by the peer
-  std::atomic<std::uint64_t> rx_bytes{0};       // landed in our memory
+  std::atomic<std::uint64_t> tx_bytes{0};  // confirmed by the peer
+  std::atomic<std::uint64_t> rx_bytes{0};  // landed in our memory
   std::atomic<std::uint64_t> tx_chunks{0};
   std::atomic<std::uint64_t> rx_chunks{0};
   std::atomic<std::uint64_t> replayed_chunks{0};  // re-posted here after another rail failed
   std::atomic<std::uint64_t> replayed_bytes{0};
   std::atomic<std::uint64_t> errors{0};
-  std::atomic<std::uint64_t> failovers{0};         // times this rail failed and was fenced
-  std::atomic<std::uint64_t> bandwidth_bps{0};     // measured, confirmed bytes per second (EWMA)
+  std::atomic<std::uint64_t> failovers{0};      // times this rail failed and was fenced
+  std::atomic<std::uint64_t> bandwidth_bps{0};  // measured, confirmed bytes per second (EWMA)
 };
 
 // A copy of one rail's telemetry with its identity.

@@ -14,8 +14,8 @@ namespace r2ccl {
 
 struct NetInterface {
   std::string name;
-  std::string ipv4;          // first IPv4 address, empty if none
-  bool up = false;           // administratively up and carrier present (IFF_RUNNING)
+  std::string ipv4;  // first IPv4 address, empty if none
+  bool up = false;   // administratively up and carrier present (IFF_RUNNING)
   bool loopback = false;
   int numa_node = -1;        // from hwloc; -1 when unknown
   std::string pci_bus_id;    // from hwloc, e.g. 0000:17:00.0; empty when not a PCI device

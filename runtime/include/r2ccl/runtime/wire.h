@@ -40,7 +40,8 @@ class ByteWriter {
   template <typename T>
   ByteWriter& le(T v) {
     std::byte b[sizeof(T)];
-    for (std::size_t i = 0; i < sizeof(T); ++i) b[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+    for (std::size_t i = 0; i < sizeof(T); ++i)
+      b[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
     return raw(b, sizeof(T));
   }
   Bytes buf_;
