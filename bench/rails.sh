@@ -42,27 +42,6 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# links_running NS -> every ethN in NS is operationally UP (r2ccl needs RUNNING,
-# which the kernel sets a little after carrier).
-links_running() {
-  local out
-  out=$(ip -n "$1" -o link show 2>/dev/null) || return 1
-  ! grep -E '^[0-9]+: eth[0-9]+' <<<"$out" | grep -Evq 'state UP' &&
-    ! grep -q 'NO-CARRIER' <<<"$out"
-}
-
-wait_running() {
-  local h t
-  for h in 0 1; do
-    for ((t = 0; t < 200; t++)); do
-      links_running "$TB_NAME-h$h" && continue 2
-      sleep 0.05
-    done
-    echo "bench: links of host $h of testbed $TB_NAME did not come up" >&2
-    return 1
-  done
-}
-
 # run_pair TAG PORT [ENV...] -> runs rank 0 on host 0 and rank 1 on host 1; rank 0
 # writes $work/TAG.json.  Fails (with both ranks' stderr) unless both exit 0.
 run_pair() {
@@ -97,7 +76,6 @@ busbw_mbps() {
 echo "bench: testbed '$TB_NAME': 2 hosts x 4 NICs, every rail shaped to $RATE; r2ccl-perf ${ARGS[*]}"
 "$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
 created=1
-wait_running
 
 # rails_in FILE -> the number of rails rank 0 used, from its JSON.
 rails_in() { sed -n 's/^ *"rails": *\([0-9]*\),\{0,1\}$/\1/p' "$1" | head -n 1; }

@@ -32,27 +32,6 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# links_running NS -> every ethN in NS is operationally UP (carrier alone is not
-# enough: r2ccl only picks interfaces the kernel reports as RUNNING).
-links_running() {
-  local out
-  out=$(ip -n "$1" -o link show 2>/dev/null) || return 1
-  ! grep -E '^[0-9]+: eth[0-9]+' <<<"$out" | grep -Evq 'state UP' &&
-    ! grep -q 'NO-CARRIER' <<<"$out"
-}
-
-wait_running() {
-  local h t
-  for h in 0 1; do
-    for ((t = 0; t < 200; t++)); do
-      links_running "$TB_NAME-h$h" && continue 2
-      sleep 0.05
-    done
-    echo "demo: links of host $h of testbed $TB_NAME did not come up" >&2
-    return 1
-  done
-}
-
 # port_free PORT -> nothing listens on TCP PORT here.
 port_free() { [[ -z $(ss -Htln "sport = :$1" 2>/dev/null) ]]; }
 
@@ -81,7 +60,6 @@ if [[ $mode == testbed ]]; then
   echo "r2ccl demo: network: testbed '$TB_NAME', 2 hosts (network namespaces) x 4 NICs eth1..eth4, each rail shaped to $RATE."
   "$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
   created=1
-  wait_running
   boot=198.19.0.1:29500
   cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
   cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")

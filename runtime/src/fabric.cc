@@ -571,9 +571,13 @@ class Channel {
     }
     // A peer that closes its rails while nothing is in flight is most likely shutting down.
     const bool idle = sends_.empty() && recv_slots_.empty() && lost.empty();
+    const std::size_t usable = scheduler_.usable_count();
     log(closing_ || idle ? LogLevel::kInfo : LogLevel::kWarn,
-        "rail {} ({} -> {}) to rank {} failed: {}; replaying {} chunk(s) on {} rail(s)", index,
-        s.nic.name, s.remote_nic, peer_, why.message(), lost.size(), scheduler_.usable_count());
+        "rail {} ({} -> {}) to rank {} failed: {}; {}", index, s.nic.name, s.remote_nic, peer_,
+        why.message(),
+        usable > 0 ? fmt::format("replaying {} chunk(s) on {} rail(s)", lost.size(), usable)
+                   : fmt::format("no usable rail left: {} chunk(s) wait for one until the deadline",
+                                 lost.size()));
     pump();
   }
 

@@ -41,7 +41,6 @@ TESTBED = REPO / "tests" / "testbed" / "testbed"
 # Testbed subcommands are bounded internally (a few seconds); these are backstops.
 TESTBED_CMD_TIMEOUT = 60.0
 BINARY_WAIT = 120.0  # the binary may be relinked under us; wait at most this long
-LINK_WAIT = 10.0  # operstate UP on every NIC after create
 
 _counter = itertools.count(1)
 _live: Dict[str, "Testbed"] = {}
@@ -143,7 +142,6 @@ class Testbed:
         if r.returncode != 0:
             self.destroy()
             pytest.fail(f"testbed create {self.name} exited {r.returncode}: {r.stderr.strip()}")
-        self.wait_links_up()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -160,35 +158,6 @@ class Testbed:
         except (OSError, subprocess.TimeoutExpired):
             pass
 
-    def wait_links_up(self, timeout: float = LINK_WAIT) -> None:
-        """`testbed create` waits for carrier (LOWER_UP), but the kernel sets the
-        operational state (IFF_RUNNING, which r2ccl's NIC auto-detection needs) a
-        little later through linkwatch; wait, bounded, until every NIC of every host
-        is operationally UP."""
-        deadline = time.monotonic() + timeout
-        want = ["eth0"] + [f"eth{i}" for i in range(1, self.nics + 1)]
-        pending: List[str] = []
-        while True:
-            pending = []
-            for h in range(self.hosts):
-                r = _run(["ip", "-n", self.ns(h), "-o", "link", "show"], timeout=10)
-                state = {}
-                for line in r.stdout.splitlines():
-                    parts = line.split()
-                    if len(parts) < 3:
-                        continue
-                    dev = parts[1].rstrip(":").split("@")[0]
-                    flags = parts[2].strip("<>").split(",")
-                    oper = parts[parts.index("state") + 1] if "state" in parts else "?"
-                    state[dev] = "NO-CARRIER" not in flags and "LOWER_UP" in flags and oper == "UP"
-                pending += [f"h{h}:{d}" for d in want if not state.get(d)]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                pytest.fail(f"testbed {self.name}: links not operationally up after {timeout}s: {pending}")
-            time.sleep(0.05)
-
-    # -- addressing
     def ns(self, host) -> str:
         return f"{self.name}-h{host}" if host != "sw" else f"{self.name}-sw"
 

@@ -254,7 +254,7 @@ def test_peer_killed_midway(perf):
         procs = tb_ranks(tb, 2, args, extra_env={"R2CCL_TIMEOUT": "5s"})
         procs[1].argv = ["timeout", "-s", "KILL", "2", str(PERF), *args]
         r0, r1 = launch_ranks(procs, testbed=tb, timeout=90)
-    assert r1.returncode == 137, describe([r0, r1])
+    assert r1.returncode in (-9, 137), describe([r0, r1])  # killed (timeout kills its own group)
     assert r0.returncode == 2, describe([r0, r1])
     assert "rank 1" in r0.stderr, describe([r0, r1])
     assert CHECK_LINE not in r0.stdout, describe([r0, r1])
