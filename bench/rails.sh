@@ -32,37 +32,19 @@ if ! why=$("$testbed" check 2>&1 >/dev/null); then
   exit 77
 fi
 
-work=$(mktemp -d /tmp/r2ccl-bench.XXXXXX)
-created=
-cleanup() {
-  [[ -z $created ]] || "$testbed" destroy "$TB_NAME" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+NAME=bench
+# shellcheck source=scripts/lib.sh
+source "$root/scripts/lib.sh"
+r2_init bench
 
-# run_pair TAG PORT [ENV...] -> runs rank 0 on host 0 and rank 1 on host 1; rank 0
-# writes $work/TAG.json.  Fails (with both ranks' stderr) unless both exit 0.
+# run_pair TAG PORT [ENV...] -> rank 0 on host 0, rank 1 on host 1; rank 0 writes $work/TAG.json.
 run_pair() {
-  local tag=$1 port=$2 pid0 pid1 rc0=0 rc1=0 r
+  local tag=$1 port=$2
   shift 2
   local env=(R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=198.19.0.1:$port" R2CCL_BOOTSTRAP_TIMEOUT=30s R2CCL_TIMEOUT=120s "$@")
-  timeout -k 5 "$RANK_TIMEOUT" "$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 "${env[@]}" \
-    "$perf" "${ARGS[@]}" --json "$work/$tag.json" >"$work/$tag.0.out" 2>"$work/$tag.0.err" &
-  pid0=$!
-  timeout -k 5 "$RANK_TIMEOUT" "$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 "${env[@]}" \
-    "$perf" "${ARGS[@]}" >"$work/$tag.1.out" 2>"$work/$tag.1.err" &
-  pid1=$!
-  wait "$pid0" || rc0=$?
-  wait "$pid1" || rc1=$?
-  if ((rc0 != 0 || rc1 != 0)); then
-    echo "bench: $tag run failed (rank 0 exit $rc0, rank 1 exit $rc1; 124 = killed after ${RANK_TIMEOUT}s)" >&2
-    for r in 0 1; do
-      cat "$work/$tag.$r.out" "$work/$tag.$r.err" >&2
-    done
-    return 1
-  fi
+  cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 "${env[@]}" "$perf" "${ARGS[@]}" --json "$work/$tag.json")
+  cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 "${env[@]}" "$perf" "${ARGS[@]}")
+  r2_run_pair "$tag"
 }
 
 # busbw_mbps FILE -> the 64 MiB row's bus bandwidth in MB/s from rank 0's JSON.
@@ -74,8 +56,7 @@ busbw_mbps() {
 }
 
 echo "bench: testbed '$TB_NAME': 2 hosts x 4 NICs, every rail shaped to $RATE; r2ccl-perf ${ARGS[*]}"
-"$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
-created=1
+r2_create_testbed --hosts 2 --nics 4 --rate "$RATE"
 
 # rails_in FILE -> the number of rails rank 0 used, from its JSON.
 rails_in() { sed -n 's/^ *"rails": *\([0-9]*\),\{0,1\}$/\1/p' "$1" | head -n 1; }

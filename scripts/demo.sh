@@ -22,27 +22,10 @@ testbed=$root/tests/testbed/testbed
 perf=$build/bin/r2ccl-perf
 [[ -x $perf ]] || { echo "demo: $perf not found (build first: scripts/run build)" >&2; exit 2; }
 
-work=$(mktemp -d /tmp/r2ccl-demo.XXXXXX)
-created=
-cleanup() {
-  [[ -z $created ]] || "$testbed" destroy "$TB_NAME" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# port_free PORT -> nothing listens on TCP PORT here.
-port_free() { [[ -z $(ss -Htln "sport = :$1" 2>/dev/null) ]]; }
-
-pick_port() {
-  local p
-  for ((p = 29500; p < 29600; p++)); do
-    port_free "$p" && { echo "$p"; return 0; }
-  done
-  echo "demo: no free TCP port in 29500..29599" >&2
-  return 1
-}
+NAME=demo
+# shellcheck source=scripts/lib.sh
+source "$root/scripts/lib.sh"
+r2_init demo
 
 mode=loopback
 why=
@@ -58,15 +41,14 @@ echo "r2ccl demo: two ranks, one 64 MiB message each way (rank 0 -> rank 1 -> ra
 echo "r2ccl demo: each rank has four rails; r2ccl splits the message into 512K chunks and stripes them over all four."
 if [[ $mode == testbed ]]; then
   echo "r2ccl demo: network: testbed '$TB_NAME', 2 hosts (network namespaces) x 4 NICs eth1..eth4, each rail shaped to $RATE."
-  "$testbed" create "$TB_NAME" --hosts 2 --nics 4 --rate "$RATE"
-  created=1
+  r2_create_testbed --hosts 2 --nics 4 --rate "$RATE"
   boot=198.19.0.1:29500
   cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
   cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
 else
   echo "r2ccl demo: no testbed ($why); running on loopback instead."
   echo "r2ccl demo: network: loopback, rank 0 rails 127.0.0.11-14, rank 1 rails 127.0.0.21-24 (not shaped)."
-  port=$(pick_port)
+  port=$(r2_free_port)
   boot=127.0.0.1:$port
   cmd0=(env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.11,127.0.0.12,127.0.0.13,127.0.0.14")
   cmd1=(env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.21,127.0.0.22,127.0.0.23,127.0.0.24")
@@ -75,26 +57,12 @@ echo "r2ccl demo: command: r2ccl-perf ${ARGS[*]}  (bootstrap at $boot)"
 echo
 
 common=(R2CCL_BOOTSTRAP_TIMEOUT=30s R2CCL_TIMEOUT=60s)
-timeout -k 5 "$RANK_TIMEOUT" "${cmd0[@]}" "${common[@]}" "$perf" "${ARGS[@]}" >"$work/r0.out" 2>"$work/r0.err" &
-pid0=$!
-timeout -k 5 "$RANK_TIMEOUT" "${cmd1[@]}" "${common[@]}" "$perf" "${ARGS[@]}" >"$work/r1.out" 2>"$work/r1.err" &
-pid1=$!
-rc0=0
-rc1=0
-wait "$pid0" || rc0=$?
-wait "$pid1" || rc1=$?
-
-cat "$work/r0.out"
-if ((rc0 != 0 || rc1 != 0)); then
-  echo
-  echo "r2ccl demo: FAILED (rank 0 exit $rc0, rank 1 exit $rc1; 124 = killed after ${RANK_TIMEOUT}s)" >&2
-  for r in 0 1; do
-    if [[ -s $work/r$r.err ]]; then
-      echo "--- rank $r stderr:" >&2
-      cat "$work/r$r.err" >&2
-    fi
-  done
+cmd0+=("${common[@]}" "$perf" "${ARGS[@]}")
+cmd1+=("${common[@]}" "$perf" "${ARGS[@]}")
+if ! r2_run_pair demo; then
+  echo "r2ccl demo: FAILED" >&2
   exit 1
 fi
+cat "$work/demo.0.out"
 echo
 echo "r2ccl demo: OK: both ranks exited 0."

@@ -143,8 +143,6 @@ int run(const Options& o) {
     return 2;
   }
   r2ccl::set_log_level(cfg->log_level);
-  for (const auto& name : r2ccl::unknown_variables())
-    R2CCL_WARN("unknown variable {} is ignored (a typo?)", name);
   auto minb = r2ccl::parse_size(o.min_bytes);
   auto maxb = r2ccl::parse_size(o.max_bytes);
   if (!minb || !maxb || *minb > *maxb || o.step_factor <= 1 || o.iters < 1 || o.warmup < 0) {

@@ -712,6 +712,8 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   f->rail_token_ = boot.token;
   set_log_level(config.log_level);
   set_log_rank(boot.rank);
+  for (const auto& name : unknown_variables())
+    R2CCL_WARN("unknown variable {} is ignored (a typo?)", name);
 
   R2CCL_ASSIGN_OR_RETURN(auto topo, discover_topology());
   std::string control;
