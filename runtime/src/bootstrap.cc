@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -34,6 +35,9 @@ enum class FrameType : std::uint16_t {
   kError = 3,       // root -> rank: why it was refused or why the job failed
   kColl = 4,        // rank -> root: seq, blob
   kCollResult = 5,  // root -> rank: seq, every rank's blob
+  kSend = 6,        // rank -> root: destination rank, message
+  kDeliver = 7,     // root -> rank: source rank, message
+  kPeerLeft = 8,    // root -> rank: a rank left the control path, and why
 };
 
 std::array<std::byte, kHeaderSize> encode_header(FrameType type, std::size_t len) {
@@ -89,7 +93,7 @@ std::string endpoint_text(const tcp::socket& s) {
 // ---------------------------------------------------------------------------------------------
 // Root: runs in rank 0's process on its own thread.
 
-class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
+class BootstrapRoot {
  public:
   static Result<std::shared_ptr<BootstrapRoot>> start(const HostPort& at, const Token& token,
                                                       int nranks, milliseconds timeout) {
@@ -153,8 +157,10 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
   void run() {
     if (nranks_ > 0) by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
     deadline_.expires_after(timeout_);
-    deadline_.async_wait([self = weak_from_this()](boost::system::error_code ec) {
-      if (auto s = self.lock(); s && !ec) s->on_deadline();
+    // `this` outlives every handler: the destructor cancels them and joins the thread (a shared
+    // pointer here could make the handler the last owner and the thread join itself).
+    deadline_.async_wait([this](boost::system::error_code ec) {
+      if (!ec) on_deadline();
     });
     accept();
     thread_ = std::thread([this] { io_.run(); });
@@ -219,6 +225,7 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
   void on_frame(const SessionPtr& s, FrameType type) {
     if (type == FrameType::kHello) return on_hello(s);
     if (type == FrameType::kColl && s->rank >= 0) return on_coll(s);
+    if (type == FrameType::kSend && s->rank >= 0) return on_send(s);
     R2CCL_WARN("bootstrap root: unexpected frame type {} from {}", static_cast<int>(type), s->peer);
     drop(s);
   }
@@ -310,6 +317,17 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     }
   }
 
+  // Point-to-point control messages are relayed: rank -> root -> rank.
+  void on_send(const SessionPtr& s) {
+    ByteReader r(s->payload);
+    const auto dst = r.u32();
+    Bytes msg = r.blob();
+    if (!r.finish("bootstrap send").is_ok()) return drop(s);
+    if (dst >= by_rank_.size() || !by_rank_[dst]) return;  // gone: the sender hears PEER_LEFT
+    send(by_rank_[dst], FrameType::kDeliver,
+         ByteWriter().u32(static_cast<std::uint32_t>(s->rank)).blob(msg).take());
+  }
+
   void on_closed(const SessionPtr& s) {
     if (!s->socket.is_open()) return;
     boost::system::error_code ec;
@@ -328,8 +346,11 @@ class BootstrapRoot : public std::enable_shared_from_this<BootstrapRoot> {
     const std::string why =
         fmt::format("rank {} ({}) left the control path (connection closed)", s->rank, s->peer);
     R2CCL_INFO("bootstrap root: {}", why);
+    colls_.clear();  // they can never complete; every rank fails them on PEER_LEFT
     for (auto& peer : by_rank_)
-      if (peer) send(peer, FrameType::kError, ByteWriter().str(why).take());
+      if (peer)
+        send(peer, FrameType::kPeerLeft,
+             ByteWriter().u32(static_cast<std::uint32_t>(s->rank)).str(why).take());
   }
 
   void on_deadline() {
@@ -546,13 +567,165 @@ struct Bootstrap::Connection {
   }
 };
 
+// After the rendezvous one thread reads everything rank 0 sends; senders write under a mutex.
+struct Bootstrap::Reader {
+  std::thread thread;
+  std::mutex mutex;  // guards the fields below
+  std::condition_variable cv;
+  std::map<std::uint64_t, Bytes> results;  // all-gather results by sequence number
+  std::map<int, std::string> left;         // ranks that left the control path, and why
+  std::string failure;                     // the connection to rank 0 is gone
+  std::mutex write_mutex;
+  std::mutex handler_mutex;  // held while a handler runs
+  MessageHandler on_message;
+  PeerLeftHandler on_peer_left;
+  std::deque<std::pair<int, Bytes>> early;  // messages before a handler was set
+};
+
 Bootstrap::Bootstrap() = default;
 Bootstrap::~Bootstrap() {
+  if (reader_) set_handlers(nullptr, nullptr);
   if (conn_) {
+    ::shutdown(conn_->socket.native_handle(), SHUT_RDWR);
+    if (reader_ && reader_->thread.joinable()) reader_->thread.join();
     boost::system::error_code ec;
-    conn_->socket.shutdown(tcp::socket::shutdown_both, ec);
     conn_->socket.close(ec);
   }
+}
+
+namespace {
+// Blocking, complete reads and writes on a socket descriptor; false on EOF or error.
+bool read_all(int fd, void* p, std::size_t n) {
+  auto* b = static_cast<std::byte*>(p);
+  while (n > 0) {
+    const ssize_t got = ::recv(fd, b, n, 0);
+    if (got <= 0) {
+      if (got < 0 && errno == EINTR) continue;
+      return false;
+    }
+    b += got;
+    n -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+bool write_all(int fd, const void* p, std::size_t n) {
+  const auto* b = static_cast<const std::byte*>(p);
+  while (n > 0) {
+    const ssize_t put = ::send(fd, b, n, MSG_NOSIGNAL);
+    if (put <= 0) {
+      if (put < 0 && errno == EINTR) continue;
+      return false;
+    }
+    b += put;
+    n -= static_cast<std::size_t>(put);
+  }
+  return true;
+}
+}  // namespace
+
+void Bootstrap::start_reader() {
+  // The join used asynchronous operations, which leave the descriptor non-blocking.
+  boost::system::error_code ec;
+  conn_->socket.non_blocking(false, ec);
+  conn_->socket.native_non_blocking(false, ec);
+  reader_ = std::make_unique<Reader>();
+  reader_->thread = std::thread([this] { reader_loop(); });
+}
+
+void Bootstrap::reader_loop() {
+  const int fd = conn_->socket.native_handle();
+  Reader& rd = *reader_;
+  auto fail = [&](const std::string& why) {
+    {
+      std::lock_guard lock(rd.mutex);
+      rd.failure = why;
+    }
+    rd.cv.notify_all();
+    std::lock_guard h(rd.handler_mutex);
+    if (rd.on_peer_left) rd.on_peer_left(0, why);
+  };
+  while (true) {
+    std::array<std::byte, kHeaderSize> header{};
+    if (!read_all(fd, header.data(), header.size()))
+      return fail("lost the control connection to rank 0");
+    auto h = decode_header(header);
+    if (!h) return fail(h.status().message());
+    Bytes payload(h->length);
+    if (!read_all(fd, payload.data(), payload.size()))
+      return fail("lost the control connection to rank 0");
+    ByteReader r(payload);
+    switch (h->type) {
+      case FrameType::kCollResult: {
+        const auto seq = r.u64();
+        {
+          std::lock_guard lock(rd.mutex);
+          rd.results[seq] = std::move(payload);
+        }
+        rd.cv.notify_all();
+        break;
+      }
+      case FrameType::kDeliver: {
+        const int src = static_cast<int>(r.u32());
+        Bytes msg = r.blob();
+        std::lock_guard hl(rd.handler_mutex);
+        if (rd.on_message)
+          rd.on_message(src, std::move(msg));
+        else
+          rd.early.emplace_back(src, std::move(msg));
+        break;
+      }
+      case FrameType::kPeerLeft: {
+        const int who = static_cast<int>(r.u32());
+        std::string why = r.str();
+        {
+          std::lock_guard lock(rd.mutex);
+          rd.left[who] = why;
+        }
+        rd.cv.notify_all();
+        std::lock_guard hl(rd.handler_mutex);
+        if (rd.on_peer_left) rd.on_peer_left(who, why);
+        break;
+      }
+      case FrameType::kError:
+        return fail(r.str());
+      default:
+        return fail(fmt::format("rank 0 sent an unexpected control frame (type {})",
+                                static_cast<int>(h->type)));
+    }
+  }
+}
+
+void Bootstrap::set_handlers(MessageHandler on_message, PeerLeftHandler on_peer_left) {
+  Reader& rd = *reader_;
+  std::lock_guard hl(rd.handler_mutex);
+  rd.on_message = std::move(on_message);
+  rd.on_peer_left = std::move(on_peer_left);
+  if (!rd.on_message) return;
+  while (!rd.early.empty()) {
+    auto [src, msg] = std::move(rd.early.front());
+    rd.early.pop_front();
+    rd.on_message(src, std::move(msg));
+  }
+  std::map<int, std::string> left;
+  {
+    std::lock_guard lock(rd.mutex);
+    left = rd.left;
+  }
+  if (rd.on_peer_left)
+    for (const auto& [who, why] : left)
+      rd.on_peer_left(who, why);
+}
+
+Status Bootstrap::send_to(int rank, std::span<const std::byte> message) {
+  if (rank < 0 || rank >= nranks_)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("control message to rank {} of {}", rank, nranks_)};
+  Bytes f = frame(FrameType::kSend,
+                  ByteWriter().u32(static_cast<std::uint32_t>(rank)).blob(message).take());
+  std::lock_guard lock(reader_->write_mutex);
+  if (!write_all(conn_->socket.native_handle(), f.data(), f.size()))
+    return {ErrorCode::kNetwork, "lost the control connection to rank 0"};
+  return Status::ok();
 }
 
 Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
@@ -661,19 +834,43 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
     b->rank_info_.push_back(r.blob());
   R2CCL_RETURN_IF_ERROR(r.finish("bootstrap welcome"));
   R2CCL_DEBUG("bootstrap: rank {} of {} joined via {}", o.rank, o.nranks, b->control_address_);
+  b->start_reader();
   return b;
 }
 
 Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
                                                 std::chrono::milliseconds timeout) {
   const auto seq = ++coll_seq_;
-  R2CCL_RETURN_IF_ERROR(conn_->send(FrameType::kColl, ByteWriter().u64(seq).blob(mine).take()));
-  auto reply = conn_->receive(Clock::now() + timeout,
-                              fmt::format("the other ranks in control-path all-gather #{}", seq));
-  if (!reply) return reply.status();
-  ByteReader r(reply->second);
-  if (reply->first != FrameType::kCollResult || r.u64() != seq)
-    return Status(ErrorCode::kProtocol, "control path: all-gather results out of order");
+  Bytes f = frame(FrameType::kColl, ByteWriter().u64(seq).blob(mine).take());
+  {
+    std::lock_guard lock(reader_->write_mutex);
+    if (!write_all(conn_->socket.native_handle(), f.data(), f.size()))
+      return Status(ErrorCode::kNetwork, "lost the control connection to rank 0");
+  }
+  Reader& rd = *reader_;
+  std::unique_lock lock(rd.mutex);
+  const bool ready = rd.cv.wait_for(lock, timeout, [&] {
+    return rd.results.count(seq) != 0 || !rd.failure.empty() || !rd.left.empty();
+  });
+  auto it = rd.results.find(seq);
+  if (it == rd.results.end()) {
+    if (!rd.failure.empty()) return Status(ErrorCode::kNetwork, rd.failure);
+    if (!rd.left.empty())
+      return Status(ErrorCode::kAborted,
+                    fmt::format("control-path all-gather #{} cannot complete: {}", seq,
+                                rd.left.begin()->second));
+    (void)ready;
+    return Status(
+        ErrorCode::kTimeout,
+        fmt::format(
+            "timed out after {}ms waiting for the other ranks in control-path all-gather #{}",
+            timeout.count(), seq));
+  }
+  Bytes payload = std::move(it->second);
+  rd.results.erase(it);
+  lock.unlock();
+  ByteReader r(payload);
+  r.u64();
   const auto n = r.u32();
   std::vector<Bytes> out;
   for (std::uint32_t i = 0; i < n; ++i)

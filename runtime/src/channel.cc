@@ -1,7 +1,6 @@
 #include "r2ccl/runtime/channel.h"
 
 #include <algorithm>
-#include <limits>
 
 namespace r2ccl {
 
@@ -81,21 +80,31 @@ std::uint64_t InflightLedger::bytes_on_rail(std::uint32_t rail) const {
 RailScheduler::RailScheduler(std::size_t rails, std::uint64_t window_bytes)
     : rails_(rails), window_(window_bytes) {}
 
-void RailScheduler::set_weight(std::size_t rail, double weight) {
-  rails_[rail].weight = std::max(weight, 1e-6);
+void RailScheduler::set_bandwidth(std::size_t rail, double bytes_per_second) {
+  rails_[rail].bandwidth = std::max(bytes_per_second, 1.0);
+}
+
+void RailScheduler::clear_bandwidth(std::size_t rail) {
+  rails_[rail].bandwidth = 0;
+}
+
+double RailScheduler::bandwidth(std::size_t rail) const {
+  if (rails_[rail].bandwidth > 0) return rails_[rail].bandwidth;
+  double top = 0;
+  for (const auto& r : rails_)
+    top = std::max(top, r.bandwidth);
+  return top > 0 ? top : 1.0;  // nothing measured yet: all equal
+}
+
+double RailScheduler::weight(std::size_t rail) const {
+  double top = 0;
+  for (std::size_t i = 0; i < rails_.size(); ++i)
+    if (rails_[i].usable) top = std::max(top, bandwidth(i));
+  return top > 0 ? bandwidth(rail) / top : 0.0;
 }
 
 void RailScheduler::set_usable(std::size_t rail, bool usable) {
-  auto& r = rails_[rail];
-  if (usable && !r.usable) {
-    // A rail coming (back) into use starts level with the least loaded usable rail, so it does
-    // not take everything until its counter catches up.
-    double least = std::numeric_limits<double>::max();
-    for (const auto& o : rails_)
-      if (o.usable) least = std::min(least, o.vtime);
-    if (least != std::numeric_limits<double>::max()) r.vtime = least;
-  }
-  r.usable = usable;
+  rails_[rail].usable = usable;
 }
 
 std::size_t RailScheduler::usable_count() const {
@@ -105,17 +114,17 @@ std::size_t RailScheduler::usable_count() const {
 
 std::optional<std::size_t> RailScheduler::pick(std::uint64_t bytes) {
   std::optional<std::size_t> best;
+  double best_finish = 0;
   for (std::size_t i = 0; i < rails_.size(); ++i) {
     const auto& r = rails_[i];
-    if (!r.usable) continue;
-    if (r.inflight != 0 && r.inflight + bytes > window_) continue;
-    if (!best || r.vtime < rails_[*best].vtime) best = i;
+    if (!r.usable || (r.inflight != 0 && r.inflight + bytes > window_)) continue;
+    const double finish = static_cast<double>(r.inflight + bytes) / bandwidth(i);
+    if (!best || finish < best_finish) {
+      best = i;
+      best_finish = finish;
+    }
   }
-  if (best) {
-    auto& r = rails_[*best];
-    r.inflight += bytes;
-    r.vtime += static_cast<double>(bytes) / r.weight;
-  }
+  if (best) rails_[*best].inflight += bytes;
   return best;
 }
 

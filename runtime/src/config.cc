@@ -43,6 +43,22 @@ constexpr ConfigEntry kTable[] = {
      "Deadline of every operation; past it the operation fails with an error naming the peer "
      "and its rails."},
     {"R2CCL_CONNECT_TIMEOUT", "10s", "How long establishing the rails to the peers may take."},
+    {"R2CCL_PROBE_INTERVAL", "20ms",
+     "Interval of the liveness and RTT probes sent on every rail, busy or idle, 1ms–10s."},
+    {"R2CCL_PROBE_TIMEOUT", "200ms",
+     "A rail from which nothing (probe reply or data) arrives for this long is declared DOWN "
+     "(black-hole detection); half of it makes the rail SUSPECT. At least 2× the probe interval."},
+    {"R2CCL_STALL_TIMEOUT", "2s",
+     "A rail with unconfirmed data and no confirmation for this long is declared DOWN."},
+    {"R2CCL_HOLDDOWN", "1s",
+     "How long a failed rail must answer every probe, link up, before it is used again; doubles "
+     "with each flap and halves after each stable hold-down period."},
+    {"R2CCL_HOLDDOWN_MAX", "30s", "Upper bound of the doubling hold-down."},
+    {"R2CCL_READMIT_PROBES", "5",
+     "Consecutive good probes (at least) a failed rail needs before re-admission, 1–1000."},
+    {"R2CCL_DEGRADED_RATIO", "0.5",
+     "A rail whose measured bandwidth is below this fraction of the median of its peers' is "
+     "DEGRADED (kept in use at a lower weight), 0.01–0.99."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {
@@ -307,6 +323,28 @@ Result<Config> parse_config(const EnvLookup& env) {
   };
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window));
+
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_INTERVAL", milliseconds(1), c.probe_interval));
+  if (c.probe_interval > milliseconds(10000))
+    return bad("R2CCL_PROBE_INTERVAL", *get("R2CCL_PROBE_INTERVAL"), "a duration from 1ms to 10s");
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_TIMEOUT", 2 * c.probe_interval, c.probe_timeout));
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_STALL_TIMEOUT", milliseconds(10), c.stall_timeout));
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN", milliseconds(0), c.holddown));
+  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN_MAX", c.holddown, c.holddown_max));
+  if (auto v = get("R2CCL_READMIT_PROBES")) {
+    auto n = parse_int(trim(*v));
+    if (!n || *n < 1 || *n > 1000)
+      return bad("R2CCL_READMIT_PROBES", *v, "an integer from 1 to 1000");
+    c.readmit_probes = static_cast<int>(*n);
+  }
+  if (auto v = get("R2CCL_DEGRADED_RATIO")) {
+    double d = 0;
+    const std::string t = trim(*v);
+    auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), d);
+    if (ec != std::errc() || p != t.data() + t.size() || d < 0.01 || d > 0.99)
+      return bad("R2CCL_DEGRADED_RATIO", *v, "a number from 0.01 to 0.99");
+    c.degraded_ratio = d;
+  }
   return c;
 }
 

@@ -160,12 +160,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     return Status::ok();
   }
 
-  Status post_control(Bytes message) override {
+  Status post_control(Bytes message, std::uint64_t cookie) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
     if (message.size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
               fmt::format("control message of {} bytes exceeds {}", message.size(), kMaxControl)};
-    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message.size(), 0};
+    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message.size(), cookie};
     queue(h, nullptr, 0, std::move(message));
     return Status::ok();
   }
@@ -271,7 +271,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         if (cur_.length > kMaxControl)
           return malformed(fmt::format("control message of {} bytes", cur_.length));
         return read_payload(cur_.length, [this] {
+          const auto cookie = cur_.cookie;
           if (events_) events_->on_control(std::move(payload_));
+          if (cookie != 0 && !closed_)
+            queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
         });
       case FrameOp::kHelloAck:
       case FrameOp::kHello:
@@ -373,7 +376,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (closed_) return;
     closed_ = true;
     error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
+    // Abortive close (RST): what the kernel still holds for this connection is dropped, so no
+    // stale write can reach the peer after a replayed one.
+    socket_.set_option(asio::socket_base::linger(true, 0), ec);
     socket_.close(ec);
     pending_.clear();
   }

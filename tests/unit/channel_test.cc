@@ -76,28 +76,59 @@ TEST(RailScheduler, RespectsTheWindowAndSkipsUnusableRails) {
   EXPECT_EQ(s.usable_count(), 3u);
 }
 
-TEST(RailScheduler, SharesFollowWeights) {
+TEST(RailScheduler, EarliestFinishGivesASlowRailItsShareAndTheTailToFastRails) {
+  // Rail 1 is a quarter as fast; windows large enough not to matter.
   RailScheduler s(2, 1ull << 40);
-  s.set_weight(0, 3.0);
-  s.set_weight(1, 1.0);
+  s.set_bandwidth(0, 4e6);
+  s.set_bandwidth(1, 1e6);
   std::vector<int> picks(2, 0);
-  for (int i = 0; i < 400; ++i)
+  for (int i = 0; i < 500; ++i)
     ++picks[*s.pick(1000)];
-  EXPECT_EQ(picks[0], 300);
+  EXPECT_EQ(picks[0], 400);
   EXPECT_EQ(picks[1], 100);
+  EXPECT_DOUBLE_EQ(s.weight(0), 1.0);
+  EXPECT_DOUBLE_EQ(s.weight(1), 0.25);
+  // With little queued, a chunk goes to the fast rail: it finishes there sooner.
+  RailScheduler t(2, 1ull << 40);
+  t.set_bandwidth(0, 4e6);
+  t.set_bandwidth(1, 1e6);
+  EXPECT_EQ(t.pick(1000), std::optional<std::size_t>(0));
+  EXPECT_EQ(t.pick(1000), std::optional<std::size_t>(0));
+  EXPECT_EQ(t.pick(1000), std::optional<std::size_t>(0));
+  // The fourth ties (4000/4e6 == 1000/1e6); after five, rail 0 has four and rail 1 one.
+  t.pick(1000);
+  t.pick(1000);
+  EXPECT_EQ(t.inflight(0), 4000u);
+  EXPECT_EQ(t.inflight(1), 1000u);
 }
 
-TEST(RailScheduler, ARailComingBackStartsLevelInsteadOfTakingEverything) {
-  RailScheduler s(2, 1ull << 40);
-  s.set_usable(1, false);
-  for (int i = 0; i < 100; ++i)
-    EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
-  s.set_usable(1, true);
-  std::vector<int> picks(2, 0);
-  for (int i = 0; i < 10; ++i)
+TEST(RailScheduler, UsesASlowerRailOnlyWhenTheFastOneIsFull) {
+  RailScheduler s(2, 2000);
+  s.set_bandwidth(0, 100e6);
+  s.set_bandwidth(1, 1e6);
+  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
+  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
+  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(1));  // rail 0's window is full
+  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(1));
+  EXPECT_FALSE(s.pick(1000).has_value());  // both are
+  s.release(0, 1000);
+  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
+}
+
+TEST(RailScheduler, UnmeasuredRailsCountAsFastAsTheBestMeasuredOne) {
+  RailScheduler s(3, 1ull << 40);
+  EXPECT_DOUBLE_EQ(s.weight(0), 1.0);  // nothing measured: all equal
+  s.set_bandwidth(0, 5e9);
+  EXPECT_DOUBLE_EQ(s.bandwidth(1), 5e9);
+  s.set_bandwidth(2, 1e9);
+  std::vector<int> picks(3, 0);
+  for (int i = 0; i < 110; ++i)
     ++picks[*s.pick(1000)];
-  EXPECT_EQ(picks[0], 5);
-  EXPECT_EQ(picks[1], 5);
+  EXPECT_EQ(picks[0], 50);
+  EXPECT_EQ(picks[1], 50);
+  EXPECT_EQ(picks[2], 10);
+  s.clear_bandwidth(0);
+  EXPECT_DOUBLE_EQ(s.bandwidth(0), 1e9);  // now the best measured one is rail 2
 }
 
 }  // namespace

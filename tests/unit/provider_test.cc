@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -136,12 +137,16 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   EXPECT_EQ(dst[1000 + src.size()], std::byte{0});
 
   // A control message in each direction.
-  ASSERT_TRUE(engine_.call([&] {
-                       return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}});
-                     })
-                  .is_ok());
+  ASSERT_TRUE(
+      engine_.call([&] {
+               return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}}, 77);
+             })
+          .is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return !b_events_.control.empty(); }));
   EXPECT_EQ(b_events_.control[0], (Bytes{std::byte{1}, std::byte{2}}));
+  // With a cookie, the peer confirms it handled the message.
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == 2; }));
+  EXPECT_EQ(a_events_.confirmed[1], 77u);
   EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
 }
 
@@ -229,14 +234,17 @@ class RawPeer {
     h.insert(h.end(), payload.begin(), payload.end());
     send(h);
   }
-  // Bytes read until EOF or 40 bytes; -1 on timeout.
+  // Bytes read until EOF, reset or `want` bytes; -1 on timeout.
   ssize_t read_some(std::size_t want) {
     std::vector<std::byte> buf(want);
     std::size_t got = 0;
     while (got < want) {
       ssize_t n = ::recv(fd_, buf.data() + got, want - got, 0);
       if (n == 0) break;
-      if (n < 0) return -1;
+      if (n < 0) {
+        if (errno == ECONNRESET) break;  // closed abortively
+        return -1;
+      }
       got += static_cast<std::size_t>(n);
     }
     return static_cast<ssize_t>(got);
@@ -293,7 +301,7 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
       << b_events_.failed[2];
 
   // The well-behaved rail still works.
-  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{9}}); }).is_ok());
+  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{9}}, 0); }).is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 1; }));
   EXPECT_TRUE(a_events_.failed.empty());
 }

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,13 +67,28 @@ class Bootstrap {
   const std::string& control_address() const { return control_address_; }
 
   // All-gather of small blobs on the control path; every rank must call it in the same order.
+  // Fails at once when a rank has left the control path.
   Result<std::vector<Bytes>> allgather(std::span<const std::byte> mine,
                                        std::chrono::milliseconds timeout);
   Status barrier(std::chrono::milliseconds timeout);
 
+  // Point-to-point control messages (relayed by rank 0), for rail failure notices and the like.
+  Status send_to(int rank, std::span<const std::byte> message);
+  using MessageHandler = std::function<void(int src, Bytes message)>;
+  // A rank left the control path (its process ended or lost its connection); rank 0 leaving,
+  // or losing the connection to it, reports rank 0.
+  using PeerLeftHandler = std::function<void(int rank, const std::string& why)>;
+  // Handlers run on the control path's reader thread and must not block. Messages that arrive
+  // before a handler is set are kept and delivered when it is. Passing empty handlers stops
+  // delivery; once this returns, no handler is running.
+  void set_handlers(MessageHandler on_message, PeerLeftHandler on_peer_left);
+
  private:
   struct Connection;
+  struct Reader;
   Bootstrap();
+  void start_reader();
+  void reader_loop();
   int rank_ = -1;
   int nranks_ = 0;
   std::uint64_t coll_seq_ = 0;
@@ -80,6 +96,7 @@ class Bootstrap {
   std::vector<Bytes> rank_info_;
   std::shared_ptr<BootstrapRoot> root_;  // rank 0 only
   std::unique_ptr<Connection> conn_;
+  std::unique_ptr<Reader> reader_;
 };
 
 }  // namespace r2ccl

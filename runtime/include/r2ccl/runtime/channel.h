@@ -6,12 +6,15 @@
 //   twice counts once.
 // - InflightLedger: the sender keeps every chunk until the provider confirms delivery; on a rail
 //   failure take_rail() hands back exactly the unconfirmed chunks of that rail for replay.
-// - RailScheduler: assigns chunks to rails by weight, each rail limited to a window of
-//   unconfirmed bytes, so faster rails (which confirm sooner) take proportionally more.
+// - RailScheduler: assigns each chunk to the usable rail with window room that would finish it
+//   first, given what the rail already has in flight and its measured bandwidth (earliest finish
+//   time; work-conserving). A rail at a quarter of the others' rate gets about a quarter of their
+//   share, and the tail of a message goes to the fast rails while they have room.
 //
 // These are plain data structures, used on the progress thread only.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <unordered_map>
@@ -55,6 +58,7 @@ struct InflightChunk {
   std::uint32_t rail = 0;     // rail it was posted on
   std::uint64_t offset = 0;   // byte offset within the message
   std::uint64_t length = 0;
+  std::chrono::steady_clock::time_point posted{};
 };
 
 class InflightLedger {
@@ -79,13 +83,19 @@ class RailScheduler {
  public:
   RailScheduler(std::size_t rails, std::uint64_t window_bytes);
   std::size_t rails() const { return rails_.size(); }
-  void set_weight(std::size_t rail, double weight);
-  double weight(std::size_t rail) const { return rails_[rail].weight; }
+  // Measured bandwidth in bytes per second (> 0). Until measured, a rail is assumed as fast as
+  // the fastest measured one (so that it gets work, and so gets measured).
+  void set_bandwidth(std::size_t rail, double bytes_per_second);
+  // Forgets the measurement (a re-admitted rail).
+  void clear_bandwidth(std::size_t rail);
+  double bandwidth(std::size_t rail) const;
+  // Bandwidth relative to the fastest usable rail, in (0, 1].
+  double weight(std::size_t rail) const;
   void set_usable(std::size_t rail, bool usable);
   bool usable(std::size_t rail) const { return rails_[rail].usable; }
   std::size_t usable_count() const;
-  // The usable rail with room for `bytes` (an idle rail always has room) and the least
-  // weighted load; reserves the bytes on it. nullopt when every usable rail's window is full.
+  // Among usable rails with room for `bytes` (an idle rail always has room), the one that would
+  // finish them first; reserves the bytes on it. nullopt when no rail has room.
   std::optional<std::size_t> pick(std::uint64_t bytes);
   // Releases bytes reserved by pick() (confirmed, refused or taken back for replay).
   void release(std::size_t rail, std::uint64_t bytes);
@@ -94,10 +104,9 @@ class RailScheduler {
 
  private:
   struct State {
-    double weight = 1.0;
+    double bandwidth = 0;  // 0: not measured
     bool usable = true;
     std::uint64_t inflight = 0;
-    double vtime = 0;  // bytes assigned / weight: the scheduler's notion of load
   };
   std::vector<State> rails_;
   std::uint64_t window_;

@@ -42,6 +42,14 @@ struct Config {
   std::size_t rail_window = 2 * 1024 * 1024;
   std::chrono::milliseconds timeout{30000};          // deadline of every operation
   std::chrono::milliseconds connect_timeout{10000};  // establishing the rails
+  // Rail health (DESIGN.md: UP -> SUSPECT -> DOWN -> PROBING -> UP, plus DEGRADED).
+  std::chrono::milliseconds probe_interval{20};   // liveness/RTT probe on every rail
+  std::chrono::milliseconds probe_timeout{200};   // silent this long: the rail is DOWN
+  std::chrono::milliseconds stall_timeout{2000};  // unconfirmed data, no progress: DOWN
+  std::chrono::milliseconds holddown{1000};       // stable time before re-admission
+  std::chrono::milliseconds holddown_max{30000};  // cap of the doubling hold-down
+  int readmit_probes = 5;                         // consecutive good probes to re-admit
+  double degraded_ratio = 0.5;                    // below this share of the median bandwidth
 };
 
 struct ConfigEntry {

@@ -70,6 +70,11 @@ class Fabric {
 
   std::vector<RailSnapshot> rail_snapshot() const;
   ProviderCounters provider_counters() const;
+  // Rail state changes with wall-clock times (failed, replay_started, readmitted, ...).
+  std::vector<RailEvent> rail_events() const;
+  // The first asynchronous error: a peer left, or no rail to a peer survived an operation's
+  // deadline. OK while none happened.
+  Status async_error() const;
 
  private:
   Fabric();
@@ -77,6 +82,7 @@ class Fabric {
   void arm_watchdog();
   Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                     const char* what) const;
+  void record_async_error(const Status& st);
 
   Config config_;
   Token rail_token_{};  // rails carry the bootstrap token in their hello
@@ -84,6 +90,11 @@ class Fabric {
   std::unique_ptr<ProgressEngine> engine_;
   std::unique_ptr<Provider> provider_;
   std::unique_ptr<MemoryRegistry> registry_;
+  std::unique_ptr<class Prober> prober_;
+  std::unique_ptr<class LinkWatcher> link_watcher_;
+  RailEventLog events_;
+  mutable std::mutex async_mutex_;
+  Status async_error_;
   std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
   std::unique_ptr<SelfChannel> self_;               // messages to ourselves (memcpy)
   struct Watchdog;

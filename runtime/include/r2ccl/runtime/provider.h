@@ -44,7 +44,8 @@ struct WriteRequest {
 class RailEvents {
  public:
   virtual ~RailEvents() = default;
-  // The peer confirmed that the write's bytes are in its memory.
+  // The peer confirmed that the write's bytes are in its memory (or that it handled a control
+  // message posted with this cookie).
   virtual void on_write_confirmed(std::uint64_t cookie) = 0;
   // The peer refused the write (e.g. outside a registered region); the rail stays up.
   virtual void on_write_refused(std::uint64_t cookie, const Status& why) = 0;
@@ -62,8 +63,11 @@ class Rail {
   virtual void start(RailEvents* events) = 0;
   // Queues a write; src must stay valid until it is confirmed, refused or the rail fails.
   virtual Status post_write(const WriteRequest& write) = 0;
-  virtual Status post_control(Bytes message) = 0;
-  // Closes the rail now; no event is delivered afterwards.
+  // Queues a control message; with a non-zero cookie the peer confirms it (on_write_confirmed)
+  // once its handler has run.
+  virtual Status post_control(Bytes message, std::uint64_t cookie) = 0;
+  // Closes the rail now, abortively: data still queued is discarded, not delivered later; no
+  // event is delivered afterwards.
   virtual void fence() = 0;
   virtual const RailHello& hello() const = 0;
   // "eth1 198.18.1.1:40122 -> 198.18.1.2:38111"

@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace r2ccl {
 
@@ -21,8 +23,14 @@ struct RailTelemetry {
   std::atomic<std::uint64_t> replayed_chunks{0};  // re-posted here after another rail failed
   std::atomic<std::uint64_t> replayed_bytes{0};
   std::atomic<std::uint64_t> errors{0};
-  std::atomic<std::uint64_t> failovers{0};      // times this rail failed and was fenced
-  std::atomic<std::uint64_t> bandwidth_bps{0};  // measured, confirmed bytes per second (EWMA)
+  std::atomic<std::uint64_t> failovers{0};        // times this rail failed and was fenced
+  std::atomic<std::uint64_t> bandwidth_bps{0};    // measured, confirmed bytes per second (EWMA)
+  std::atomic<std::uint64_t> flaps{0};            // times the rail went bad (link or probes)
+  std::atomic<std::uint64_t> rtt_ns{0};           // last probe round trip
+  std::atomic<std::uint64_t> detection_ns{0};     // how long the last failure took to detect
+  std::atomic<std::uint32_t> weight_milli{1000};  // scheduler weight x 1000 (1000 = fastest)
+  std::atomic<std::uint64_t> holddown_ms{0};      // current re-admission hold-down
+  std::atomic<std::uint32_t> epoch{0};            // connection generation of the rail
 };
 
 // A copy of one rail's telemetry with its identity.
@@ -41,7 +49,36 @@ struct RailSnapshot {
   std::uint64_t errors = 0;
   std::uint64_t failovers = 0;
   std::uint64_t bandwidth_bps = 0;
+  std::uint64_t flaps = 0;
+  std::uint64_t rtt_ns = 0;
+  std::uint64_t detection_ns = 0;
+  double weight = 1.0;
+  std::uint64_t holddown_ms = 0;
+  std::uint32_t epoch = 0;
   std::string last_error;
+};
+
+// What happened to the rails, with wall-clock times (for fault benchmarks and post-mortems).
+// Written only on state changes, never per chunk.
+struct RailEvent {
+  std::int64_t wall_ns = 0;  // CLOCK_REALTIME
+  int peer = -1;
+  std::uint32_t rail = 0;
+  std::string nic;
+  // link_down, link_up, failed, replay_started, first_replay_confirmed, readmitted
+  std::string kind;
+  std::string detail;
+};
+
+class RailEventLog {
+ public:
+  static constexpr std::size_t kMaxEvents = 100000;
+  void add(RailEvent event);
+  std::vector<RailEvent> snapshot() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<RailEvent> events_;
 };
 
 }  // namespace r2ccl

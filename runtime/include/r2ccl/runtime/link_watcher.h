@@ -1,0 +1,30 @@
+// Watches the kernel's link state (rtnetlink, RTMGRP_LINK) on the progress thread and reports
+// every change of an interface's operational state (IFF_RUNNING: up with carrier). A NIC that
+// is set down, or whose cable/peer goes away, is known within the time the kernel takes to
+// say so — no polling.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl {
+
+class ProgressEngine;
+
+class LinkWatcher {
+ public:
+  using Handler = std::function<void(const std::string& ifname, bool running)>;
+  // Starts watching; the handler runs on the progress thread for each change.
+  static Result<std::unique_ptr<LinkWatcher>> start(ProgressEngine& engine, Handler handler);
+  virtual ~LinkWatcher() = default;
+  // Stops delivery (progress thread or not); no handler runs after it returns.
+  virtual void stop() = 0;
+};
+
+// The current operational state of an interface (IFF_RUNNING), or an error if it does not exist.
+Result<bool> interface_running(const std::string& ifname);
+
+}  // namespace r2ccl

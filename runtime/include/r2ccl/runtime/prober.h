@@ -1,0 +1,42 @@
+// Liveness and RTT probes on every rail, busy or idle (DESIGN.md, Rail health).
+//
+// One UDP socket per local NIC, bound to its address (and to the device where permitted), so a
+// probe takes exactly the path of the rail's data but not its TCP queues: a probe's round trip
+// is the network's, and a black-holed NIC stops answering even while its link stays up. Every
+// prober also answers the probes it receives. Packets carry a tag of the job's token; others are
+// ignored.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/status.h"
+#include "r2ccl/runtime/topology.h"
+
+namespace r2ccl {
+
+class ProgressEngine;
+
+class Prober {
+ public:
+  using ReplyHandler =
+      std::function<void(int peer, std::uint32_t rail, std::chrono::nanoseconds rtt)>;
+  // Opens one probe socket per NIC; probes start once targets are added.
+  static Result<std::unique_ptr<Prober>> open(ProgressEngine& engine,
+                                              const std::vector<RailNic>& nics, const Token& token,
+                                              int my_rank, std::chrono::milliseconds interval,
+                                              ReplyHandler on_reply);
+  virtual ~Prober() = default;
+  // The UDP port of NIC `device`'s probe socket (published to the peers).
+  virtual std::uint16_t port(std::size_t device) const = 0;
+  // Probe `peer`'s NIC (address:port) from local device `rail` every interval. Loop thread.
+  virtual void add_target(int peer, std::uint32_t rail, const std::string& address,
+                          std::uint16_t port) = 0;
+  virtual void stop() = 0;
+};
+
+}  // namespace r2ccl

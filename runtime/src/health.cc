@@ -1,0 +1,135 @@
+#include "r2ccl/runtime/health.h"
+
+#include <algorithm>
+
+namespace r2ccl {
+
+HealthConfig HealthConfig::from(const Config& c) {
+  return {c.probe_timeout, c.stall_timeout, c.holddown, c.holddown_max, c.readmit_probes};
+}
+
+RailHealth::RailHealth(const HealthConfig& config, TimePoint now)
+    : config_(config),
+      last_heard_(now),
+      stable_since_(now),
+      last_decay_(now),
+      holddown_(config.holddown) {}
+
+void RailHealth::on_connected(TimePoint now) {
+  connected_ = true;
+  good_probes_ = 0;
+  last_heard_ = now;
+  last_decay_ = now;
+  state_ = RailState::kUp;
+  refresh_connected_state();
+}
+
+HealthAction RailHealth::go_down(TimePoint now, const std::string& reason,
+                                 TimePoint detected_from) {
+  last_error_ = reason;
+  good_probes_ = 0;
+  stable_since_ = now;
+  if (state_ != RailState::kDown) {
+    // The rail was good (in use or on its way back): that is one more flap.
+    ++flaps_;
+    if (flaps_ > 1) holddown_ = std::min(holddown_ * 2, config_.holddown_max);
+  }
+  state_ = RailState::kDown;
+  if (!connected_) return HealthAction::kNone;
+  connected_ = false;
+  ++failovers_;
+  last_detection_ = std::chrono::duration_cast<std::chrono::nanoseconds>(now - detected_from);
+  return HealthAction::kFence;
+}
+
+HealthAction RailHealth::on_failure(TimePoint now, const std::string& reason) {
+  return go_down(now, reason, now);
+}
+
+HealthAction RailHealth::on_link(TimePoint now, bool up) {
+  const bool was_up = link_up_;
+  link_up_ = up;
+  if (!up) {
+    if (was_up && state_ == RailState::kDown) {
+      // Went down again before any probe got through: still a flap.
+      ++flaps_;
+      holddown_ = std::min(holddown_ * 2, config_.holddown_max);
+      stable_since_ = now;
+      return HealthAction::kNone;
+    }
+    return go_down(now, "link down", now);
+  }
+  if (!was_up) stable_since_ = now;
+  return HealthAction::kNone;
+}
+
+void RailHealth::on_heard(TimePoint now) {
+  last_heard_ = now;
+  if (connected_ && state_ == RailState::kSuspect) refresh_connected_state();
+}
+
+void RailHealth::on_probe_reply(TimePoint now, std::chrono::nanoseconds rtt) {
+  rtt_ = rtt;
+  on_heard(now);
+  if (connected_ || !link_up_) return;
+  if (state_ == RailState::kDown) {
+    state_ = RailState::kProbing;
+    good_probes_ = 0;
+    if (stable_since_ < now - holddown_) stable_since_ = now;
+  }
+  ++good_probes_;
+}
+
+HealthAction RailHealth::tick(TimePoint now, bool unconfirmed, TimePoint last_progress) {
+  const auto silence = now - last_heard_;
+  if (connected_) {
+    if (silence >= config_.probe_timeout)
+      return go_down(
+          now,
+          "no probe reply or data for " +
+              std::to_string(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(silence).count()) +
+              "ms (black hole?)",
+          last_heard_);
+    if (unconfirmed && now - last_progress >= config_.stall_timeout)
+      return go_down(now,
+                     "stalled: data unconfirmed for " +
+                         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            now - last_progress)
+                                            .count()) +
+                         "ms",
+                     last_progress);
+    if (silence >= config_.probe_timeout / 2) {
+      state_ = RailState::kSuspect;
+    } else {
+      refresh_connected_state();
+    }
+    // Stable in use: the hold-down decays.
+    if (usable() && now - last_decay_ >= holddown_) {
+      holddown_ = std::max(config_.holddown, holddown_ / 2);
+      last_decay_ = now;
+    }
+    return HealthAction::kNone;
+  }
+  if (state_ == RailState::kProbing) {
+    if (silence >= config_.probe_timeout / 2 || !link_up_) {
+      // Probes stopped answering again before re-admission: a flap.
+      go_down(now, "probes stopped answering while probing", last_heard_);
+      return HealthAction::kNone;
+    }
+    if (good_probes_ >= config_.readmit_probes && now - stable_since_ >= holddown_)
+      return HealthAction::kReadmit;
+  }
+  return HealthAction::kNone;
+}
+
+void RailHealth::set_degraded(bool degraded) {
+  degraded_ = degraded;
+  if (connected_ && state_ != RailState::kSuspect) refresh_connected_state();
+}
+
+void RailHealth::refresh_connected_state() {
+  state_ = degraded_ ? RailState::kDegraded : RailState::kUp;
+}
+
+}  // namespace r2ccl

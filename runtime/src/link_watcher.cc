@@ -1,0 +1,130 @@
+#include "r2ccl/runtime/link_watcher.h"
+
+#include <fmt/format.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+
+#include "r2ccl/runtime/asio.h"
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/progress.h"
+
+namespace r2ccl {
+namespace {
+
+class NetlinkWatcher final : public LinkWatcher,
+                             public std::enable_shared_from_this<NetlinkWatcher> {
+ public:
+  NetlinkWatcher(ProgressEngine& engine, Handler handler)
+      : engine_(engine), stream_(engine.io()), handler_(std::move(handler)), buffer_(16384) {}
+
+  Status open() {
+    const int fd = ::socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC | SOCK_NONBLOCK, NETLINK_ROUTE);
+    if (fd < 0)
+      return {ErrorCode::kNetwork, fmt::format("netlink socket: {}", std::strerror(errno))};
+    sockaddr_nl sa{};
+    sa.nl_family = AF_NETLINK;
+    sa.nl_groups = RTMGRP_LINK;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+      const int e = errno;
+      ::close(fd);
+      return {ErrorCode::kNetwork, fmt::format("netlink bind: {}", std::strerror(e))};
+    }
+    boost::system::error_code ec;
+    stream_.assign(fd, ec);
+    if (ec) return {ErrorCode::kNetwork, fmt::format("netlink: {}", ec.message())};
+    return Status::ok();
+  }
+
+  void arm() {
+    stream_.async_read_some(
+        boost::asio::buffer(buffer_),
+        [self = shared_from_this()](boost::system::error_code ec, std::size_t n) {
+          if (ec || self->stopped_) return;
+          self->parse(n);
+          self->arm();
+        });
+  }
+
+  void stop() override {
+    engine_.call([this] {
+      stopped_ = true;
+      boost::system::error_code ec;
+      stream_.close(ec);
+    });
+  }
+
+ private:
+  // The rtnetlink macros are C: they cast the old way.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wold-style-cast"
+#pragma GCC diagnostic ignored "-Wcast-align"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+  void parse(std::size_t n) {
+    std::size_t len = n;
+    for (auto* h = reinterpret_cast<nlmsghdr*>(buffer_.data()); NLMSG_OK(h, len);
+         h = NLMSG_NEXT(h, len)) {
+      if (h->nlmsg_type != RTM_NEWLINK && h->nlmsg_type != RTM_DELLINK) continue;
+      auto* ifi = static_cast<ifinfomsg*>(NLMSG_DATA(h));
+      std::string name;
+      int attr_len = static_cast<int>(IFLA_PAYLOAD(h));
+      for (auto* a = IFLA_RTA(ifi); RTA_OK(a, attr_len); a = RTA_NEXT(a, attr_len))
+        if (a->rta_type == IFLA_IFNAME) name = static_cast<const char*>(RTA_DATA(a));
+      if (name.empty()) continue;
+      const bool running = h->nlmsg_type == RTM_NEWLINK && (ifi->ifi_flags & IFF_UP) &&
+                           (ifi->ifi_flags & IFF_RUNNING);
+      auto it = last_.find(name);
+      if (it != last_.end() && it->second == running) continue;
+      last_[name] = running;
+      R2CCL_DEBUG("link watcher: {} is {}", name, running ? "up" : "down");
+      handler_(name, running);
+    }
+  }
+#pragma GCC diagnostic pop
+
+  ProgressEngine& engine_;
+  boost::asio::posix::stream_descriptor stream_;
+  Handler handler_;
+  std::vector<char> buffer_;
+  std::map<std::string, bool> last_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<LinkWatcher>> LinkWatcher::start(ProgressEngine& engine, Handler handler) {
+  auto w = std::make_shared<NetlinkWatcher>(engine, std::move(handler));
+  R2CCL_RETURN_IF_ERROR(w->open());
+  engine.call([&] { w->arm(); });
+  // The caller owns a handle; the reader keeps the object alive until stop().
+  struct Handle final : LinkWatcher {
+    std::shared_ptr<NetlinkWatcher> impl;
+    void stop() override { impl->stop(); }
+    ~Handle() override { impl->stop(); }
+  };
+  auto h = std::make_unique<Handle>();
+  h->impl = std::move(w);
+  return std::unique_ptr<LinkWatcher>(std::move(h));
+}
+
+Result<bool> interface_running(const std::string& ifname) {
+  if (ifname.size() >= IFNAMSIZ)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("interface name '{}' is too long", ifname));
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status(ErrorCode::kNetwork, "cannot open a socket");
+  ifreq req{};
+  std::memcpy(req.ifr_name, ifname.c_str(), ifname.size());
+  const int rc = ::ioctl(fd, SIOCGIFFLAGS, &req);
+  ::close(fd);
+  if (rc != 0) return Status(ErrorCode::kNotFound, fmt::format("no interface named '{}'", ifname));
+  return (req.ifr_flags & IFF_UP) && (req.ifr_flags & IFF_RUNNING);
+}
+
+}  // namespace r2ccl

@@ -1,0 +1,834 @@
+#include "peer_channel.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "r2ccl/runtime/log.h"
+
+namespace r2ccl {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Control messages on the rails: u64 sequence number, u8 type, body.
+enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2 };
+// Fence notices on the control path: u8 type, u32 rail, u32 epoch, reason.
+enum class FenceType : std::uint8_t { kFence = 1, kFenceAck = 2 };
+
+constexpr std::uint64_t kControlCookieBit = 1ull << 63;
+
+std::uint32_t chunk_count(std::uint64_t length, std::uint64_t chunk) {
+  return static_cast<std::uint32_t>((length + chunk - 1) / chunk);
+}
+
+std::int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string ms_text(std::chrono::nanoseconds d) {
+  return fmt::format("{:.1f}ms", static_cast<double>(d.count()) / 1e6);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Events from a rail
+
+void Channel::Sink::on_write_confirmed(std::uint64_t cookie) {
+  channel->on_confirmed(index, cookie);
+}
+void Channel::Sink::on_write_refused(std::uint64_t cookie, const Status& why) {
+  channel->on_refused(index, cookie, why);
+}
+void Channel::Sink::on_write_arrived(std::uint32_t imm, std::size_t length) {
+  channel->on_arrived(index, imm, length);
+}
+void Channel::Sink::on_control(Bytes message) {
+  channel->deliver_control(index, std::move(message));
+}
+void Channel::Sink::on_rail_failed(const Status& why) {
+  channel->on_rail_failed(index, why);
+}
+
+Channel::Channel(ChannelContext ctx, int peer, std::vector<RailNic> local,
+                 std::vector<RemoteRail> remote)
+    : ctx_(std::move(ctx)),
+      config_(*ctx_.config),
+      peer_(peer),
+      scheduler_(local.size(), config_.rail_window) {
+  const auto now = Clock::now();
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    auto slot = std::make_unique<RailSlot>();
+    slot->nic = local[i];
+    slot->remote = remote[i];
+    slot->sink.channel = this;
+    slot->sink.index = static_cast<std::uint32_t>(i);
+    slot->health.emplace(HealthConfig::from(config_), now);
+    slot->tel.state = RailState::kDown;
+    slot->tel.holddown_ms = static_cast<std::uint64_t>(config_.holddown.count());
+    rails_.push_back(std::move(slot));
+    scheduler_.set_usable(i, false);
+  }
+  last_tick_ = now;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rails: connection, failure, fence, replay, re-admission
+
+bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
+  if (index >= rails_.size() || dead_) return false;
+  auto& s = *rails_[index];
+  const std::uint32_t epoch = rail->hello().epoch;
+  const bool readmission = epoch > 0;
+  if (s.rail) {
+    if (epoch <= s.epoch) return false;  // a duplicate or stale connection
+    // The peer re-established the rail, so it has fenced the old connection: so do we.
+    fence(index, "replaced by a new connection from the peer", false);
+    s.peer_fenced_epoch = s.epoch;
+  }
+  s.epoch = epoch;
+  s.tel.epoch = epoch;
+  s.rail = std::move(rail);
+  s.rail->start(&s.sink);
+  const auto now = Clock::now();
+  s.health->on_connected(now);
+  s.last_progress = now;
+  // Until measured again, a re-admitted rail is assumed as fast as the median of the others.
+  std::vector<double> bws;
+  for (const auto& o : rails_)
+    if (o.get() != &s && o->bandwidth > 0) bws.push_back(o->bandwidth);
+  s.bandwidth = 0;
+  s.busy_since.reset();
+  s.busy_time = std::chrono::nanoseconds(0);
+  s.busy_bytes = 0;
+  if (!bws.empty()) {
+    std::nth_element(bws.begin(), bws.begin() + static_cast<std::ptrdiff_t>(bws.size() / 2),
+                     bws.end());
+    scheduler_.set_bandwidth(index, bws[bws.size() / 2]);
+  } else {
+    scheduler_.clear_bandwidth(index);
+  }
+  update_usable(index);
+  if (readmission) {
+    event(index, "readmitted",
+          fmt::format("epoch {}, hold-down was {}ms, {} flap(s)", epoch,
+                      s.health->holddown().count(), s.health->flaps()));
+    R2CCL_INFO("rail {} ({} -> {}) to rank {} re-admitted (epoch {})", index, s.nic.name,
+               s.remote.nic, peer_, epoch);
+  }
+  maybe_replay(index);
+  flush_control();
+  pump();
+  return true;
+}
+
+void Channel::connect_failed(std::uint32_t index, const Status& why) {
+  if (index >= rails_.size()) return;
+  auto& s = *rails_[index];
+  s.connecting = false;
+  s.tel.errors.fetch_add(1, std::memory_order_relaxed);
+  if (s.health->state() == RailState::kProbing)
+    R2CCL_INFO("rail {} to rank {}: re-admission failed: {}", index, peer_, why.message());
+  s.connect_error = why.message();  // the fabric names it when the first connection fails
+}
+
+std::size_t Channel::attached() const {
+  return static_cast<std::size_t>(std::count_if(rails_.begin(), rails_.end(),
+                                                [](const auto& s) { return s->rail != nullptr; }));
+}
+
+std::string Channel::missing_rails() const {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < rails_.size(); ++i)
+    if (!rails_[i]->rail)
+      out.push_back(
+          fmt::format("rail {} ({} -> {}){}", i, rails_[i]->nic.name, rails_[i]->remote.nic,
+                      rails_[i]->connect_error.empty() ? "" : ": " + rails_[i]->connect_error));
+  return fmt::format("{}", fmt::join(out, "; "));
+}
+
+void Channel::update_usable(std::uint32_t index) {
+  auto& s = *rails_[index];
+  const bool usable = s.rail && s.health->usable() && !dead_;
+  scheduler_.set_usable(index, usable);
+  s.tel.state = s.health->state();
+}
+
+void Channel::event(std::uint32_t index, const std::string& kind, const std::string& detail) {
+  if (ctx_.events)
+    ctx_.events->add(RailEvent{wall_ns(), peer_, index, rails_[index]->nic.name, kind, detail});
+}
+
+void Channel::on_rail_failed(std::uint32_t index, const Status& why) {
+  auto& s = *rails_[index];
+  // A peer that closes its rails while nothing is in flight is most likely shutting down.
+  const bool idle = sends_.empty() && recv_slots_.empty() && scheduler_.inflight(index) == 0;
+  log(closing_ || idle ? LogLevel::kInfo : LogLevel::kWarn,
+      "rail {} ({} -> {}) to rank {} failed: {}", index, s.nic.name, s.remote.nic, peer_,
+      why.message());
+  s.rail.reset();  // the provider closed it already
+  fail_rail(index, why.message(), s.health->on_failure(Clock::now(), why.message()), true);
+}
+
+void Channel::fail_rail(std::uint32_t index, const std::string& reason, HealthAction action,
+                        bool notify_peer) {
+  auto& s = *rails_[index];
+  s.tel.flaps = s.health->flaps();
+  s.tel.holddown_ms = static_cast<std::uint64_t>(s.health->holddown().count());
+  if (action == HealthAction::kFence) {
+    fence(index, reason, notify_peer);
+  } else {
+    update_usable(index);
+  }
+}
+
+// Fence, then replay: the connection is closed abortively and its epoch is over; what it left
+// unconfirmed is replayed once the peer confirms its end is closed too, so that no write of the
+// old connection can land after a replayed one.
+void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_peer) {
+  auto& s = *rails_[index];
+  if (s.rail) {
+    s.rail->fence();
+    s.rail.reset();
+  }
+  s.tel.failovers.fetch_add(1, std::memory_order_relaxed);
+  s.tel.errors.fetch_add(1, std::memory_order_relaxed);
+  s.tel.detection_ns = static_cast<std::uint64_t>(s.health->last_detection().count());
+  scheduler_.set_usable(index, false);
+  s.busy_since.reset();
+  for (const auto& c : ledger_.take_rail(index)) {
+    scheduler_.release(index, c.length);
+    s.awaiting_replay.push_back(c);
+  }
+  for (auto it = control_inflight_.begin(); it != control_inflight_.end();) {
+    if (it->second.rail == index) {
+      s.awaiting_control.push_back(std::move(it->second));
+      it = control_inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  update_usable(index);
+  event(index, "failed",
+        fmt::format("{} (detected in {}; {} chunk(s), {} control message(s) to replay)", reason,
+                    ms_text(s.health->last_detection()), s.awaiting_replay.size(),
+                    s.awaiting_control.size()));
+  if (!closing_)
+    log(s.awaiting_replay.empty() ? LogLevel::kInfo : LogLevel::kWarn,
+        "rail {} ({} -> {}) to rank {} is down: {}; fenced epoch {}, {} chunk(s) to replay on {} "
+        "rail(s)",
+        index, s.nic.name, s.remote.nic, peer_, reason, s.epoch, s.awaiting_replay.size(),
+        scheduler_.usable_count());
+  if (notify_peer)
+    send_fence_notice(static_cast<std::uint8_t>(FenceType::kFence), index, s.epoch, reason);
+  maybe_replay(index);
+}
+
+void Channel::send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
+                                const std::string& why) {
+  if (dead_ || closing_ || ctx_.bootstrap == nullptr) return;
+  ByteWriter w;
+  w.u8(type).u32(rail).u32(epoch).str(why);
+  if (Status st = ctx_.bootstrap->send_to(peer_, w.bytes()); !st)
+    R2CCL_WARN("cannot tell rank {} about rail {}: {}", peer_, rail, st.message());
+}
+
+void Channel::on_control_path(Bytes message) {
+  ByteReader r(message);
+  const auto type = static_cast<FenceType>(r.u8());
+  const auto index = r.u32();
+  const auto epoch = r.u32();
+  std::string why = r.str(4096);
+  if (!r.finish("fence notice").is_ok() || index >= rails_.size()) {
+    R2CCL_WARN("malformed control-path message from rank {}", peer_);
+    return;
+  }
+  auto& s = *rails_[index];
+  if (type == FenceType::kFence) {
+    if (epoch == s.epoch && s.rail) {
+      const std::string reason = fmt::format("rank {} reported: {}", peer_, why);
+      fail_rail(index, reason, s.health->on_failure(Clock::now(), reason), false);
+    }
+    if (epoch == s.epoch) {
+      s.peer_fenced_epoch = epoch;
+      maybe_replay(index);
+    }
+    send_fence_notice(static_cast<std::uint8_t>(FenceType::kFenceAck), index, epoch, "");
+    return;
+  }
+  if (type == FenceType::kFenceAck && epoch == s.epoch) {
+    s.peer_fenced_epoch = epoch;
+    maybe_replay(index);
+  }
+}
+
+void Channel::maybe_replay(std::uint32_t index) {
+  auto& s = *rails_[index];
+  if (s.rail || s.peer_fenced_epoch != s.epoch) return;
+  if (s.awaiting_replay.empty() && s.awaiting_control.empty()) return;
+  event(index, "replay_started",
+        fmt::format("{} chunk(s), {} control message(s)", s.awaiting_replay.size(),
+                    s.awaiting_control.size()));
+  for (auto& c : s.awaiting_replay)
+    replay_.push_back(c);
+  s.replay_confirm_pending = !s.awaiting_replay.empty();
+  s.awaiting_replay.clear();
+  for (auto& c : s.awaiting_control)
+    control_backlog_.push_front(std::move(c));
+  s.awaiting_control.clear();
+  flush_control();
+  pump();
+}
+
+void Channel::readmit(std::uint32_t index) {
+  auto& s = *rails_[index];
+  // The lower rank re-connects; the higher rank accepts (as for the first connection).
+  if (ctx_.me > peer_ || s.connecting || s.rail || dead_) return;
+  s.connecting = true;
+  RailHello hello;
+  hello.token = ctx_.token;
+  hello.src_rank = static_cast<std::uint32_t>(ctx_.me);
+  hello.dst_rank = static_cast<std::uint32_t>(peer_);
+  hello.rail = index;
+  hello.epoch = s.epoch + 1;
+  ctx_.provider->connect(index, s.remote.endpoint, hello, config_.connect_timeout,
+                         [this, index](Result<std::shared_ptr<Rail>> r) {
+                           if (r.is_ok()) {
+                             rails_[index]->connecting = false;
+                             if (!attach(index, std::move(*r))) (*r)->fence();
+                           } else {
+                             connect_failed(index, r.status());
+                           }
+                         });
+}
+
+void Channel::on_link(const std::string& ifname, bool running) {
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& s = *rails_[i];
+    if (s.nic.name != ifname) continue;
+    event(i, running ? "link_up" : "link_down", ifname);
+    fail_rail(i, "link down", s.health->on_link(Clock::now(), running), true);
+  }
+}
+
+void Channel::on_probe_reply(std::uint32_t rail, std::chrono::nanoseconds rtt) {
+  if (rail >= rails_.size()) return;
+  auto& s = *rails_[rail];
+  s.health->on_probe_reply(Clock::now(), rtt);
+  s.tel.rtt_ns = static_cast<std::uint64_t>(rtt.count());
+  update_usable(rail);
+}
+
+void Channel::measure_bandwidth(Clock::time_point now) {
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& s = *rails_[i];
+    if (s.busy_since) {
+      s.busy_time += now - *s.busy_since;
+      s.busy_since = now;
+    }
+    if (s.busy_time < milliseconds(20) || s.busy_bytes == 0) continue;
+    const double sample =
+        static_cast<double>(s.busy_bytes) / std::chrono::duration<double>(s.busy_time).count();
+    s.bandwidth = s.bandwidth == 0 ? sample : 0.5 * s.bandwidth + 0.5 * sample;
+    s.busy_time = std::chrono::nanoseconds(0);
+    s.busy_bytes = 0;
+    scheduler_.set_bandwidth(i, s.bandwidth);
+    s.tel.bandwidth_bps = static_cast<std::uint64_t>(s.bandwidth);
+  }
+}
+
+void Channel::update_degraded() {
+  std::vector<double> bws;
+  for (const auto& s : rails_)
+    if (s->rail && s->bandwidth > 0) bws.push_back(s->bandwidth);
+  if (bws.size() < 2) return;
+  std::sort(bws.begin(), bws.end());
+  const double median = bws[bws.size() / 2];
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& s = *rails_[i];
+    s.tel.weight_milli = static_cast<std::uint32_t>(std::lround(1000 * scheduler_.weight(i)));
+    if (!s.rail || s.bandwidth == 0) continue;
+    const bool was = s.health->state() == RailState::kDegraded;
+    // Hysteresis: degraded below the ratio, recovered above the midpoint to 1.
+    const bool now_degraded = was ? s.bandwidth < median * (1 + config_.degraded_ratio) / 2
+                                  : s.bandwidth < median * config_.degraded_ratio;
+    if (now_degraded == was) continue;
+    s.health->set_degraded(now_degraded);
+    update_usable(i);
+    event(i, now_degraded ? "degraded" : "recovered",
+          fmt::format("{:.1f} MB/s vs median {:.1f} MB/s", s.bandwidth / 1e6, median / 1e6));
+    R2CCL_INFO("rail {} ({}) to rank {} is {} ({:.1f} MB/s, median {:.1f} MB/s)", i, s.nic.name,
+               peer_, now_degraded ? "degraded" : "no longer degraded", s.bandwidth / 1e6,
+               median / 1e6);
+  }
+}
+
+void Channel::tick(Clock::time_point now) {
+  // Rail health.
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& s = *rails_[i];
+    const bool unconfirmed = scheduler_.inflight(i) > 0;
+    const auto action = s.health->tick(now, unconfirmed, s.last_progress);
+    if (action == HealthAction::kReadmit) {
+      readmit(i);
+    } else {
+      fail_rail(i, s.health->last_error(), action, true);
+    }
+    s.tel.holddown_ms = static_cast<std::uint64_t>(s.health->holddown().count());
+    s.tel.flaps = s.health->flaps();
+  }
+  if (now - last_tick_ >= milliseconds(100)) {
+    last_tick_ = now;
+    measure_bandwidth(now);
+    update_degraded();
+  }
+  pump();
+
+  // Deadlines.
+  const bool none_left = !any_usable();
+  const std::string prefix =
+      none_left ? fmt::format("no rail to rank {} survived; ", peer_) : std::string();
+  for (auto it = sends_.begin(); it != sends_.end();) {
+    auto& s = it->second;
+    if (now < s.deadline) {
+      ++it;
+      continue;
+    }
+    const auto seq = it->first;
+    const std::string progress =
+        s.started ? fmt::format("{} of {} chunks confirmed", s.confirmed, s.nchunks)
+                  : fmt::format("rank {} never posted the matching receive", peer_);
+    Status why(
+        ErrorCode::kTimeout,
+        fmt::format("{}send #{} of {} bytes to rank {} timed out after {}ms ({}); rails tried: {}",
+                    prefix, seq, s.length, peer_, config_.timeout.count(), progress,
+                    rail_summary()));
+    auto op = s.op;
+    drop_send(it++);
+    op->complete(why);
+    if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);
+  }
+  for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
+    auto& r = it->second;
+    if (now < r.deadline) {
+      ++it;
+      continue;
+    }
+    Status why(ErrorCode::kTimeout,
+               fmt::format("{}receive #{} of {} bytes from rank {} timed out after {}ms ({} of {} "
+                           "chunks arrived); "
+                           "rails tried: {}",
+                           prefix, r.seq, r.length, peer_, config_.timeout.count(),
+                           r.arrivals.count(), r.arrivals.chunks(), rail_summary()));
+    r.op->complete(why);
+    it = recv_slots_.erase(it);
+    if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);
+  }
+}
+
+bool Channel::any_usable() const {
+  return scheduler_.usable_count() > 0;
+}
+
+std::string Channel::rail_summary() const {
+  std::vector<std::string> parts;
+  for (std::size_t i = 0; i < rails_.size(); ++i) {
+    const auto& s = *rails_[i];
+    std::string p = fmt::format("{} ({} -> {}) {}", i, s.nic.name, s.remote.nic,
+                                rail_state_name(s.health->state()));
+    if (scheduler_.inflight(i) > 0)
+      p += fmt::format(", {} bytes unconfirmed", scheduler_.inflight(i));
+    if (!s.health->last_error().empty() && !s.health->usable()) p += ": " + s.health->last_error();
+    parts.push_back(p);
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+void Channel::on_peer_left(const std::string& why) {
+  if (dead_) return;
+  dead_ = true;
+  dead_reason_ = why;
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& s = *rails_[i];
+    if (s.rail) {
+      s.rail->fence();
+      s.rail.reset();
+    }
+    update_usable(i);
+  }
+  fail_all({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, why)});
+}
+
+void Channel::fail_all(const Status& why) {
+  auto sends = std::move(sends_);
+  auto recvs = std::move(recv_slots_);
+  sends_.clear();
+  recv_slots_.clear();
+  ready_.clear();
+  replay_.clear();
+  for (auto& [seq, s] : sends) {
+    for (const auto& c : ledger_.take_message(seq))
+      scheduler_.release(c.rail, c.length);
+    s.op->complete(why);
+  }
+  for (auto& [slot, r] : recvs)
+    r.op->complete(why);
+}
+
+void Channel::snapshot(std::vector<RailSnapshot>& out) const {
+  for (std::size_t i = 0; i < rails_.size(); ++i) {
+    const auto& s = *rails_[i];
+    RailSnapshot r;
+    r.peer = peer_;
+    r.rail = static_cast<std::uint32_t>(i);
+    r.nic = s.nic.name;
+    r.remote_nic = s.remote.nic;
+    r.state = s.health->state();
+    r.tx_bytes = s.tel.tx_bytes.load();
+    r.rx_bytes = s.tel.rx_bytes.load();
+    r.tx_chunks = s.tel.tx_chunks.load();
+    r.rx_chunks = s.tel.rx_chunks.load();
+    r.replayed_chunks = s.tel.replayed_chunks.load();
+    r.replayed_bytes = s.tel.replayed_bytes.load();
+    r.errors = s.tel.errors.load();
+    r.failovers = s.tel.failovers.load();
+    r.bandwidth_bps = s.tel.bandwidth_bps.load();
+    r.flaps = s.health->flaps();
+    r.rtt_ns = s.tel.rtt_ns.load();
+    r.detection_ns = s.tel.detection_ns.load();
+    r.weight = scheduler_.weight(i);
+    r.holddown_ms = static_cast<std::uint64_t>(s.health->holddown().count());
+    r.epoch = s.epoch;
+    r.last_error = s.health->last_error();
+    out.push_back(std::move(r));
+  }
+}
+
+void Channel::shutdown() {
+  closing_ = true;
+  for (auto& s : rails_)
+    if (s->rail) {
+      s->rail->fence();
+      s->rail.reset();
+    }
+  fail_all({ErrorCode::kAborted, "the fabric was destroyed"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control messages on the rails
+
+void Channel::send_control(Bytes body) {
+  ControlEntry e;
+  e.seq = next_control_seq_++;
+  ByteWriter w;
+  w.u64(e.seq).raw(body.data(), body.size());
+  e.message = w.take();
+  control_backlog_.push_back(std::move(e));
+  flush_control();
+}
+
+void Channel::flush_control() {
+  while (!control_backlog_.empty()) {
+    std::optional<std::uint32_t> rail;
+    for (std::uint32_t i = 0; i < rails_.size() && !rail; ++i)
+      if (rails_[i]->rail && scheduler_.usable(i)) rail = i;
+    if (!rail) return;  // sent when a rail is usable again
+    ControlEntry e = std::move(control_backlog_.front());
+    control_backlog_.pop_front();
+    e.rail = *rail;
+    const std::uint64_t cookie = kControlCookieBit | next_control_cookie_++;
+    if (!rails_[*rail]->rail->post_control(e.message, cookie)) {
+      control_backlog_.push_front(std::move(e));
+      return;
+    }
+    control_inflight_.emplace(cookie, std::move(e));
+  }
+}
+
+void Channel::deliver_control(std::uint32_t rail, Bytes message) {
+  rails_[rail]->health->on_heard(Clock::now());
+  ByteReader r(message);
+  const auto seq = r.u64();
+  if (!r.ok()) return;
+  // Idempotent: a message replayed after a failover is handled once.
+  if (seq < control_seen_below_ || control_seen_.count(seq) != 0) return;
+  control_seen_.insert(seq);
+  while (control_seen_.count(control_seen_below_) != 0)
+    control_seen_.erase(control_seen_below_++);
+
+  const auto type = static_cast<ControlType>(r.u8());
+  if (type == ControlType::kCts) {
+    Cts c;
+    c.seq = r.u64();
+    c.length = r.u64();
+    c.chunk = r.u32();
+    c.offset = r.u64();
+    c.region = RemoteRegion::decode(r);
+    if (!r.finish("clear-to-send").is_ok()) {
+      R2CCL_WARN("rank {} sent a malformed clear-to-send on rail {}", peer_, rail);
+      return;
+    }
+    if (sends_.count(c.seq) != 0)
+      start_send(c.seq, c);
+    else
+      early_cts_[c.seq] = c;
+    return;
+  }
+  if (type == ControlType::kAbort) {
+    const auto seq2 = r.u64();
+    std::string why = r.str(4096);
+    auto it = recv_slots_.find(static_cast<std::uint32_t>(seq2 % ChunkImm::kSlots));
+    if (it != recv_slots_.end() && it->second.seq == seq2) {
+      auto op = it->second.op;
+      recv_slots_.erase(it);
+      op->complete({ErrorCode::kInvalidArgument, why});
+    }
+    return;
+  }
+  R2CCL_WARN("rank {} sent an unknown control message type {} on rail {}", peer_,
+             static_cast<int>(type), rail);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data
+
+void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                        Clock::time_point deadline) {
+  if (dead_) {
+    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
+    return;
+  }
+  const auto seq = next_send_seq_++;
+  Send s;
+  s.op = std::move(op);
+  s.region = std::move(region);
+  s.offset = offset;
+  s.length = length;
+  s.deadline = deadline;
+  sends_.emplace(seq, std::move(s));
+  if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
+    Cts c = it->second;
+    early_cts_.erase(it);
+    start_send(seq, c);
+  }
+}
+
+void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                        Clock::time_point deadline) {
+  if (dead_) {
+    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
+    return;
+  }
+  const auto seq = next_recv_seq_++;
+  const auto slot = static_cast<std::uint32_t>(seq % ChunkImm::kSlots);
+  if (recv_slots_.count(slot) != 0) {
+    op->complete(
+        {ErrorCode::kUnavailable,
+         fmt::format("more than {} receives from rank {} outstanding", ChunkImm::kSlots, peer_)});
+    return;
+  }
+  Cts cts;
+  cts.seq = seq;
+  cts.length = length;
+  cts.chunk = static_cast<std::uint32_t>(config_.chunk_size);
+  cts.offset = offset;
+  cts.region = RemoteRegion{region->id, region->length, region->keys};
+  Recv r;
+  r.op = op;
+  r.region = std::move(region);
+  r.seq = seq;
+  r.length = length;
+  r.deadline = deadline;
+  r.arrivals = ArrivalSet(chunk_count(length, cts.chunk));
+  ByteWriter w;
+  w.u8(static_cast<std::uint8_t>(ControlType::kCts))
+      .u64(cts.seq)
+      .u64(cts.length)
+      .u32(cts.chunk)
+      .u64(cts.offset);
+  cts.region.encode(w);
+  send_control(w.take());
+  if (length == 0) {
+    op->complete(Status::ok());
+    return;
+  }
+  recv_slots_.emplace(slot, std::move(r));
+}
+
+void Channel::start_send(std::uint64_t seq, const Cts& cts) {
+  auto it = sends_.find(seq);
+  auto& s = it->second;
+  auto finish = [&](Status st) {
+    auto op = s.op;
+    sends_.erase(it);
+    op->complete(std::move(st));
+  };
+  if (cts.length != s.length) {
+    const std::string why = fmt::format(
+        "size mismatch in message #{} between rank {} and rank {}: the sender sends {} bytes, the "
+        "receiver posted {} bytes",
+        seq, ctx_.me, peer_, s.length, cts.length);
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(ControlType::kAbort)).u64(seq).str(why);
+    send_control(w.take());
+    return finish({ErrorCode::kInvalidArgument, why});
+  }
+  if (cts.region.keys.size() < rails_.size() || cts.chunk == 0)
+    return finish(
+        {ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
+  s.started = true;
+  s.cts = cts;
+  s.nchunks = chunk_count(s.length, cts.chunk);
+  if (s.nchunks > ChunkImm::kMaxChunks)
+    return finish(
+        {ErrorCode::kInvalidArgument,
+         fmt::format(
+             "a message of {} bytes needs {} chunks of {}; at most {} fit: raise R2CCL_CHUNK_SIZE",
+             s.length, s.nchunks, cts.chunk, ChunkImm::kMaxChunks)});
+  if (s.nchunks == 0) return finish(Status::ok());
+  ready_.push_back(seq);
+  pump();
+}
+
+// Posts chunks while some rail has room: replays first, then new chunks round-robin over the
+// messages in flight so that a large message does not starve small ones.
+void Channel::pump() {
+  while (true) {
+    InflightChunk c;
+    bool replay = false;
+    if (!replay_.empty()) {
+      c = replay_.front();
+      replay = true;
+    } else {
+      while (!ready_.empty() && sends_.count(ready_.front()) == 0)
+        ready_.pop_front();
+      if (ready_.empty()) return;
+      auto& s = sends_.at(ready_.front());
+      c.message = ready_.front();
+      c.index = s.next_chunk;
+      c.offset = static_cast<std::uint64_t>(c.index) * s.cts.chunk;
+      c.length = std::min<std::uint64_t>(s.cts.chunk, s.length - c.offset);
+    }
+    auto sit = sends_.find(c.message);
+    if (sit == sends_.end()) {  // a replayed chunk of a message that has since failed
+      replay_.pop_front();
+      continue;
+    }
+    auto rail = scheduler_.pick(c.length);
+    if (!rail) return;
+    auto& s = sit->second;
+    auto& slot = *rails_[*rail];
+    const auto now = Clock::now();
+    if (scheduler_.inflight(*rail) == c.length) {  // the rail was idle
+      slot.last_progress = now;
+      slot.busy_since = now;
+    }
+    c.rail = static_cast<std::uint32_t>(*rail);
+    c.posted = now;
+    WriteRequest w;
+    w.src = s.region->base + s.offset + c.offset;
+    w.length = c.length;
+    w.remote_key = s.cts.region.keys[*rail];
+    w.remote_offset = s.cts.offset + c.offset;
+    w.imm = ChunkImm::encode(static_cast<std::uint32_t>(c.message % ChunkImm::kSlots), c.index);
+    w.cookie = ledger_.add(c);
+    if (Status st = slot.rail->post_write(w); !st) {
+      ledger_.confirm(w.cookie);
+      scheduler_.release(*rail, c.length);
+      scheduler_.set_usable(*rail, false);
+      continue;  // the rail reports its failure separately
+    }
+    if (replay) {
+      replay_.pop_front();
+      slot.tel.replayed_chunks.fetch_add(1, std::memory_order_relaxed);
+      slot.tel.replayed_bytes.fetch_add(c.length, std::memory_order_relaxed);
+    } else {
+      ready_.pop_front();
+      if (++s.next_chunk < s.nchunks) ready_.push_back(c.message);
+    }
+  }
+}
+
+void Channel::drop_send(std::map<std::uint64_t, Send>::iterator it) {
+  for (const auto& c : ledger_.take_message(it->first))
+    scheduler_.release(c.rail, c.length);
+  std::erase_if(replay_, [&](const InflightChunk& c) { return c.message == it->first; });
+  for (auto& slot : rails_)
+    std::erase_if(slot->awaiting_replay,
+                  [&](const InflightChunk& c) { return c.message == it->first; });
+  sends_.erase(it);
+}
+
+void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie) {
+  const auto now = Clock::now();
+  auto& s = *rails_[rail];
+  s.health->on_heard(now);
+  if (cookie & kControlCookieBit) {
+    control_inflight_.erase(cookie);
+    return;
+  }
+  auto c = ledger_.confirm(cookie);
+  if (!c) return;  // repeated or stale confirmation
+  scheduler_.release(rail, c->length);
+  s.last_progress = now;
+  s.busy_bytes += c->length;
+  if (scheduler_.inflight(rail) == 0 && s.busy_since) {
+    s.busy_time += now - *s.busy_since;
+    s.busy_since.reset();
+  }
+  s.tel.tx_bytes.fetch_add(c->length, std::memory_order_relaxed);
+  s.tel.tx_chunks.fetch_add(1, std::memory_order_relaxed);
+  // The first replayed chunk confirmed on a surviving rail: traffic flows again.
+  for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+    auto& f = *rails_[i];
+    if (f.replay_confirm_pending && i != rail) {
+      f.replay_confirm_pending = false;
+      event(i, "first_replay_confirmed", fmt::format("on rail {} ({})", rail, s.nic.name));
+    }
+  }
+  if (auto it = sends_.find(c->message); it != sends_.end()) {
+    if (++it->second.confirmed == it->second.nchunks) {
+      auto op = it->second.op;
+      sends_.erase(it);
+      op->complete(Status::ok());
+    }
+  }
+  pump();
+}
+
+void Channel::on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why) {
+  auto& s = *rails_[rail];
+  s.health->on_heard(Clock::now());
+  s.tel.errors.fetch_add(1, std::memory_order_relaxed);
+  auto c = ledger_.confirm(cookie);
+  if (!c) return;
+  scheduler_.release(rail, c->length);
+  if (auto it = sends_.find(c->message); it != sends_.end()) {
+    auto op = it->second.op;
+    drop_send(it);
+    op->complete(why.with_context(fmt::format("message #{} to rank {}", c->message, peer_)));
+  }
+  pump();
+}
+
+void Channel::on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length) {
+  auto& s = *rails_[rail];
+  s.health->on_heard(Clock::now());
+  s.tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
+  s.tel.rx_chunks.fetch_add(1, std::memory_order_relaxed);
+  auto it = recv_slots_.find(ChunkImm::slot(imm));
+  if (it == recv_slots_.end()) return;  // a late duplicate of a completed or failed receive
+  auto& r = it->second;
+  if (r.arrivals.mark(ChunkImm::index(imm)) && r.arrivals.complete()) {
+    auto op = r.op;
+    recv_slots_.erase(it);
+    op->complete(Status::ok());
+  }
+}
+
+}  // namespace r2ccl

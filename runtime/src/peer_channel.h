@@ -1,0 +1,199 @@
+// The multi-rail channel to one peer (private to the runtime; the Fabric owns one per peer).
+// Everything here runs on the progress thread.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "r2ccl/runtime/bootstrap.h"
+#include "r2ccl/runtime/channel.h"
+#include "r2ccl/runtime/fabric.h"
+#include "r2ccl/runtime/health.h"
+#include "r2ccl/runtime/memory.h"
+#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/telemetry.h"
+
+namespace r2ccl {
+
+// What a channel needs from its fabric.
+struct ChannelContext {
+  const Config* config = nullptr;
+  int me = -1;
+  Token token{};
+  Provider* provider = nullptr;
+  Bootstrap* bootstrap = nullptr;  // control path (send_to is thread-safe)
+  RailEventLog* events = nullptr;
+  std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
+};
+
+class Channel {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct RemoteRail {
+    std::string nic;
+    Bytes endpoint;  // provider endpoint of the peer's NIC
+  };
+
+  Channel(ChannelContext ctx, int peer, std::vector<RailNic> local, std::vector<RemoteRail> remote);
+
+  std::size_t nrails() const { return rails_.size(); }
+  int peer() const { return peer_; }
+  const RailNic& nic(std::size_t rail) const { return rails_[rail]->nic; }
+
+  // A rail connection is in place (initial connection, or re-admission at a higher epoch).
+  bool attach(std::uint32_t index, std::shared_ptr<Rail> rail);
+  void connect_failed(std::uint32_t index, const Status& why);
+  std::size_t attached() const;
+  std::string missing_rails() const;
+
+  void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                 Clock::time_point deadline);
+  void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                 Clock::time_point deadline);
+
+  // Periodic: deadlines, rail health (silence, stalls, re-admission), bandwidth and degradation.
+  void tick(Clock::time_point now);
+  // The local NIC `ifname` changed operational state.
+  void on_link(const std::string& ifname, bool running);
+  void on_probe_reply(std::uint32_t rail, std::chrono::nanoseconds rtt);
+  // A message from the peer on the control path (fence notices).
+  void on_control_path(Bytes message);
+  // The peer left the control path: every operation with it fails now.
+  void on_peer_left(const std::string& why);
+
+  void snapshot(std::vector<RailSnapshot>& out) const;
+  void shutdown();
+
+ private:
+  struct Sink final : RailEvents {
+    Channel* channel = nullptr;
+    std::uint32_t index = 0;
+    void on_write_confirmed(std::uint64_t cookie) override;
+    void on_write_refused(std::uint64_t cookie, const Status& why) override;
+    void on_write_arrived(std::uint32_t imm, std::size_t length) override;
+    void on_control(Bytes message) override;
+    void on_rail_failed(const Status& why) override;
+  };
+  struct Cts {
+    std::uint64_t seq = 0;
+    std::uint64_t length = 0;
+    std::uint32_t chunk = 0;
+    std::uint64_t offset = 0;
+    RemoteRegion region;
+  };
+  struct ControlEntry {
+    std::uint64_t seq = 0;
+    Bytes message;  // the whole framed control message
+    std::uint32_t rail = 0;
+  };
+  struct RailSlot {
+    std::shared_ptr<Rail> rail;  // null while fenced / not connected
+    Sink sink;
+    RailNic nic;
+    RemoteRail remote;
+    std::optional<RailHealth> health;
+    std::uint32_t epoch = 0;
+    bool connecting = false;
+    std::string connect_error;
+    // Fence, then replay: what the rail left unconfirmed waits until the peer has fenced its
+    // end of the same connection too.
+    std::vector<InflightChunk> awaiting_replay;
+    std::vector<ControlEntry> awaiting_control;
+    std::optional<std::uint32_t> peer_fenced_epoch;
+    bool replay_confirm_pending = false;
+    Clock::time_point last_progress{};
+    // Bandwidth is measured over the time the rail had data in flight ("busy"), per period.
+    std::optional<Clock::time_point> busy_since;
+    std::chrono::nanoseconds busy_time{0};
+    std::uint64_t busy_bytes = 0;
+    double bandwidth = 0;  // measured bytes/s (EWMA); 0 until measured
+    RailTelemetry tel;
+  };
+  struct Send {
+    OpPtr op;
+    RegionPtr region;
+    std::size_t offset = 0;
+    std::size_t length = 0;
+    Clock::time_point deadline;
+    bool started = false;
+    Cts cts;
+    std::uint32_t nchunks = 0;
+    std::uint32_t next_chunk = 0;
+    std::uint32_t confirmed = 0;
+  };
+  struct Recv {
+    OpPtr op;
+    RegionPtr region;
+    std::uint64_t seq = 0;
+    std::size_t length = 0;
+    Clock::time_point deadline;
+    ArrivalSet arrivals;
+  };
+
+  // Rails
+  void fail_rail(std::uint32_t index, const std::string& reason, HealthAction action,
+                 bool notify_peer);
+  void fence(std::uint32_t index, const std::string& reason, bool notify_peer);
+  void maybe_replay(std::uint32_t index);
+  void readmit(std::uint32_t index);
+  void update_usable(std::uint32_t index);
+  void measure_bandwidth(Clock::time_point now);
+  void update_degraded();
+  void event(std::uint32_t index, const std::string& kind, const std::string& detail);
+  std::string rail_summary() const;
+  bool any_usable() const;
+
+  // Control messages on the rails (clear-to-send, abort): reliable and idempotent.
+  void send_control(Bytes body);
+  void flush_control();
+  void deliver_control(std::uint32_t rail, Bytes message);
+  void send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
+                         const std::string& why);
+
+  // Data
+  void start_send(std::uint64_t seq, const Cts& cts);
+  void pump();
+  void drop_send(std::map<std::uint64_t, Send>::iterator it);
+  void fail_all(const Status& why);
+  void on_confirmed(std::uint32_t rail, std::uint64_t cookie);
+  void on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why);
+  void on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length);
+  void on_rail_failed(std::uint32_t rail, const Status& why);
+
+  ChannelContext ctx_;
+  const Config& config_;
+  int peer_;
+  bool dead_ = false;  // the peer left
+  std::string dead_reason_;
+  bool closing_ = false;
+  std::vector<std::unique_ptr<RailSlot>> rails_;
+  RailScheduler scheduler_;
+  InflightLedger ledger_;
+
+  std::uint64_t next_control_seq_ = 1;
+  std::uint64_t next_control_cookie_ = 1;
+  std::deque<ControlEntry> control_backlog_;
+  std::map<std::uint64_t, ControlEntry> control_inflight_;  // by cookie
+  std::uint64_t control_seen_below_ = 1;                    // every seq below this was handled
+  std::set<std::uint64_t> control_seen_;                    // handled seqs at or above it
+
+  std::uint64_t next_send_seq_ = 0;
+  std::map<std::uint64_t, Send> sends_;
+  std::map<std::uint64_t, Cts> early_cts_;
+  std::deque<std::uint64_t> ready_;
+  std::deque<InflightChunk> replay_;
+
+  std::uint64_t next_recv_seq_ = 0;
+  std::map<std::uint32_t, Recv> recv_slots_;
+  Clock::time_point last_tick_{};
+};
+
+}  // namespace r2ccl

@@ -1,0 +1,231 @@
+#include "r2ccl/runtime/prober.h"
+
+#include <fmt/format.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "r2ccl/runtime/asio.h"
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/wire.h"
+
+namespace r2ccl {
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::udp;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint32_t kMagic = 0x42503252;  // "R2PB"
+constexpr std::uint8_t kPing = 1;
+constexpr std::uint8_t kPong = 2;
+constexpr std::size_t kPacketSize = 4 + 1 + 8 + 4 + 4 + 4 + 8 + 8;
+
+struct Packet {
+  std::uint8_t type = 0;
+  std::uint64_t tag = 0;
+  std::uint32_t src = 0;  // the rank that sent the ping
+  std::uint32_t dst = 0;  // the rank that answers
+  std::uint32_t rail = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t sent_ns = 0;  // the pinger's clock
+};
+
+Bytes encode(const Packet& p) {
+  return ByteWriter()
+      .u32(kMagic)
+      .u8(p.type)
+      .u64(p.tag)
+      .u32(p.src)
+      .u32(p.dst)
+      .u32(p.rail)
+      .u64(p.seq)
+      .u64(p.sent_ns)
+      .take();
+}
+
+bool decode(const std::byte* data, std::size_t n, Packet* p) {
+  if (n != kPacketSize) return false;
+  ByteReader r(std::span<const std::byte>(data, n));
+  if (r.u32() != kMagic) return false;
+  p->type = r.u8();
+  p->tag = r.u64();
+  p->src = r.u32();
+  p->dst = r.u32();
+  p->rail = r.u32();
+  p->seq = r.u64();
+  p->sent_ns = r.u64();
+  return r.ok() && (p->type == kPing || p->type == kPong);
+}
+
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+          .count());
+}
+
+class UdpProber final : public Prober, public std::enable_shared_from_this<UdpProber> {
+ public:
+  UdpProber(ProgressEngine& engine, const Token& token, int me, std::chrono::milliseconds interval,
+            ReplyHandler handler)
+      : engine_(engine),
+        me_(static_cast<std::uint32_t>(me)),
+        interval_(interval),
+        timer_(engine.io()),
+        handler_(std::move(handler)) {
+    std::memcpy(&tag_, token.data(), sizeof tag_);
+  }
+
+  Status open(const std::vector<RailNic>& nics) {
+    for (const auto& nic : nics) {
+      auto s = std::make_unique<Socket>(engine_.io());
+      boost::system::error_code ec;
+      s->socket.open(udp::v4(), ec);
+      if (!ec && nic.name != nic.address)
+        (void)::setsockopt(s->socket.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.name.c_str(),
+                           static_cast<socklen_t>(nic.name.size()));
+      if (!ec) s->socket.bind(udp::endpoint(asio::ip::make_address_v4(nic.address, ec), 0), ec);
+      if (ec)
+        return {ErrorCode::kNetwork, fmt::format("cannot open the probe socket on {} ({}): {}",
+                                                 nic.name, nic.address, ec.message())};
+      s->port = s->socket.local_endpoint().port();
+      sockets_.push_back(std::move(s));
+    }
+    return Status::ok();
+  }
+
+  void run() {
+    engine_.call([this] {
+      for (std::size_t i = 0; i < sockets_.size(); ++i)
+        receive(i);
+      arm_timer();
+    });
+  }
+
+  std::uint16_t port(std::size_t device) const override { return sockets_[device]->port; }
+
+  void add_target(int peer, std::uint32_t rail, const std::string& address,
+                  std::uint16_t port) override {
+    boost::system::error_code ec;
+    auto a = asio::ip::make_address_v4(address, ec);
+    if (ec || rail >= sockets_.size()) {
+      R2CCL_WARN("prober: bad probe target for rank {} rail {}: '{}'", peer, rail, address);
+      return;
+    }
+    targets_.push_back(Target{static_cast<std::uint32_t>(peer), rail, udp::endpoint(a, port)});
+  }
+
+  void stop() override {
+    engine_.call([this] {
+      stopped_ = true;
+      timer_.cancel();
+      boost::system::error_code ec;
+      for (auto& s : sockets_)
+        s->socket.close(ec);
+    });
+  }
+
+ private:
+  struct Socket {
+    explicit Socket(asio::io_context& io) : socket(io) {}
+    udp::socket socket;
+    std::uint16_t port = 0;
+    std::array<std::byte, 128> buffer{};
+    udp::endpoint from;
+  };
+  struct Target {
+    std::uint32_t peer;
+    std::uint32_t rail;
+    udp::endpoint to;
+    std::uint64_t seq = 0;
+  };
+
+  void arm_timer() {
+    timer_.expires_after(interval_);
+    timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (ec || self->stopped_) return;
+      self->send_probes();
+      self->arm_timer();
+    });
+  }
+
+  void send_probes() {
+    for (auto& t : targets_) {
+      Packet p{kPing, tag_, me_, t.peer, t.rail, ++t.seq, now_ns()};
+      send(t.rail, encode(p), t.to);
+    }
+  }
+
+  void send(std::size_t device, Bytes bytes, const udp::endpoint& to) {
+    auto buf = std::make_shared<Bytes>(std::move(bytes));
+    sockets_[device]->socket.async_send_to(asio::buffer(*buf), to,
+                                           [buf](boost::system::error_code, std::size_t) {
+                                             // A probe that cannot be sent (link down, black hole)
+                                             // is simply not answered.
+                                           });
+  }
+
+  void receive(std::size_t device) {
+    auto& s = *sockets_[device];
+    s.socket.async_receive_from(
+        asio::buffer(s.buffer), s.from,
+        [self = shared_from_this(), device](boost::system::error_code ec, std::size_t n) {
+          if (self->stopped_) return;
+          if (!ec) self->on_packet(device, n);
+          if (ec == asio::error::operation_aborted) return;
+          self->receive(device);
+        });
+  }
+
+  void on_packet(std::size_t device, std::size_t n) {
+    auto& s = *sockets_[device];
+    Packet p;
+    if (!decode(s.buffer.data(), n, &p) || p.tag != tag_) return;
+    if (p.type == kPing && p.dst == me_) {
+      p.type = kPong;
+      send(device, encode(p), s.from);
+      return;
+    }
+    if (p.type == kPong && p.src == me_) {
+      const auto rtt = std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - p.sent_ns));
+      handler_(static_cast<int>(p.dst), p.rail, rtt);
+    }
+  }
+
+  ProgressEngine& engine_;
+  std::uint32_t me_;
+  std::chrono::milliseconds interval_;
+  asio::steady_timer timer_;
+  ReplyHandler handler_;
+  std::uint64_t tag_ = 0;
+  std::vector<std::unique_ptr<Socket>> sockets_;
+  std::vector<Target> targets_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Prober>> Prober::open(ProgressEngine& engine,
+                                             const std::vector<RailNic>& nics, const Token& token,
+                                             int my_rank, std::chrono::milliseconds interval,
+                                             ReplyHandler on_reply) {
+  auto p = std::make_shared<UdpProber>(engine, token, my_rank, interval, std::move(on_reply));
+  R2CCL_RETURN_IF_ERROR(p->open(nics));
+  p->run();
+  struct Handle final : Prober {
+    std::shared_ptr<UdpProber> impl;
+    std::uint16_t port(std::size_t d) const override { return impl->port(d); }
+    void add_target(int peer, std::uint32_t rail, const std::string& a,
+                    std::uint16_t port) override {
+      impl->add_target(peer, rail, a, port);
+    }
+    void stop() override { impl->stop(); }
+    ~Handle() override { impl->stop(); }
+  };
+  auto h = std::make_unique<Handle>();
+  h->impl = std::move(p);
+  return std::unique_ptr<Prober>(std::move(h));
+}
+
+}  // namespace r2ccl
