@@ -38,6 +38,8 @@ struct Options {
   int check = 0;
   bool rails = false;
   std::string json_path;
+  double duration = 0;      // > 0: iterate for this many seconds instead of -n
+  std::string events_path;  // rail events as JSON lines
 };
 
 // The byte at `i` of the message rank `src` sends in round `round`.
@@ -206,23 +208,51 @@ int run(const Options& o) {
       if (Status st = f.bootstrap().barrier(f.config().timeout); !st) error = st.to_string();
     before = f.rail_snapshot();
     const auto t0 = Clock::now();
-    for (int i = 0; i < o.iters && error.empty(); ++i)
-      if (Status st = bench.run_once(bytes); !st) error = st.to_string();
+    int iters = 0;
+    if (o.duration > 0) {
+      // Until time is up (rank 0's clock decides, every round, on the control path); with -c 1
+      // every round carries fresh data and is verified, so faults injected meanwhile are checked.
+      bool stop = false;
+      while (!stop && error.empty()) {
+        if (o.check) {
+          auto w = bench.checked(bytes, ++round);
+          if (w)
+            wrong += *w;
+          else
+            error = w.status().to_string();
+        } else if (Status st = bench.run_once(bytes); !st) {
+          error = st.to_string();
+        }
+        ++iters;
+        const bool up = std::chrono::duration<double>(Clock::now() - t0).count() >= o.duration;
+        auto votes =
+            f.bootstrap().allgather(r2ccl::ByteWriter().u8(up ? 1 : 0).bytes(), f.config().timeout);
+        if (!votes) {
+          if (error.empty()) error = votes.status().to_string();
+          break;
+        }
+        stop = !(*votes)[0].empty() && (*votes)[0][0] != std::byte{0};
+      }
+    } else {
+      for (; iters < o.iters && error.empty(); ++iters)
+        if (Status st = bench.run_once(bytes); !st) error = st.to_string();
+    }
+    iters = std::max(iters, 1);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     after = f.rail_snapshot();
-    if (o.check && error.empty()) {
+    if (o.check && error.empty() && o.duration <= 0) {
       auto w = bench.checked(bytes, ++round);
       if (w)
         wrong = *w;
       else
         error = w.status().to_string();
     }
-    auto g = gather(f, seconds / o.iters, wrong, error);
+    auto g = gather(f, seconds / iters, wrong, error);
     if (!g) {
       fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", f.rank(), g.status().to_string());
       return 2;
     }
-    last_seconds = g->max_seconds * o.iters;
+    last_seconds = g->max_seconds * iters;
     const double algbw = static_cast<double>(bytes) / g->max_seconds / 1e9;
     const double busbw = algbw;  // sendrecv: every byte crosses one link once
     if (!g->error.empty()) {
@@ -268,9 +298,40 @@ int run(const Options& o) {
                          {"rx_bytes", rx},
                          {"tx_mbps", last_seconds > 0 ? tx / last_seconds / 1e6 : 0.0},
                          {"replayed_chunks", a.replayed_chunks},
-                         {"failovers", a.failovers}});
+                         {"failovers", a.failovers},
+                         {"flaps", a.flaps},
+                         {"weight", a.weight},
+                         {"bandwidth_bps", a.bandwidth_bps}});
   }
   report["rail_stats"] = rail_rows;
+  if (!o.events_path.empty()) {
+    // Every rank writes its own file: PATH.rankN.
+    std::ofstream ev(fmt::format("{}.rank{}", o.events_path, f.rank()));
+    for (const auto& e : f.rail_events())
+      ev << nlohmann::json{{"wall_ns", e.wall_ns}, {"rank", f.rank()}, {"peer", e.peer},
+                           {"rail", e.rail},       {"nic", e.nic},     {"kind", e.kind},
+                           {"detail", e.detail}}
+                .dump()
+         << "\n";
+    // The final state of every rail (flaps, hold-down, failovers).
+    for (const auto& r : after)
+      ev << nlohmann::json{{"kind", "final"},
+                           {"rank", f.rank()},
+                           {"peer", r.peer},
+                           {"rail", r.rail},
+                           {"nic", r.nic},
+                           {"state", std::string(r2ccl::rail_state_name(r.state))},
+                           {"flaps", r.flaps},
+                           {"failovers", r.failovers},
+                           {"holddown_ms", r.holddown_ms},
+                           {"replayed_chunks", r.replayed_chunks},
+                           {"weight", r.weight},
+                           {"bandwidth_bps", r.bandwidth_bps},
+                           {"tx_bytes", r.tx_bytes},
+                           {"epoch", r.epoch}}
+                .dump()
+         << "\n";
+  }
   if (o.rails && root) {
     double total = 0;
     for (const auto& r : rail_rows)
@@ -314,6 +375,12 @@ int main(int argc, char** argv) {
   app.add_option("-c,--check", o.check, "1: check every byte on every rank");
   app.add_flag("--rails", o.rails, "print per-rail bytes and throughput");
   app.add_option("--json", o.json_path, "write the results as JSON (rank 0)");
+  app.add_option("--duration", o.duration,
+                 "run each size for this many seconds instead of -n iterations; with -c 1 every "
+                 "iteration is verified")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--events", o.events_path,
+                 "write rail events and final rail states as JSON lines to PATH.rankN");
   app.add_flag("--print-config-table", print_table, "print the R2CCL_* table (Markdown) and exit");
   CLI11_PARSE(app, argc, argv);
   if (print_table) {

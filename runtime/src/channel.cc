@@ -100,7 +100,7 @@ double RailScheduler::weight(std::size_t rail) const {
   double top = 0;
   for (std::size_t i = 0; i < rails_.size(); ++i)
     if (rails_[i].usable) top = std::max(top, bandwidth(i));
-  return top > 0 ? bandwidth(rail) / top : 0.0;
+  return top > 0 && rails_[rail].usable ? bandwidth(rail) / top : 0.0;
 }
 
 void RailScheduler::set_usable(std::size_t rail, bool usable) {
@@ -117,14 +117,18 @@ std::optional<std::size_t> RailScheduler::pick(std::uint64_t bytes) {
   double best_finish = 0;
   for (std::size_t i = 0; i < rails_.size(); ++i) {
     const auto& r = rails_[i];
-    if (!r.usable || (r.inflight != 0 && r.inflight + bytes > window_)) continue;
+    if (!r.usable) continue;
     const double finish = static_cast<double>(r.inflight + bytes) / bandwidth(i);
     if (!best || finish < best_finish) {
       best = i;
       best_finish = finish;
     }
   }
-  if (best) rails_[*best].inflight += bytes;
+  if (!best) return std::nullopt;
+  auto& r = rails_[*best];
+  // Waiting for the rail that finishes first beats handing the chunk to a slower one.
+  if (r.inflight != 0 && r.inflight + bytes > window_) return std::nullopt;
+  r.inflight += bytes;
   return best;
 }
 

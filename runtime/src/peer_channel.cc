@@ -39,8 +39,8 @@ std::string ms_text(std::chrono::nanoseconds d) {
 // ---------------------------------------------------------------------------------------------
 // Events from a rail
 
-void Channel::Sink::on_write_confirmed(std::uint64_t cookie) {
-  channel->on_confirmed(index, cookie);
+void Channel::Sink::on_write_confirmed(std::uint64_t cookie, std::uint64_t receive_ns) {
+  channel->on_confirmed(index, cookie, receive_ns);
 }
 void Channel::Sink::on_write_refused(std::uint64_t cookie, const Status& why) {
   channel->on_refused(index, cookie, why);
@@ -201,6 +201,8 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
   s.tel.detection_ns = static_cast<std::uint64_t>(s.health->last_detection().count());
   scheduler_.set_usable(index, false);
   s.busy_since.reset();
+  s.busy_time = std::chrono::nanoseconds(0);
+  s.busy_bytes = 0;
   for (const auto& c : ledger_.take_rail(index)) {
     scheduler_.release(index, c.length);
     s.awaiting_replay.push_back(c);
@@ -325,16 +327,47 @@ void Channel::on_probe_reply(std::uint32_t rail, std::chrono::nanoseconds rtt) {
 }
 
 void Channel::measure_bandwidth(Clock::time_point now) {
+  const bool any_busy = std::any_of(rails_.begin(), rails_.end(),
+                                    [](const auto& r) { return r->busy_since.has_value(); });
+  std::vector<double> bws;
+  for (const auto& r : rails_)
+    if (r->bandwidth > 0) bws.push_back(r->bandwidth);
+  std::sort(bws.begin(), bws.end());
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
+    // Earliest-finish scheduling gives a rail measured as slow no work; if that lasts, raise its
+    // estimate a little so it gets a chunk and is measured again (it may have recovered).
+    if (any_busy && !s.busy_since && s.busy_time.count() == 0 && scheduler_.usable(i) &&
+        s.bandwidth > 0 && !bws.empty() && s.bandwidth < bws[bws.size() / 2]) {
+      if (++s.idle_periods >= 20) {
+        s.idle_periods = 0;
+        s.bandwidth = std::min(bws[bws.size() / 2], s.bandwidth * 1.5);
+        scheduler_.set_bandwidth(i, s.bandwidth);
+      }
+    } else {
+      s.idle_periods = 0;
+    }
     if (s.busy_since) {
       s.busy_time += now - *s.busy_since;
       s.busy_since = now;
     }
-    if (s.busy_time < milliseconds(20) || s.busy_bytes == 0) continue;
-    const double sample =
-        static_cast<double>(s.busy_bytes) / std::chrono::duration<double>(s.busy_time).count();
-    s.bandwidth = s.bandwidth == 0 ? sample : 0.5 * s.bandwidth + 0.5 * sample;
+    double sample = 0;
+    if (s.receive_time >= milliseconds(50) && s.receive_bytes > 0) {
+      // The receiver timed the arrivals: the link's rate, whatever the confirmations' delay.
+      sample = static_cast<double>(s.receive_bytes) /
+               std::chrono::duration<double>(s.receive_time).count();
+    } else if (s.receive_bytes == 0 && s.busy_time >= milliseconds(300) && s.busy_bytes > 0) {
+      // Confirmations come a chunk at a time: measure over enough busy time that one chunk more
+      // or less does not swing the estimate.
+      sample =
+          static_cast<double>(s.busy_bytes) / std::chrono::duration<double>(s.busy_time).count();
+    } else {
+      continue;
+    }
+    s.receive_time = std::chrono::nanoseconds(0);
+    s.receive_bytes = 0;
+    R2CCL_TRACE("rail {} to rank {}: measured {:.2f} MB/s", i, peer_, sample / 1e6);
+    s.bandwidth = s.bandwidth == 0 ? sample : 0.7 * s.bandwidth + 0.3 * sample;
     s.busy_time = std::chrono::nanoseconds(0);
     s.busy_bytes = 0;
     scheduler_.set_bandwidth(i, s.bandwidth);
@@ -764,7 +797,7 @@ void Channel::drop_send(std::map<std::uint64_t, Send>::iterator it) {
   sends_.erase(it);
 }
 
-void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie) {
+void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64_t receive_ns) {
   const auto now = Clock::now();
   auto& s = *rails_[rail];
   s.health->on_heard(now);
@@ -777,8 +810,17 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie) {
   scheduler_.release(rail, c->length);
   s.last_progress = now;
   s.busy_bytes += c->length;
+  if (receive_ns > 0) {
+    s.receive_time += std::chrono::nanoseconds(static_cast<std::int64_t>(receive_ns));
+    s.receive_bytes += c->length;
+  }
   if (scheduler_.inflight(rail) == 0 && s.busy_since) {
-    s.busy_time += now - *s.busy_since;
+    // The last confirmation of a busy period comes a round trip after the link carried the last
+    // byte; that round trip is not transmission time (it matters for a rail given one chunk at
+    // a time).
+    const auto period = now - *s.busy_since;
+    const auto rtt = std::chrono::nanoseconds(static_cast<std::int64_t>(s.tel.rtt_ns.load()));
+    s.busy_time += period - std::min<Clock::duration>(rtt, period / 2);
     s.busy_since.reset();
   }
   s.tel.tx_bytes.fetch_add(c->length, std::memory_order_relaxed);

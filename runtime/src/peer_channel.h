@@ -76,7 +76,7 @@ class Channel {
   struct Sink final : RailEvents {
     Channel* channel = nullptr;
     std::uint32_t index = 0;
-    void on_write_confirmed(std::uint64_t cookie) override;
+    void on_write_confirmed(std::uint64_t cookie, std::uint64_t receive_ns) override;
     void on_write_refused(std::uint64_t cookie, const Status& why) override;
     void on_write_arrived(std::uint32_t imm, std::size_t length) override;
     void on_control(Bytes message) override;
@@ -114,7 +114,11 @@ class Channel {
     std::optional<Clock::time_point> busy_since;
     std::chrono::nanoseconds busy_time{0};
     std::uint64_t busy_bytes = 0;
+    // Or, better, from the receiver's own timing when the provider reports it.
+    std::chrono::nanoseconds receive_time{0};
+    std::uint64_t receive_bytes = 0;
     double bandwidth = 0;  // measured bytes/s (EWMA); 0 until measured
+    int idle_periods = 0;  // measurement periods without work while other rails had some
     RailTelemetry tel;
   };
   struct Send {
@@ -163,7 +167,7 @@ class Channel {
   void pump();
   void drop_send(std::map<std::uint64_t, Send>::iterator it);
   void fail_all(const Status& why);
-  void on_confirmed(std::uint32_t rail, std::uint64_t cookie);
+  void on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64_t receive_ns);
   void on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why);
   void on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length);
   void on_rail_failed(std::uint32_t rail, const Status& why);

@@ -3,6 +3,8 @@
 // Wire format: every frame starts with a 40-byte little-endian header
 //   u16 magic "R2" | u8 op | u8 flags | u32 imm | u64 key | u64 offset | u64 length | u64 cookie
 // followed by `length` payload bytes for WRITE, WRITE_NACK (reason text), CONTROL and HELLO.
+// A write travels as fragments of at most 64 KiB (flag 1: more follow), each bounds-checked on
+// its own; the receiver reports and acknowledges the write after its last fragment.
 // A WRITE is read straight into the registered region it names after a bounds check; the
 // receiver then sends WRITE_ACK (delivery confirmed) or, if the write falls outside every
 // registered region, drains it and sends WRITE_NACK. Anything malformed closes that rail only.
@@ -14,6 +16,7 @@
 #include <atomic>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <unordered_map>
 #include "r2ccl/runtime/asio.h"
@@ -36,8 +39,12 @@ constexpr std::uint64_t kMaxControl = 1u << 20;
 constexpr std::uint64_t kMaxNackText = 4096;
 constexpr std::size_t kHelloSize = 16 + 4 * 4;
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
+// A write batch holds at most about one chunk, so an urgent frame (an ack) never waits behind
+// more than the frame being written.
 constexpr std::size_t kBatchFrames = 64;
-constexpr std::size_t kBatchBytes = 8u << 20;
+constexpr std::size_t kFragment = 64u << 10;
+constexpr std::uint8_t kMoreFragments = 1;  // WRITE flag: more fragments of this write follow
+constexpr std::size_t kBatchBytes = 256u << 10;
 
 enum class FrameOp : std::uint8_t {
   kHello = 1,
@@ -130,6 +137,11 @@ error_code bind_to_nic(tcp::socket& s, const RailNic& nic) {
 void tune(tcp::socket& s) {
   error_code ec;
   s.set_option(tcp::no_delay(true), ec);
+  // Keep at most this much unsent data in the kernel: the rest waits in the rail's own queue,
+  // where acknowledgements and control frames go first. Bytes in flight are not limited, so
+  // links with a large bandwidth-delay product still fill.
+  const int lowat = 64 * 1024;
+  (void)::setsockopt(s.native_handle(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
 }
 
 class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {
@@ -155,8 +167,22 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   Status post_write(const WriteRequest& w) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
-    FrameHeader h{FrameOp::kWrite, 0, w.imm, w.remote_key, w.remote_offset, w.length, w.cookie};
-    queue(h, w.src, w.length, {});
+    // Sent as fragments, so that acknowledgements and control frames queued meanwhile wait for
+    // at most one fragment, not a whole chunk, on a slow link.
+    std::size_t done = 0;
+    do {
+      const std::size_t n = std::min(kFragment, w.length - done);
+      const bool last = done + n == w.length;
+      FrameHeader h{FrameOp::kWrite,
+                    last ? std::uint8_t{0} : kMoreFragments,
+                    w.imm,
+                    w.remote_key,
+                    w.remote_offset + done,
+                    n,
+                    w.cookie};
+      queue(h, w.src + done, n, {});
+      done += n;
+    } while (done < w.length);
     return Status::ok();
   }
 
@@ -258,7 +284,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         return on_write();
       case FrameOp::kWriteAck:
         if (cur_.length != 0) return malformed("WRITE_ACK with a payload");
-        if (events_) events_->on_write_confirmed(cur_.cookie);
+        if (events_) events_->on_write_confirmed(cur_.cookie, cur_.offset);
         return read_header();
       case FrameOp::kWriteNack:
         if (cur_.length > kMaxNackText) return malformed("WRITE_NACK reason too long");
@@ -301,6 +327,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
   void on_write() {
+    if (fragments_bytes_ == 0) write_started_ = std::chrono::steady_clock::now();
     if (cur_.length > kMaxWrite)
       return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
     std::byte* dest = nullptr;
@@ -322,29 +349,52 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         dest = it->second.first + cur_.offset;
       }
     }
+    if (refused_cookie_ && *refused_cookie_ == cur_.cookie) {
+      // A later fragment of a write already refused: discard it too, quietly.
+      drained_ = 0;
+      return drain({});
+    }
+    refused_cookie_.reset();
     if (!refusal.empty()) {
       counters_->refused_writes.fetch_add(1);
       R2CCL_WARN("refused a remote write on rail {}: {}", description_, refusal);
+      refused_cookie_ = cur_.cookie;
+      fragments_bytes_ = 0;
       drained_ = 0;
       return drain(refusal);
     }
     const std::size_t len = cur_.length;
-    asio::async_read(
-        socket_, asio::buffer(dest, len),
-        [self = shared_from_this()](error_code ec, std::size_t n) {
-          if (self->closed_) return;
-          if (ec) return self->fail_read(ec, n, "write payload");
-          const auto cookie = self->cur_.cookie;
-          if (self->events_) self->events_->on_write_arrived(self->cur_.imm, self->cur_.length);
-          if (self->closed_) return;
-          self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
-          self->read_header();
-        });
+    asio::async_read(socket_, asio::buffer(dest, len),
+                     [self = shared_from_this()](error_code ec, std::size_t n) {
+                       if (self->closed_) return;
+                       if (ec) return self->fail_read(ec, n, "write payload");
+                       self->fragments_bytes_ += self->cur_.length;
+                       if (self->cur_.flags & kMoreFragments) return self->read_header();
+                       // The whole write has landed: report it and confirm it.
+                       const auto cookie = self->cur_.cookie;
+                       const auto total = self->fragments_bytes_;
+                       self->fragments_bytes_ = 0;
+                       // How long this write took to arrive: from its first byte, or from the
+                       // previous write's last byte when it was already waiting behind it. Sent
+                       // back in the ack's offset field.
+                       const auto done = std::chrono::steady_clock::now();
+                       const auto receive_ns = static_cast<std::uint64_t>(
+                           std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               done - std::max(self->write_started_, self->last_write_done_))
+                               .count());
+                       self->last_write_done_ = done;
+                       if (self->events_) self->events_->on_write_arrived(self->cur_.imm, total);
+                       if (self->closed_) return;
+                       self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, receive_ns, 0, cookie},
+                                   nullptr, 0, {}, true);
+                       self->read_header();
+                     });
   }
 
   // Reads and discards a refused write's payload, then tells the sender why.
   void drain(std::string refusal) {
     if (drained_ == cur_.length) {
+      if (refusal.empty()) return read_header();
       queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr, 0,
             Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
                   reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
@@ -397,6 +447,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   Bytes payload_;
   std::vector<std::byte> scratch_;
   std::size_t drained_ = 0;
+  std::size_t fragments_bytes_ = 0;  // of the write being received
+  std::chrono::steady_clock::time_point write_started_{};
+  std::chrono::steady_clock::time_point last_write_done_{};
+  std::optional<std::uint64_t> refused_cookie_;  // its remaining fragments are discarded
 
   std::deque<OutFrame> pending_;
   std::vector<OutFrame> batch_;

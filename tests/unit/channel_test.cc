@@ -102,17 +102,21 @@ TEST(RailScheduler, EarliestFinishGivesASlowRailItsShareAndTheTailToFastRails) {
   EXPECT_EQ(t.inflight(1), 1000u);
 }
 
-TEST(RailScheduler, UsesASlowerRailOnlyWhenTheFastOneIsFull) {
+TEST(RailScheduler, WaitsForAFullFastRailRatherThanUseAMuchSlowerOne) {
   RailScheduler s(2, 2000);
   s.set_bandwidth(0, 100e6);
   s.set_bandwidth(1, 1e6);
   EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
   EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
-  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(1));  // rail 0's window is full
-  EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(1));
-  EXPECT_FALSE(s.pick(1000).has_value());  // both are
+  EXPECT_FALSE(s.pick(1000).has_value());  // rail 1 would take 1 ms; rail 0 frees up in 20 us
   s.release(0, 1000);
   EXPECT_EQ(s.pick(1000), std::optional<std::size_t>(0));
+  // Comparable rails share.
+  RailScheduler t(2, 2000);
+  t.set_bandwidth(0, 2e6);
+  t.set_bandwidth(1, 1.5e6);
+  EXPECT_EQ(t.pick(1000), std::optional<std::size_t>(0));
+  EXPECT_EQ(t.pick(1000), std::optional<std::size_t>(1));  // 0.67 ms there beats 1 ms on rail 0
 }
 
 TEST(RailScheduler, UnmeasuredRailsCountAsFastAsTheBestMeasuredOne) {

@@ -28,7 +28,7 @@ struct Recorder final : RailEvents {
   std::vector<Bytes> control;
   std::vector<std::string> failed;
 
-  void on_write_confirmed(std::uint64_t c) override {
+  void on_write_confirmed(std::uint64_t c, std::uint64_t) override {
     push([&] { confirmed.push_back(c); });
   }
   void on_write_refused(std::uint64_t c, const Status& why) override {

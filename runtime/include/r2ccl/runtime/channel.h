@@ -6,10 +6,10 @@
 //   twice counts once.
 // - InflightLedger: the sender keeps every chunk until the provider confirms delivery; on a rail
 //   failure take_rail() hands back exactly the unconfirmed chunks of that rail for replay.
-// - RailScheduler: assigns each chunk to the usable rail with window room that would finish it
-//   first, given what the rail already has in flight and its measured bandwidth (earliest finish
-//   time; work-conserving). A rail at a quarter of the others' rate gets about a quarter of their
-//   share, and the tail of a message goes to the fast rails while they have room.
+// - RailScheduler: assigns each chunk to the usable rail that would finish it first, given what
+//   the rail already has in flight and its measured bandwidth (earliest finish time), each rail
+//   limited to a window of unconfirmed bytes. A rail at a quarter of the others' rate gets a
+//   quarter of their share, and the tail of a message goes to the fast rails.
 //
 // These are plain data structures, used on the progress thread only.
 #pragma once
@@ -89,13 +89,14 @@ class RailScheduler {
   // Forgets the measurement (a re-admitted rail).
   void clear_bandwidth(std::size_t rail);
   double bandwidth(std::size_t rail) const;
-  // Bandwidth relative to the fastest usable rail, in (0, 1].
+  // Bandwidth relative to the fastest usable rail, in (0, 1]; 0 for an unusable rail.
   double weight(std::size_t rail) const;
   void set_usable(std::size_t rail, bool usable);
   bool usable(std::size_t rail) const { return rails_[rail].usable; }
   std::size_t usable_count() const;
-  // Among usable rails with room for `bytes` (an idle rail always has room), the one that would
-  // finish them first; reserves the bytes on it. nullopt when no rail has room.
+  // The usable rail that would finish `bytes` first; reserves the bytes on it. nullopt when no
+  // rail is usable, or when that rail's window is full (waiting for it beats a slower rail).
+  // An idle rail always has room.
   std::optional<std::size_t> pick(std::uint64_t bytes);
   // Releases bytes reserved by pick() (confirmed, refused or taken back for replay).
   void release(std::size_t rail, std::uint64_t bytes);

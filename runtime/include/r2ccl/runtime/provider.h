@@ -45,8 +45,10 @@ class RailEvents {
  public:
   virtual ~RailEvents() = default;
   // The peer confirmed that the write's bytes are in its memory (or that it handled a control
-  // message posted with this cookie).
-  virtual void on_write_confirmed(std::uint64_t cookie) = 0;
+  // message posted with this cookie). `receive_ns`: how long the bytes took to arrive at the
+  // peer (from their first byte, or the previous write's last, to their last), when the provider
+  // can tell (0 otherwise) — the link's own rate, untouched by how long the confirmation queued.
+  virtual void on_write_confirmed(std::uint64_t cookie, std::uint64_t receive_ns) = 0;
   // The peer refused the write (e.g. outside a registered region); the rail stays up.
   virtual void on_write_refused(std::uint64_t cookie, const Status& why) = 0;
   // A peer's write landed in our memory.
