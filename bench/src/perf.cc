@@ -39,6 +39,7 @@ struct Options {
   bool rails = false;
   std::string json_path;
   double duration = 0;      // > 0: iterate for this many seconds instead of -n
+  bool keep_going = false;  // with --duration: a failed round is reported, not fatal
   std::string events_path;  // rail events as JSON lines
 };
 
@@ -194,6 +195,8 @@ int run(const Options& o) {
                "(GB/s)", "(GB/s)", "");
   }
   int exit_code = 0;
+  int failed_rounds = 0;
+  int good_rounds = 0;
   double busbw_sum = 0;
   int rows = 0;
   std::uint64_t round = 0;
@@ -214,14 +217,27 @@ int run(const Options& o) {
       // every round carries fresh data and is verified, so faults injected meanwhile are checked.
       bool stop = false;
       while (!stop && error.empty()) {
+        std::string failed;
         if (o.check) {
           auto w = bench.checked(bytes, ++round);
           if (w)
             wrong += *w;
           else
-            error = w.status().to_string();
+            failed = w.status().to_string();
         } else if (Status st = bench.run_once(bytes); !st) {
-          error = st.to_string();
+          failed = st.to_string();
+        }
+        if (!failed.empty()) {
+          if (!o.keep_going) {
+            error = failed;
+          } else {
+            // Report it, remember it for the exit status, and go on with the next round.
+            fmt::print(stderr, "r2ccl-perf: rank {}: round {} failed: {}\n", f.rank(), iters,
+                       failed);
+            ++failed_rounds;
+          }
+        } else {
+          ++good_rounds;
         }
         ++iters;
         const bool up = std::chrono::duration<double>(Clock::now() - t0).count() >= o.duration;
@@ -355,8 +371,19 @@ int run(const Options& o) {
     std::ofstream out(o.json_path);
     out << report.dump(2) << "\n";
   }
-  if (root && o.check)
-    fmt::print("# Check: {}\n", exit_code == 0 ? "every byte verified on every rank" : "FAILED");
+  if (o.keep_going)
+    fmt::print(stderr, "r2ccl-perf: rank {}: {} round(s) completed, {} failed\n", f.rank(),
+               good_rounds, failed_rounds);
+  if (root && o.check) {
+    if (exit_code == 0 && failed_rounds > 0)
+      fmt::print(
+          "# Check: every byte of the {} completed round(s) verified on every rank; {} round(s) "
+          "failed\n",
+          good_rounds, failed_rounds);
+    else
+      fmt::print("# Check: {}\n", exit_code == 0 ? "every byte verified on every rank" : "FAILED");
+  }
+  if (failed_rounds > 0) exit_code = std::max(exit_code, 2);
   return exit_code;
 }
 
@@ -379,6 +406,8 @@ int main(int argc, char** argv) {
                  "run each size for this many seconds instead of -n iterations; with -c 1 every "
                  "iteration is verified")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--keep-going", o.keep_going,
+               "with --duration: report a failed round and go on (exit status 2 at the end)");
   app.add_option("--events", o.events_path,
                  "write rail events and final rail states as JSON lines to PATH.rankN");
   app.add_flag("--print-config-table", print_table, "print the R2CCL_* table (Markdown) and exit");

@@ -131,6 +131,7 @@ void Channel::connect_failed(std::uint32_t index, const Status& why) {
   if (index >= rails_.size()) return;
   auto& s = *rails_[index];
   s.connecting = false;
+  s.next_connect = Clock::now() + milliseconds(500);
   s.tel.errors.fetch_add(1, std::memory_order_relaxed);
   if (s.health->state() == RailState::kProbing)
     R2CCL_INFO("rail {} to rank {}: re-admission failed: {}", index, peer_, why.message());
@@ -290,7 +291,7 @@ void Channel::maybe_replay(std::uint32_t index) {
 void Channel::readmit(std::uint32_t index) {
   auto& s = *rails_[index];
   // The lower rank re-connects; the higher rank accepts (as for the first connection).
-  if (ctx_.me > peer_ || s.connecting || s.rail || dead_) return;
+  if (ctx_.me > peer_ || s.connecting || s.rail || dead_ || Clock::now() < s.next_connect) return;
   s.connecting = true;
   RailHello hello;
   hello.token = ctx_.token;

@@ -102,6 +102,7 @@ class Channel {
     std::optional<RailHealth> health;
     std::uint32_t epoch = 0;
     bool connecting = false;
+    Clock::time_point next_connect{};  // re-admission attempts back off after a failure
     std::string connect_error;
     // Fence, then replay: what the rail left unconfirmed waits until the peer has fenced its
     // end of the same connection too.

@@ -694,12 +694,13 @@ class TcpProvider final : public Provider {
                              auto rail =
                                  std::make_shared<TcpRail>(std::move(hs->socket), devices_[device],
                                                            state_[device]->keys, counters_, hello);
+                             // The handshake reply goes first: the handler may queue frames on the
+                             // rail at once.
+                             rail->send_hello_ack();
                              if (!accept_handler_(rail)) {
                                counters_->dropped_connections.fetch_add(1);
                                rail->fence();
-                               return;
                              }
-                             rail->send_hello_ack();
                            });
         });
   }
