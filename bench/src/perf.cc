@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "r2ccl/monitor/job_metrics.h"
 #include "r2ccl/runtime/config.h"
 #include "r2ccl/runtime/fabric.h"
 #include "r2ccl/runtime/log.h"
@@ -166,6 +167,7 @@ int run(const Options& o) {
     return 2;
   }
   Fabric& f = **fabric;
+  auto metrics = r2ccl::mon::JobMetrics::start(*cfg, f);  // when R2CCL_METRICS_PORT is set
   const bool root = f.rank() == 0;
   SendRecv bench(f, *maxb);
   if (Status st = bench.init(); !st) {

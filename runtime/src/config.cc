@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 
 extern char** environ;  // NOLINT
@@ -59,6 +60,10 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_DEGRADED_RATIO", "0.5",
      "A rail whose measured bandwidth is below this fraction of the median of its peers' is "
      "DEGRADED (kept in use at a lower weight), 0.01–0.99."},
+    {"R2CCL_METRICS_PORT", "(off)",
+     "Serve this job's rail metrics for Prometheus at `/metrics`; rank r listens on this port + r. "
+     "A port in use gives a warning and the job runs on without metrics."},
+    {"R2CCL_METRICS_ADDR", "127.0.0.1", "IPv4 address the metrics endpoint binds to."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {
@@ -344,6 +349,22 @@ Result<Config> parse_config(const EnvLookup& env) {
     if (ec != std::errc() || p != t.data() + t.size() || d < 0.01 || d > 0.99)
       return bad("R2CCL_DEGRADED_RATIO", *v, "a number from 0.01 to 0.99");
     c.degraded_ratio = d;
+  }
+  if (auto v = get("R2CCL_METRICS_PORT")) {
+    auto n = parse_int(trim(*v));
+    if (!n || *n < 1 || *n > 65535)
+      return bad("R2CCL_METRICS_PORT", *v, "a TCP port from 1 to 65535");
+    c.metrics_port = static_cast<std::uint16_t>(*n);
+  }
+  if (auto v = get("R2CCL_METRICS_ADDR")) {
+    const std::string a = trim(*v);
+    unsigned parts[4] = {};
+    char extra = 0;
+    if (std::sscanf(a.c_str(), "%u.%u.%u.%u%c", &parts[0], &parts[1], &parts[2], &parts[3],
+                    &extra) != 4 ||
+        std::any_of(std::begin(parts), std::end(parts), [](unsigned x) { return x > 255; }))
+      return bad("R2CCL_METRICS_ADDR", *v, "an IPv4 address such as 127.0.0.1 or 0.0.0.0");
+    c.metrics_addr = a;
   }
   return c;
 }

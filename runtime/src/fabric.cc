@@ -78,6 +78,26 @@ std::string describe_bytes(std::uint64_t n) {
 }
 }  // namespace
 
+void LatencyHistogram::observe(double seconds) {
+  std::size_t i = 0;
+  while (i < kBounds.size() && seconds > kBounds[i])
+    ++i;
+  if (i < kBounds.size()) buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
+  sum_ns_.fetch_add(static_cast<std::uint64_t>(std::max(0.0, seconds) * 1e9),
+                    std::memory_order_relaxed);
+}
+
+std::array<std::uint64_t, LatencyHistogram::kBounds.size()> LatencyHistogram::cumulative() const {
+  std::array<std::uint64_t, kBounds.size()> out{};
+  std::uint64_t run = 0;
+  for (std::size_t i = 0; i < kBounds.size(); ++i) {
+    run += buckets_[i].load(std::memory_order_relaxed);
+    out[i] = run;
+  }
+  return out;
+}
+
 void RailEventLog::add(RailEvent event) {
   std::lock_guard lock(mutex_);
   if (events_.size() < kMaxEvents) events_.push_back(std::move(event));
@@ -314,6 +334,7 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
   ctx.provider = provider_.get();
   ctx.bootstrap = bootstrap_.get();
   ctx.events = &events_;
+  ctx.detection = &failover_detection_;
   ctx.on_fatal = [this](const Status& st) { record_async_error(st); };
   channels_.resize(infos.size());
   for (std::size_t p = 0; p < infos.size(); ++p) {
@@ -416,6 +437,13 @@ Status Fabric::async_error() const {
 
 std::vector<RailEvent> Fabric::rail_events() const {
   return events_.snapshot();
+}
+
+std::vector<RailTelemetryView> Fabric::rail_telemetry() const {
+  std::vector<RailTelemetryView> out;
+  for (const auto& c : channels_)
+    if (c) c->telemetry_views(out);
+  return out;
 }
 
 int Fabric::rank() const {

@@ -200,6 +200,8 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
   s.tel.failovers.fetch_add(1, std::memory_order_relaxed);
   s.tel.errors.fetch_add(1, std::memory_order_relaxed);
   s.tel.detection_ns = static_cast<std::uint64_t>(s.health->last_detection().count());
+  if (ctx_.detection)
+    ctx_.detection->observe(std::chrono::duration<double>(s.health->last_detection()).count());
   scheduler_.set_usable(index, false);
   s.busy_since.reset();
   s.busy_time = std::chrono::nanoseconds(0);
@@ -541,6 +543,11 @@ void Channel::snapshot(std::vector<RailSnapshot>& out) const {
     r.last_error = s.health->last_error();
     out.push_back(std::move(r));
   }
+}
+
+void Channel::telemetry_views(std::vector<RailTelemetryView>& out) const {
+  for (std::uint32_t i = 0; i < rails_.size(); ++i)
+    out.push_back({peer_, i, rails_[i]->nic.name, rails_[i]->remote.nic, &rails_[i]->tel});
 }
 
 void Channel::shutdown() {

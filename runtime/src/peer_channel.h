@@ -30,6 +30,7 @@ struct ChannelContext {
   Provider* provider = nullptr;
   Bootstrap* bootstrap = nullptr;  // control path (send_to is thread-safe)
   RailEventLog* events = nullptr;
+  LatencyHistogram* detection = nullptr;        // failover detection latencies
   std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
 };
 
@@ -70,6 +71,7 @@ class Channel {
   void on_peer_left(const std::string& why);
 
   void snapshot(std::vector<RailSnapshot>& out) const;
+  void telemetry_views(std::vector<RailTelemetryView>& out) const;
   void shutdown();
 
  private:

@@ -119,10 +119,12 @@ class Testbed:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, hosts: int, nics: int, rate: Optional[str] = None, name: Optional[str] = None):
+    def __init__(self, hosts: int, nics: int, rate: Optional[str] = None, name: Optional[str] = None,
+                 mtu: Optional[int] = None):
         self.hosts = hosts
         self.nics = nics
         self.rate = rate
+        self.mtu = mtu
         self.name = name or _unique_name()
         self._created = False
 
@@ -134,6 +136,8 @@ class Testbed:
         argv = [str(TESTBED), "create", self.name, "--hosts", str(self.hosts), "--nics", str(self.nics)]
         if self.rate:
             argv += ["--rate", self.rate]
+        if self.mtu:
+            argv += ["--mtu", str(self.mtu)]
         self._created = True
         r = _run(argv)
         if r.returncode == 77:
@@ -228,6 +232,8 @@ class Result:
     stderr: str
     elapsed: float
     name: str = ""
+    t_start: float = 0.0  # time.monotonic() when it was started
+    t_end: float = 0.0    # time.monotonic() when it was seen to have exited (or was killed)
 
     def __iter__(self):  # allows: rc, out, err = result
         return iter((self.returncode, self.stdout, self.stderr))
@@ -354,7 +360,8 @@ def launch_ranks(procs: Sequence[Proc], testbed: Optional[Testbed] = None, timeo
         err.seek(0)
         rc = po.returncode if po is not None and po.returncode is not None else -999
         end = ended[i] if ended[i] is not None else time.monotonic()
-        results.append(Result(rc, out.read(), err.read(), end - started[i] if po else 0.0, names[i]))
+        results.append(Result(rc, out.read(), err.read(), end - started[i] if po else 0.0, names[i],
+                              started[i], end if po else 0.0))
         out.close()
         err.close()
     tmp.cleanup()
@@ -391,3 +398,31 @@ def loopback_nics(rank: int, k: int) -> str:
 def load_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def read_events(prefix, rank: int):
+    """Rank `rank`'s ``r2ccl-perf --events PREFIX`` file: (rail events in order, {nic: final})."""
+    events, finals = [], {}
+    with open(f"{prefix}.rank{rank}") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            e = json.loads(line)
+            if e["kind"] == "final":
+                finals[e["nic"]] = e
+            else:
+                events.append(e)
+    return events, finals
+
+
+def netns_pids_of(ns: str, exe: Path) -> List[int]:
+    """Pids of the processes in namespace `ns` whose executable is `exe`."""
+    r = _run(["ip", "netns", "pids", ns], timeout=10)
+    out = []
+    for tok in r.stdout.split():
+        try:
+            if os.path.realpath(f"/proc/{tok}/exe") == os.path.realpath(exe):
+                out.append(int(tok))
+        except (OSError, ValueError):
+            continue
+    return out

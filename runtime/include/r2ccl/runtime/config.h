@@ -50,6 +50,10 @@ struct Config {
   std::chrono::milliseconds holddown_max{30000};  // cap of the doubling hold-down
   int readmit_probes = 5;                         // consecutive good probes to re-admit
   double degraded_ratio = 0.5;                    // below this share of the median bandwidth
+  // Prometheus exposition of this job's rail telemetry (the monitor module): off unless a port
+  // is given; rank r listens on metrics_port + r.
+  std::optional<std::uint16_t> metrics_port;
+  std::string metrics_addr = "127.0.0.1";
 };
 
 struct ConfigEntry {

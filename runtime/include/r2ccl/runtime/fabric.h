@@ -72,6 +72,10 @@ class Fabric {
   ProviderCounters provider_counters() const;
   // Rail state changes with wall-clock times (failed, replay_started, readmitted, ...).
   std::vector<RailEvent> rail_events() const;
+  // Every rail's live telemetry (plain atomics), for collectors that read it at scrape time.
+  std::vector<RailTelemetryView> rail_telemetry() const;
+  // How long rail failures took to detect.
+  const LatencyHistogram& failover_detection() const { return failover_detection_; }
   // The first asynchronous error: a peer left, or no rail to a peer survived an operation's
   // deadline. OK while none happened.
   Status async_error() const;
@@ -93,6 +97,7 @@ class Fabric {
   std::unique_ptr<class Prober> prober_;
   std::unique_ptr<class LinkWatcher> link_watcher_;
   RailEventLog events_;
+  LatencyHistogram failover_detection_;
   mutable std::mutex async_mutex_;
   Status async_error_;
   std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self

@@ -2,6 +2,7 @@
 // them at scrape time). No locks, no Prometheus here.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -56,6 +57,34 @@ struct RailSnapshot {
   std::uint64_t holddown_ms = 0;
   std::uint32_t epoch = 0;
   std::string last_error;
+};
+
+// A fixed-bucket latency histogram of plain atomics (observed on the progress thread, read at
+// scrape time). Bucket bounds in seconds: 1ms .. 10s, roughly doubling.
+class LatencyHistogram {
+ public:
+  static constexpr std::array<double, 14> kBounds{0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                                                  0.2,   0.3,   0.5,   1,    2,    5,    10};
+  void observe(double seconds);
+  // Cumulative counts per bound (as Prometheus wants them), the total count and the sum.
+  std::array<std::uint64_t, kBounds.size()> cumulative() const;
+  std::uint64_t count() const { return count_.load(std::memory_order_relaxed); }
+  double sum() const { return static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e9; }
+
+ private:
+  std::array<std::atomic<std::uint64_t>, kBounds.size()> buckets_{};  // not cumulative
+  std::atomic<std::uint64_t> count_{0};
+  std::atomic<std::uint64_t> sum_ns_{0};
+};
+
+// A rail's identity with a pointer to its live telemetry (valid while the fabric lives): what a
+// metrics collector reads at scrape time without touching the data path.
+struct RailTelemetryView {
+  int peer = -1;
+  std::uint32_t rail = 0;
+  std::string nic;
+  std::string remote_nic;
+  const RailTelemetry* telemetry = nullptr;
 };
 
 // What happened to the rails, with wall-clock times (for fault benchmarks and post-mortems).

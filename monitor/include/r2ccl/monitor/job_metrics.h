@@ -1,0 +1,45 @@
+// Prometheus exposition of a running job's rail telemetry.
+//
+// A job (r2ccl-perf today; the communicator and the KV engine with their issues) starts it when
+// R2CCL_METRICS_PORT is set. The collector reads the fabric's plain atomics at scrape time: the
+// data path never takes a lock or calls into Prometheus.
+#pragma once
+
+#include <prometheus/collectable.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "r2ccl/runtime/fabric.h"
+
+namespace r2ccl::mon {
+
+class HttpExporter;
+
+// r2ccl_rail_* families (labels rank, peer, device, remote_device), the failover detection
+// histogram and r2ccl_build_info.
+class RailCollector final : public prometheus::Collectable {
+ public:
+  explicit RailCollector(const Fabric& fabric) : fabric_(fabric) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const Fabric& fabric_;
+};
+
+class JobMetrics {
+ public:
+  // nullptr when R2CCL_METRICS_PORT is not set, or — with a warning naming the address and the
+  // reason — when the endpoint cannot start (port in use, foreign address): the job runs on.
+  static std::unique_ptr<JobMetrics> start(const Config& config, const Fabric& fabric);
+  ~JobMetrics();
+  std::uint16_t port() const;
+
+ private:
+  JobMetrics() = default;
+  std::shared_ptr<RailCollector> collector_;
+  std::unique_ptr<HttpExporter> http_;
+};
+
+}  // namespace r2ccl::mon

@@ -1,0 +1,315 @@
+"""System tests of rail failover: faults injected from outside into running r2ccl-perf ranks.
+
+Two hosts x four NICs on a netns testbed; every run carries fresh, verified data in every
+round (``--duration`` with ``-c 1``).  The tests assert behaviour -- exit codes, the Check
+line, the rail events and final rail states of ``--events`` -- never timings; the time
+bounds only catch hangs.  Fault times are "about N s after the launch": the exact moment
+does not matter, only that the transfer is running.
+"""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from r2ccl_testbed import (PERF, TESTBED, Proc, Testbed, describe, launch_ranks, load_json,
+                           netns_pids_of, perf_ranks, random_port, read_events)
+
+CHECK_LINE = "# Check: every byte verified on every rank"
+PARTIAL_CHECK = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every "
+                           r"rank; (\d+) round\(s\) failed$", re.M)
+ROUND_FAILED = re.compile(r"^r2ccl-perf: rank (\d+): round (\d+) failed: (.*)$", re.M)
+ROUNDS_SUMMARY = re.compile(r"^r2ccl-perf: rank (\d+): (\d+) round\(s\) completed, (\d+) failed$", re.M)
+NICS = ["eth1", "eth2", "eth3", "eth4"]
+SLACK_S = 30  # generous bound on start-up, shutdown and one R2CCL_TIMEOUT: catches hangs only
+
+
+def duration_args(seconds, events, size="16M", keep_going=False):
+    a = ["sendrecv", "-b", size, "-e", size, "-w", "0", "-c", "1", "--duration", str(seconds),
+         "--events", events]
+    return a + (["--keep-going"] if keep_going else [])
+
+
+def ranks(tb, args, **env):
+    boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+    return perf_ranks(2, boot, args, hosts=[0, 1], extra_env=env)
+
+
+def at(seconds, *argv, name=""):
+    """A command run `seconds` after the launch; it prints the wall time (ns) just before
+    acting, so that events can be ordered against it."""
+    script = 'date +%s%N; exec "$@"'
+    return Proc(argv=["sh", "-c", script, "sh", *argv], delay=seconds, name=name or " ".join(argv))
+
+
+def wall(result):
+    """The wall time (ns) an `at` command printed first."""
+    return int(result.stdout.split()[0])
+
+
+def assert_verified(res, n=2):
+    """Both ranks exited 0 and rank 0 reports every byte of every round verified."""
+    assert [r.returncode for r in res[:n]] == [0] * n, describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+
+
+def of(events, nic, kind):
+    return [e for e in events if e["nic"] == nic and e["kind"] == kind]
+
+
+def link_down_transitions(monitor_output, dev):
+    """How often `dev` went from running to not running in `ip monitor link` output.
+
+    ip monitor prints every RTM_NEWLINK message, not transitions.  `ip link set DEV down`
+    gives <BROADCAST,MULTICAST> (no UP); `ip link set DEV up` gives first
+    <NO-CARRIER,...,UP,LOWER_UP> state DOWN (admin up, carrier/operstate not yet up) and then
+    <...,UP,LOWER_UP> state UP.  So "down" lines are not flaps: the NO-CARRIER line after an
+    `up` is still the same outage.  Like r2ccl's link watcher (IFF_UP && IFF_RUNNING, reported
+    only when it changes), count running -> not running, running meaning the UP flag and no
+    NO-CARRIER.  The link is running when the monitor starts."""
+    pat = re.compile(r"^\d+: " + re.escape(dev) + r"(@\S+)?: <([^>]*)>")
+    running, downs = True, 0
+    for line in monitor_output.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        flags = m.group(2).split(",")
+        now = "UP" in flags and "NO-CARRIER" not in flags
+        if running and not now:
+            downs += 1
+        running = now
+    return downs
+
+
+# ------------------------------------------------------------------------------ link down
+
+
+@pytest.mark.parametrize("host", [0, 1], ids=["sender-host0", "receiver-host1"])
+def test_nic_down_mid_transfer(perf, tmp_path, host):
+    ev = str(tmp_path / "ev")
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        procs = ranks(tb, duration_args(6, ev))
+        procs.append(at(2.0, "ip", "-n", tb.ns(host), "link", "set", "eth2", "down"))
+        res = launch_ranks(procs, testbed=tb, timeout=6 + SLACK_S)
+    assert_verified(res)
+    replayed = False
+    for rank in (0, 1):
+        events, finals = read_events(ev, rank)
+        failed = of(events, "eth2", "failed")
+        assert failed, f"rank {rank}: no 'failed' event for eth2: {events}"
+        assert all(e["wall_ns"] >= wall(res[2]) for e in failed), (wall(res[2]), failed)
+        assert finals["eth2"]["state"] == "down", finals
+        assert all(finals[n]["state"] == "up" for n in NICS if n != "eth2"), finals
+        replayed |= bool(of(events, "eth2", "replay_started"))
+        replayed |= any(finals[n]["replayed_chunks"] > 0 for n in NICS if n != "eth2")
+    assert replayed, "eth2's unconfirmed chunks were not replayed on another rail"
+
+
+def test_three_of_four_nics_down(perf, tmp_path):
+    ev = str(tmp_path / "ev")
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        ns = tb.ns(0)
+        procs = ranks(tb, duration_args(6, ev))
+        down3 = " && ".join(f"ip -n {ns} link set {n} down" for n in ("eth2", "eth3", "eth4"))
+        procs.append(Proc(argv=["sh", "-c", f"date +%s%N; {down3}"], delay=2.0, name="eth2..4 down"))
+        res = launch_ranks(procs, testbed=tb, timeout=6 + SLACK_S)
+    assert_verified(res)
+    for rank in (0, 1):
+        events, finals = read_events(ev, rank)
+        assert finals["eth1"]["state"] == "up", finals
+        for nic in ("eth2", "eth3", "eth4"):
+            assert finals[nic]["state"] == "down", finals
+            assert of(events, nic, "failed"), f"rank {rank}: no 'failed' event for {nic}: {events}"
+        assert not of(events, "eth1", "failed"), events
+
+
+# ----------------------------------------------------------------------------- black hole
+
+
+def test_black_hole_detected_and_readmitted(perf, tmp_path):
+    ev = str(tmp_path / "ev")
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        procs = ranks(tb, duration_args(8, ev))
+        procs.append(at(2.0, str(TESTBED), "blackhole", tb.name, "0", "eth3"))
+        procs.append(at(4.0, str(TESTBED), "heal", tb.name, "0", "eth3"))
+        res = launch_ranks(procs, testbed=tb, timeout=8 + SLACK_S)
+    assert_verified(res)
+    assert res[2].returncode == 0 and res[3].returncode == 0, describe(res)
+    hole, heal = wall(res[2]), wall(res[3])
+    all_failed = []
+    for rank in (0, 1):
+        events, finals = read_events(ev, rank)
+        failed = of(events, "eth3", "failed")
+        assert failed, f"rank {rank}: no 'failed' event for eth3: {events}"
+        assert all(hole <= e["wall_ns"] <= heal for e in failed), (hole, heal, failed)
+        all_failed += failed
+        readmitted = of(events, "eth3", "readmitted")
+        assert readmitted, f"rank {rank}: eth3 was not re-admitted after the heal: {events}"
+        assert all(e["wall_ns"] > heal for e in readmitted), (heal, readmitted)
+        assert finals["eth3"]["state"] == "up", finals
+        assert all(not of(events, n, "failed") for n in NICS if n != "eth3"), events
+    # The link stayed up: only silence can have revealed it (directly or via the peer's notice).
+    assert any("no probe reply" in e["detail"] or "black hole" in e["detail"] for e in all_failed), all_failed
+    assert not any(e["kind"] == "link_down" for r in (0, 1) for e in read_events(ev, r)[0])
+
+
+# ----------------------------------------------------------------------------------- flap
+
+
+def test_flapping_nic_is_held_down(perf, tmp_path):
+    ev = str(tmp_path / "ev")
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        ns = tb.ns(0)
+        # The monitor starts first (delay 0, first in the list) and outlives the flap.
+        monitor = Proc(argv=["timeout", "11", "ip", "-n", ns, "monitor", "link"], name="ip monitor")
+        procs = [monitor] + ranks(tb, duration_args(14, ev), R2CCL_HOLDDOWN="1s", R2CCL_HOLDDOWN_MAX="4s")
+        for p in procs[1:]:
+            p.delay = 0.1
+        flap = Proc(argv=["sh", "-c", 'date +%s%N; "$@"; date +%s%N', "sh", str(TESTBED), "flap",
+                          tb.name, "0", "eth2", "200", "5000"], delay=1.5, name="flap")
+        res = launch_ranks(procs + [flap], testbed=tb, timeout=14 + SLACK_S)
+    mon, r0, r1, fl = res
+    assert_verified([r0, r1, mon, fl])
+    assert mon.returncode == 124, mon.describe()  # ended by its time limit, as intended
+    assert fl.returncode == 0, fl.describe()
+    flap_start, flap_end = (int(x) for x in fl.stdout.split()[:2])
+
+    # Every real outage of eth2 is one flap.  r2ccl's netlink watcher and `ip monitor`
+    # read the same RTM_NEWLINK messages from the same namespace; if the kernel coalesced
+    # or dropped a transition, both would miss it alike, so the counts must agree.
+    downs = link_down_transitions(mon.stdout, "eth2")
+    assert downs >= 5, mon.stdout
+    events, finals = read_events(ev, 0)
+    assert finals["eth2"]["flaps"] == downs, (downs, finals["eth2"], mon.stdout)
+    assert len(of(events, "eth2", "link_down")) == downs, events
+
+    readmitted = of(events, "eth2", "readmitted")
+    assert readmitted, f"eth2 was not re-admitted after the flap ended: {events}"
+    assert all(e["wall_ns"] > flap_end for e in readmitted), (flap_end, readmitted)
+    last_up = max(e["wall_ns"] for e in of(events, "eth2", "link_up"))
+    assert flap_start < last_up <= flap_end
+    m = re.search(r"hold-down was (\d+)ms", readmitted[0]["detail"])
+    assert m, readmitted[0]
+    holddown_ms = int(m.group(1))
+    assert holddown_ms > 1000, f"the hold-down did not grow with the flaps: {readmitted[0]}"
+    assert holddown_ms <= 4000, readmitted[0]  # R2CCL_HOLDDOWN_MAX
+    assert readmitted[0]["wall_ns"] - last_up >= (holddown_ms - 50) * 1_000_000, (last_up, readmitted[0])
+    assert finals["eth2"]["state"] == "up", finals
+
+
+# ------------------------------------------------------------------------- all rails down
+
+
+def test_all_nics_down_then_one_back(perf, tmp_path):
+    ev = str(tmp_path / "ev")
+    duration = 16
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        ns = tb.ns(0)
+        procs = ranks(tb, duration_args(duration, ev, keep_going=True), R2CCL_TIMEOUT="3s")
+        down_all = " && ".join(f"ip -n {ns} link set {n} down" for n in NICS)
+        procs.append(Proc(argv=["sh", "-c", f"date +%s%N; {down_all}"], delay=2.0, name="all down"))
+        procs.append(at(7.0, "ip", "-n", ns, "link", "set", "eth3", "up"))
+        res = launch_ranks(procs, testbed=tb, timeout=duration + SLACK_S)
+    r0, r1 = res[0], res[1]
+    assert [r0.returncode, r1.returncode] == [2, 2], describe(res)
+    for r in (r0, r1):
+        assert r.elapsed < duration + 20, r.describe()  # generous: no hang
+        failures = ROUND_FAILED.findall(r.stderr)
+        assert failures, r.describe()
+        assert any("no rail to rank" in why and "survived" in why and all(n in why for n in NICS)
+                   for _, _, why in failures), r.describe()
+    up_eth3 = wall(res[3])
+
+    # Rank 0's view: rounds completed again once eth3 was re-admitted.
+    m = PARTIAL_CHECK.search(r0.stdout)
+    assert m, describe(res)
+    completed, failed = int(m.group(1)), int(m.group(2))
+    summary = ROUNDS_SUMMARY.search(r0.stderr)
+    assert summary and (int(summary.group(2)), int(summary.group(3))) == (completed, failed), r0.describe()
+    failed_rounds = sorted(int(n) for _, n, _ in ROUND_FAILED.findall(r0.stderr))
+    assert len(failed_rounds) == failed, r0.describe()
+    total = completed + failed
+    assert completed > failed_rounds[0], "no round completed after the outage: " + r0.describe()
+    assert failed_rounds[-1] < total - 1, "the last round failed: " + r0.describe()
+
+    events, finals = read_events(ev, 0)
+    readmitted = of(events, "eth3", "readmitted")
+    assert readmitted and all(e["wall_ns"] > up_eth3 for e in readmitted), (up_eth3, events)
+    assert finals["eth3"]["state"] == "up", finals
+    assert all(finals[n]["state"] == "down" for n in ("eth1", "eth2", "eth4")), finals
+
+
+# ------------------------------------------------------------------------------- degraded
+
+
+def test_quarter_rate_nic_is_degraded(perf, tmp_path):
+    ev, js = str(tmp_path / "ev"), str(tmp_path / "out.json")
+    args = ["sendrecv", "-b", "64M", "-e", "64M", "-w", "1", "-n", "3", "-c", "1", "--events", ev]
+    with Testbed(hosts=2, nics=4, rate="100mbit", mtu=9000) as tb:
+        for host in (0, 1):
+            r = tb.tb("degrade", str(host), "eth2", "25mbit")
+            assert r.returncode == 0, r.stderr
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        res = launch_ranks(perf_ranks(2, boot, args, hosts=[0, 1], json_path=js), testbed=tb, timeout=120)
+    assert_verified(res)
+    weights = {s["nic"]: s["weight"] for s in load_json(js)["rail_stats"]}
+    assert sorted(weights) == NICS, weights
+    assert weights["eth2"] < 0.5, weights
+    assert all(weights[n] > 0.7 for n in NICS if n != "eth2"), weights
+    events, finals = read_events(ev, 0)
+    assert finals["eth2"]["state"] == "degraded", finals
+    assert finals["eth2"]["weight"] < 0.5, finals
+    assert all(finals[n]["state"] == "up" and finals[n]["weight"] > 0.7 for n in NICS if n != "eth2"), finals
+    assert of(events, "eth2", "degraded"), events
+
+
+# ---------------------------------------------------------------------------- peer killed
+
+
+# Without --keep-going r2ccl-perf runs its per-round vote all-gather after the failed round;
+# that fails too (rank 1 left the control path) and only its error is printed, so the round's
+# "rank 1 is gone: ..." never reaches stderr.  Reported; strict, so it shows once fixed.
+PERF_DROPS_ROUND_ERROR = pytest.mark.xfail(
+    strict=True, reason="r2ccl-perf without --keep-going prints only the all-gather error, not the "
+                        "round's 'rank 1 is gone'")
+
+
+@pytest.mark.parametrize("keep_going", [True, pytest.param(False, marks=PERF_DROPS_ROUND_ERROR)],
+                         ids=["keep-going", "stop-at-first-error"])
+def test_peer_killed_fails_fast(perf, tmp_path, keep_going):
+    """SIGKILL of rank 1 mid-transfer, default R2CCL_TIMEOUT (30 s): rank 0 does not wait
+    for the deadline; the control path tells it rank 1 is gone.  -c 0: every round is a
+    transfer with no verification phase, so the kill always lands in a transfer (during a
+    verification rank 0 would next learn of it from its vote all-gather instead)."""
+    killed = {}
+    args = ["sendrecv", "-b", "16M", "-e", "16M", "-w", "0", "-c", "0", "--duration", "20"]
+    if keep_going:
+        args.append("--keep-going")
+
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        def kill_rank1():
+            pids = netns_pids_of(tb.ns(1), PERF)
+            killed["t"] = time.monotonic()
+            killed["pids"] = pids
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(2.5, kill_rank1)
+        timer.start()
+        try:
+            res = launch_ranks(ranks(tb, args), testbed=tb, timeout=20 + SLACK_S)
+        finally:
+            timer.cancel()
+    r0, r1 = res
+    assert len(killed.get("pids", [])) == 1, (killed, describe(res))
+    assert r1.returncode == -signal.SIGKILL, describe(res)
+    assert r0.returncode == 2, describe(res)
+    assert r0.t_end - killed["t"] < 10, f"rank 0 took {r0.t_end - killed['t']:.1f}s\n" + describe(res)
+    assert "rank 1" in r0.stderr, describe(res)
+    assert "rank 1 is gone" in r0.stderr, describe(res)
