@@ -335,6 +335,9 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
   ctx.bootstrap = bootstrap_.get();
   ctx.events = &events_;
   ctx.detection = &failover_detection_;
+  ctx.on_user_message = [this](int peer, Bytes payload) {
+    if (message_handler_) message_handler_(peer, std::move(payload));
+  };
   ctx.on_fatal = [this](const Status& st) { record_async_error(st); };
   channels_.resize(infos.size());
   for (std::size_t p = 0; p < infos.size(); ++p) {
@@ -511,6 +514,42 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
       channels_[static_cast<std::size_t>(peer)]->post_recv(op, region, offset, length, deadline);
   });
   return op;
+}
+
+Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offset,
+                             const RemoteRegion& remote, std::size_t remote_offset,
+                             std::size_t length) {
+  R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "write"));
+  if (peer == rank())
+    return Status(ErrorCode::kInvalidArgument, "write: a one-sided write to this rank itself");
+  if (remote_offset > remote.length || length > remote.length - remote_offset)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("write: {} bytes at offset {} exceed rank {}'s region of {} bytes",
+                              length, remote_offset, peer, remote.length));
+  auto op = std::make_shared<Op>();
+  const auto deadline = Clock::now() + config_.timeout;
+  engine_->post([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
+    channels_[static_cast<std::size_t>(peer)]->post_write(op, region, offset, remote, remote_offset,
+                                                          length, deadline);
+  });
+  return op;
+}
+
+Status Fabric::send_message(int peer, Bytes payload) {
+  if (peer < 0 || peer >= nranks() || peer == rank())
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("message: peer {} is out of range or this rank", peer)};
+  if (payload.size() > 64 * 1024)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("message of {} bytes exceeds 64 KiB", payload.size())};
+  engine_->post([this, peer, payload = std::move(payload)]() mutable {
+    channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(payload));
+  });
+  return Status::ok();
+}
+
+void Fabric::set_message_handler(MessageHandler handler) {
+  engine_->call([&] { message_handler_ = std::move(handler); });
 }
 
 Status Fabric::wait(const OpPtr& op) {

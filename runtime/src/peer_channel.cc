@@ -14,7 +14,7 @@ namespace {
 using std::chrono::milliseconds;
 
 // Control messages on the rails: u64 sequence number, u8 type, body.
-enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2 };
+enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3 };
 // Fence notices on the control path: u8 type, u32 rail, u32 epoch, reason.
 enum class FenceType : std::uint8_t { kFence = 1, kFenceAck = 2 };
 
@@ -624,12 +624,17 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
   if (type == ControlType::kAbort) {
     const auto seq2 = r.u64();
     std::string why = r.str(4096);
-    auto it = recv_slots_.find(static_cast<std::uint32_t>(seq2 % ChunkImm::kSlots));
+    auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
     if (it != recv_slots_.end() && it->second.seq == seq2) {
       auto op = it->second.op;
       recv_slots_.erase(it);
       op->complete({ErrorCode::kInvalidArgument, why});
     }
+    return;
+  }
+  if (type == ControlType::kUser) {
+    Bytes payload(message.begin() + 9, message.end());  // after the sequence number and type
+    if (ctx_.on_user_message) ctx_.on_user_message(peer_, std::move(payload));
     return;
   }
   R2CCL_WARN("rank {} sent an unknown control message type {} on rail {}", peer_,
@@ -660,6 +665,56 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   }
 }
 
+void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const RemoteRegion& remote,
+                         std::size_t remote_offset, std::size_t length,
+                         Clock::time_point deadline) {
+  if (dead_) {
+    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
+    return;
+  }
+  if (remote.keys.size() < rails_.size()) {
+    op->complete(
+        {ErrorCode::kInvalidArgument,
+         fmt::format("the remote region has keys for {} rails, the channel to rank {} has {}",
+                     remote.keys.size(), peer_, rails_.size())});
+    return;
+  }
+  if (length == 0) {
+    op->complete(Status::ok());
+    return;
+  }
+  const auto seq = ChunkImm::kOneSidedBit | next_write_seq_++;
+  Send s;
+  s.op = std::move(op);
+  s.region = std::move(region);
+  s.offset = offset;
+  s.length = length;
+  s.deadline = deadline;
+  s.started = true;
+  s.cts.seq = seq;
+  s.cts.length = length;
+  s.cts.chunk = static_cast<std::uint32_t>(config_.chunk_size);
+  s.cts.offset = remote_offset;
+  s.cts.region = remote;
+  s.nchunks = chunk_count(length, s.cts.chunk);
+  if (s.nchunks > ChunkImm::kMaxChunks) {
+    s.op->complete(
+        {ErrorCode::kInvalidArgument,
+         fmt::format("a write of {} bytes needs more than {} chunks: raise R2CCL_CHUNK_SIZE",
+                     length, ChunkImm::kMaxChunks)});
+    return;
+  }
+  sends_.emplace(seq, std::move(s));
+  ready_.push_back(seq);
+  pump();
+}
+
+void Channel::send_user_message(Bytes payload) {
+  ByteWriter w;
+  w.u8(static_cast<std::uint8_t>(ControlType::kUser)).raw(payload.data(), payload.size());
+  send_control(w.take());
+}
+
 void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline) {
   if (dead_) {
@@ -667,7 +722,7 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     return;
   }
   const auto seq = next_recv_seq_++;
-  const auto slot = static_cast<std::uint32_t>(seq % ChunkImm::kSlots);
+  const auto slot = ChunkImm::slot_of(seq);
   if (recv_slots_.count(slot) != 0) {
     op->complete(
         {ErrorCode::kUnavailable,
@@ -777,7 +832,7 @@ void Channel::pump() {
     w.length = c.length;
     w.remote_key = s.cts.region.keys[*rail];
     w.remote_offset = s.cts.offset + c.offset;
-    w.imm = ChunkImm::encode(static_cast<std::uint32_t>(c.message % ChunkImm::kSlots), c.index);
+    w.imm = ChunkImm::encode(ChunkImm::slot_of(c.message), c.index);
     w.cookie = ledger_.add(c);
     if (Status st = slot.rail->post_write(w); !st) {
       ledger_.confirm(w.cookie);
@@ -872,6 +927,7 @@ void Channel::on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t leng
   s.health->on_heard(Clock::now());
   s.tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
   s.tel.rx_chunks.fetch_add(1, std::memory_order_relaxed);
+  if (ChunkImm::slot(imm) == ChunkImm::kOneSidedSlot) return;  // one-sided: the sender tracks it
   auto it = recv_slots_.find(ChunkImm::slot(imm));
   if (it == recv_slots_.end()) return;  // a late duplicate of a completed or failed receive
   auto& r = it->second;

@@ -32,6 +32,7 @@ struct ChannelContext {
   RailEventLog* events = nullptr;
   LatencyHistogram* detection = nullptr;        // failover detection latencies
   std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
+  std::function<void(int peer, Bytes payload)> on_user_message;  // Fabric::send_message's
 };
 
 class Channel {
@@ -59,6 +60,11 @@ class Channel {
                  Clock::time_point deadline);
   void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                  Clock::time_point deadline);
+  // One-sided: writes into the peer's registered memory; no receive is matched.
+  void post_write(OpPtr op, RegionPtr region, std::size_t offset, const RemoteRegion& remote,
+                  std::size_t remote_offset, std::size_t length, Clock::time_point deadline);
+  // Reliable, delivered once, in order with the control messages of this channel.
+  void send_user_message(Bytes payload);
 
   // Periodic: deadlines, rail health (silence, stalls, re-admission), bandwidth and degradation.
   void tick(Clock::time_point now);
@@ -193,6 +199,7 @@ class Channel {
   std::set<std::uint64_t> control_seen_;                    // handled seqs at or above it
 
   std::uint64_t next_send_seq_ = 0;
+  std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)
   std::map<std::uint64_t, Send> sends_;
   std::map<std::uint64_t, Cts> early_cts_;
   std::deque<std::uint64_t> ready_;

@@ -1,7 +1,9 @@
 // Two and three ranks, as threads of this process, over four loopback rails each.
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <thread>
 
 #include "r2ccl/runtime/fabric.h"
@@ -205,6 +207,50 @@ TEST(Fabric, ASendWithoutAMatchingReceiveFailsAtTheDeadline) {
       << s.message();
   EXPECT_NE(s.message().find("rails tried: 0 (127.0.10.1 -> 127.0.11.1) up"), std::string::npos)
       << s.message();
+}
+
+TEST(Fabric, OneSidedWritesLandBeforeTheMessageThatFollowsThem) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  auto& a = *w.ranks[0];
+  auto& b = *w.ranks[1];
+  constexpr std::size_t kLen = 3 * 1024 * 1024 + 5;
+  std::vector<std::byte> src = pattern(kLen, 9), dst(kLen + 100, std::byte{0});
+  auto rs = *a.register_memory(src.data(), src.size());
+  auto rd = *b.register_memory(dst.data(), dst.size());
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<std::string> got;
+  b.set_message_handler([&](int peer, Bytes payload) {
+    std::lock_guard lock(m);
+    got.push_back(std::to_string(peer) + ":" +
+                  std::string(reinterpret_cast<const char*>(payload.data()), payload.size()));
+    // The write that completed before this message was sent has landed.
+    if (got.back() == "0:done")
+      got.back() += std::equal(src.begin(), src.end(), dst.begin() + 50) ? "+intact" : "+torn";
+    cv.notify_all();
+  });
+  RemoteRegion remote{rd->id, rd->length, rd->keys};  // what rank 1 would publish
+  auto op = a.iwrite(1, rs, 0, remote, 50, kLen);
+  ASSERT_TRUE(op.is_ok()) << op.status().to_string();
+  ASSERT_TRUE(a.wait(*op).is_ok());
+  const std::string done = "done";
+  ASSERT_TRUE(
+      a.send_message(1, Bytes(reinterpret_cast<const std::byte*>(done.data()),
+                              reinterpret_cast<const std::byte*>(done.data()) + done.size()))
+          .is_ok());
+  std::unique_lock lock(m);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return !got.empty(); }));
+  EXPECT_EQ(got[0], "0:done+intact");
+  EXPECT_EQ(dst[49], std::byte{0});
+  EXPECT_EQ(dst[50 + kLen], std::byte{0});
+  // Bad input: past the remote region, to self, an oversized message.
+  EXPECT_EQ(a.iwrite(1, rs, 0, remote, 200, kLen).status().message(),
+            "write: " + std::to_string(kLen) + " bytes at offset 200 exceed rank 1's region of " +
+                std::to_string(kLen + 100) + " bytes");
+  EXPECT_EQ(a.iwrite(0, rs, 0, remote, 0, 10).status().message(),
+            "write: a one-sided write to this rank itself");
+  EXPECT_EQ(a.send_message(1, Bytes(70000)).message(), "message of 70000 bytes exceeds 64 KiB");
 }
 
 }  // namespace

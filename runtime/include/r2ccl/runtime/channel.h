@@ -22,12 +22,19 @@
 
 namespace r2ccl {
 
-// imm = slot (12 bits) | chunk index (20 bits).
+// imm = slot (12 bits) | chunk index (20 bits). Two-sided messages use slots 0..4094 (message
+// sequence number modulo 4095); slot 4095 marks one-sided writes, which no receive waits for.
 struct ChunkImm {
   static constexpr std::uint32_t kSlotBits = 12;
   static constexpr std::uint32_t kIndexBits = 20;
-  static constexpr std::uint32_t kSlots = 1u << kSlotBits;
+  static constexpr std::uint32_t kSlots = (1u << kSlotBits) - 1;  // for two-sided messages
+  static constexpr std::uint32_t kOneSidedSlot = kSlots;
   static constexpr std::uint32_t kMaxChunks = 1u << kIndexBits;
+  // Message ids of one-sided writes carry this bit (two-sided ones count from 0).
+  static constexpr std::uint64_t kOneSidedBit = 1ull << 63;
+  static std::uint32_t slot_of(std::uint64_t message) {
+    return (message & kOneSidedBit) ? kOneSidedSlot : static_cast<std::uint32_t>(message % kSlots);
+  }
   static std::uint32_t encode(std::uint32_t slot, std::uint32_t index) {
     return (slot << kIndexBits) | index;
   }

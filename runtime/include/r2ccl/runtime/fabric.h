@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -65,6 +66,19 @@ class Fabric {
   Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
   // Receives the matching message from `peer` into [offset, offset+length) of a region.
   Result<OpPtr> irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
+  // One-sided: writes [offset, offset+length) of a local region into `remote` (a region the peer
+  // registered and described to us) at `remote_offset`, striped over the rails, replayed on
+  // failover. Completes once the peer confirmed every byte is in its memory.
+  Result<OpPtr> iwrite(int peer, const RegionPtr& region, std::size_t offset,
+                       const RemoteRegion& remote, std::size_t remote_offset, std::size_t length);
+  // A small message (at most 64 KiB) to the peer's message handler: reliable, delivered once, in
+  // order with everything else this rank sends on the control messages to that peer, and after
+  // every iwrite to that peer that completed before it was sent.
+  Status send_message(int peer, Bytes payload);
+  using MessageHandler = std::function<void(int peer, Bytes payload)>;
+  // Runs on the progress thread; must not block.
+  void set_message_handler(MessageHandler handler);
+
   // Waits for an operation; never longer than R2CCL_TIMEOUT plus a grace period.
   Status wait(const OpPtr& op);
 
@@ -98,6 +112,7 @@ class Fabric {
   std::unique_ptr<class LinkWatcher> link_watcher_;
   RailEventLog events_;
   LatencyHistogram failover_detection_;
+  MessageHandler message_handler_;  // progress thread only
   mutable std::mutex async_mutex_;
   Status async_error_;
   std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
