@@ -63,19 +63,35 @@ Status Op::wait(milliseconds timeout) {
 }
 
 void Op::complete(Status status) {
+  std::function<void(const Status&)> fn;
   {
     std::lock_guard lock(mutex_);
     if (done_) return;
     done_ = true;
     status_ = std::move(status);
+    fn = std::move(callback_);
   }
   cv_.notify_all();
+  if (fn) fn(status_);
+}
+
+void Op::on_complete(std::function<void(const Status&)> fn) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!done_) {
+      callback_ = std::move(fn);
+      return;
+    }
+  }
+  fn(status_);
 }
 
 namespace {
 std::string describe_bytes(std::uint64_t n) {
   return fmt::format("{} bytes", n);
 }
+// First byte of a control-path message that carries a user message (fence notices use 1 and 2).
+constexpr std::uint8_t kUserOnControlPath = 0x55;
 }  // namespace
 
 void LatencyHistogram::observe(double seconds) {
@@ -273,6 +289,11 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   f->bootstrap_->set_handlers(
       [self](int src, Bytes msg) {
         self->engine_->post([self, src, msg = std::move(msg)]() mutable {
+          if (!msg.empty() && std::to_integer<std::uint8_t>(msg[0]) == kUserOnControlPath) {
+            if (self->message_handler_)
+              self->message_handler_(src, Bytes(msg.begin() + 1, msg.end()));
+            return;
+          }
           if (src >= 0 && static_cast<std::size_t>(src) < self->channels_.size() &&
               self->channels_[static_cast<std::size_t>(src)])
             self->channels_[static_cast<std::size_t>(src)]->on_control_path(std::move(msg));
@@ -535,13 +556,18 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
   return op;
 }
 
-Status Fabric::send_message(int peer, Bytes payload) {
+Status Fabric::send_message(int peer, Bytes payload, bool control_path) {
   if (peer < 0 || peer >= nranks() || peer == rank())
     return {ErrorCode::kInvalidArgument,
             fmt::format("message: peer {} is out of range or this rank", peer)};
   if (payload.size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument,
             fmt::format("message of {} bytes exceeds 64 KiB", payload.size())};
+  if (control_path) {
+    ByteWriter w;
+    w.u8(kUserOnControlPath).raw(payload.data(), payload.size());
+    return bootstrap_->send_to(peer, w.bytes());
+  }
   engine_->post([this, peer, payload = std::move(payload)]() mutable {
     channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(payload));
   });

@@ -841,6 +841,7 @@ void Channel::pump() {
       continue;  // the rail reports its failure separately
     }
     if (replay) {
+      s.op->mark_replayed();
       replay_.pop_front();
       slot.tel.replayed_chunks.fetch_add(1, std::memory_order_relaxed);
       slot.tel.replayed_bytes.fetch_add(c.length, std::memory_order_relaxed);

@@ -8,6 +8,7 @@
 // sender then stripes the message over all usable rails in chunks with one-sided writes.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -31,12 +32,20 @@ class Op {
   // Waits for completion at most `timeout`; a timeout here is an error of its own.
   Status wait(std::chrono::milliseconds timeout);
   void complete(Status status);  // first call wins
+  // Runs `fn` with the status once the operation completes (at once if it has): on the progress
+  // thread, so it must not block. One callback per operation.
+  void on_complete(std::function<void(const Status&)> fn);
+  // Some of its data was re-sent after a rail failed (the operation survived a failover).
+  bool replayed() const { return replayed_.load(std::memory_order_relaxed); }
+  void mark_replayed() { replayed_.store(true, std::memory_order_relaxed); }
 
  private:
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
   Status status_;
+  std::function<void(const Status&)> callback_;
+  std::atomic<bool> replayed_{false};
 };
 using OpPtr = std::shared_ptr<Op>;
 
@@ -74,7 +83,9 @@ class Fabric {
   // A small message (at most 64 KiB) to the peer's message handler: reliable, delivered once, in
   // order with everything else this rank sends on the control messages to that peer, and after
   // every iwrite to that peer that completed before it was sent.
-  Status send_message(int peer, Bytes payload);
+  // With `control_path`, it goes through rank 0's relay instead of the rails: it arrives even
+  // when no rail to the peer is left (but not in order with the rail traffic).
+  Status send_message(int peer, Bytes payload, bool control_path = false);
   using MessageHandler = std::function<void(int peer, Bytes payload)>;
   // Runs on the progress thread; must not block.
   void set_message_handler(MessageHandler handler);
