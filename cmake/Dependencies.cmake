@@ -21,6 +21,8 @@ find_package(fmt REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 # nlohmann-json (nlohmann-json3-dev): JSON output of the benchmarks.
 find_package(nlohmann_json 3.10 REQUIRED)
+# xxHash (libxxhash-dev): per-block checksums of KV transfers (R2CCL_KV_VERIFY).
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 # GoogleTest (libgtest-dev): unit tests.
 if(R2CCL_BUILD_TESTS)
   find_package(GTest REQUIRED)

@@ -35,6 +35,7 @@ HealthAction RailHealth::go_down(TimePoint now, const std::string& reason,
     if (flaps_ > 1) holddown_ = std::min(holddown_ * 2, config_.holddown_max);
   }
   state_ = RailState::kDown;
+  link_returned_ = false;
   if (!connected_) return HealthAction::kNone;
   connected_ = false;
   ++failovers_;
@@ -50,8 +51,10 @@ HealthAction RailHealth::on_link(TimePoint now, bool up) {
   const bool was_up = link_up_;
   link_up_ = up;
   if (!up) {
-    if (was_up && state_ == RailState::kDown) {
-      // Went down again before any probe got through: still a flap.
+    if (was_up && state_ == RailState::kDown && link_returned_) {
+      // The link came back and went down again before any probe got through: still a flap. (A
+      // link-down that arrives after another report of the same failure is not a new one.)
+      link_returned_ = false;
       ++flaps_;
       holddown_ = std::min(holddown_ * 2, config_.holddown_max);
       stable_since_ = now;
@@ -60,6 +63,7 @@ HealthAction RailHealth::on_link(TimePoint now, bool up) {
     return go_down(now, "link down", now);
   }
   if (!was_up) stable_since_ = now;
+  if (state_ == RailState::kDown) link_returned_ = true;
   return HealthAction::kNone;
 }
 

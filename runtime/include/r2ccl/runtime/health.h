@@ -81,6 +81,7 @@ class RailHealth {
   RailState state_ = RailState::kDown;
   bool connected_ = false;
   bool link_up_ = true;
+  bool link_returned_ = false;  // DOWN: the link came up again since the failure
   bool degraded_ = false;
   TimePoint last_heard_;
   TimePoint stable_since_;  // PROBING: since when the rail has looked good

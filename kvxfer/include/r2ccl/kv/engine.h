@@ -1,0 +1,115 @@
+// The KV-cache transfer engine for prefill/decode disaggregation.
+//
+// Each side registers its KV pools (buffers + layout) and hands its metadata blob to the other;
+// a side that connected with a peer's blob can push blocks into the peer's pools (prefill ->
+// decode) or ask the peer to push to it (pull). A request moves a list of (layer range, source
+// blocks, destination blocks); it can be built layer by layer as prefill produces them and then
+// sealed. Its bytes are one-sided writes striped over every rail of the fabric; a NIC failure
+// mid-request is absorbed by the fabric's fence-and-replay, so the request still ends DONE (and
+// counts as preserved). The receiver gets one notification per request, after all of its bytes
+// have landed — or, if no rail to the peer survives the deadline, FAILED with the list of
+// destination blocks whose contents are not valid. A partial request is never reported DONE.
+//
+// Threading: every method may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "r2ccl/kv/layout.h"
+#include "r2ccl/runtime/fabric.h"
+
+namespace r2ccl::kv {
+
+enum class RequestState { kPending, kInFlight, kDone, kFailed, kCancelled };
+std::string_view request_state_name(RequestState s);
+
+// Blocks of layers [first_layer, last_layer) — every part of each.
+struct BlockSpan {
+  std::uint32_t first_layer = 0;
+  std::uint32_t last_layer = 0;
+  std::vector<std::uint32_t> src_blocks;
+  std::vector<std::uint32_t> dst_blocks;  // same length as src_blocks
+};
+
+struct RequestStatus {
+  RequestState state = RequestState::kPending;
+  std::string reason;                         // FAILED/CANCELLED: why
+  bool preserved = false;                     // DONE although a rail failed under it
+  std::vector<std::uint32_t> invalid_blocks;  // FAILED/CANCELLED: destination blocks not valid
+  std::uint64_t bytes = 0;
+  std::chrono::nanoseconds duration{0};  // submit to end
+};
+
+// What the receiving side learns about a request, once.
+struct Notification {
+  std::uint64_t request = 0;
+  int peer = -1;  // the side that pushed
+  RequestState state = RequestState::kDone;
+  std::string reason;
+  Bytes payload;  // the user's small payload (e.g. the first token)
+  std::vector<std::uint32_t> invalid_blocks;
+  bool verified = false;  // R2CCL_KV_VERIFY: every block's checksum matched
+};
+
+struct EngineCounters {
+  std::uint64_t done = 0, failed = 0, cancelled = 0, preserved = 0, bytes = 0;
+};
+
+struct EngineOptions {
+  bool verify = false;                     // R2CCL_KV_VERIFY
+  std::uint64_t max_inflight = 64u << 20;  // R2CCL_KV_MAX_INFLIGHT: bytes in flight per peer
+  static Result<EngineOptions> from_env(const EnvLookup& env);
+};
+
+class KvEngine {
+ public:
+  static Result<std::unique_ptr<KvEngine>> create(Fabric& fabric, const EngineOptions& options);
+  ~KvEngine();
+  KvEngine(const KvEngine&) = delete;
+  KvEngine& operator=(const KvEngine&) = delete;
+
+  // Registers a pool's buffers on every rail; returns its id (0, 1, ...).
+  Result<std::uint32_t> register_pool(const std::vector<std::span<std::byte>>& buffers,
+                                      const KvLayout& layout);
+  // Versioned, checksummed description of this side's pools and their remote keys.
+  Bytes metadata() const;
+  // Accepts `peer`'s metadata; refuses a truncated, corrupted or incompatible blob, saying why.
+  Status connect(int peer, std::span<const std::byte> metadata);
+
+  // Push, built step by step (layer streaming) ...
+  Status begin(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool);
+  Status add(std::uint64_t id, const BlockSpan& span);
+  Status seal(std::uint64_t id, Bytes payload = {});
+  // ... or at once.
+  Status submit(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool,
+                const std::vector<BlockSpan>& spans, Bytes payload = {});
+  // Pull: `peer` pushes its blocks (src_blocks, its pool `remote_pool`) into ours (dst_blocks).
+  Status pull(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool,
+              const std::vector<BlockSpan>& spans);
+
+  Result<RequestStatus> status(std::uint64_t id) const;
+  // Until the request (push or pull) ends, at most `timeout`.
+  Result<RequestStatus> wait(std::uint64_t id, std::chrono::milliseconds timeout);
+  // Stops a request: nothing more is sent; it ends CANCELLED once what was in flight lands.
+  Status cancel(std::uint64_t id);
+
+  // Notifications for requests pushed to this side (verified here when R2CCL_KV_VERIFY is on).
+  std::vector<Notification> poll_notifications();
+  Result<Notification> wait_notification(int peer, std::uint64_t id,
+                                         std::chrono::milliseconds timeout);
+
+  EngineCounters counters() const;
+
+ private:
+  struct Impl;
+  explicit KvEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace r2ccl::kv

@@ -1,0 +1,859 @@
+#include "r2ccl/kv/engine.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "r2ccl/runtime/log.h"
+
+namespace r2ccl::kv {
+
+using Clock = std::chrono::steady_clock;
+
+std::string_view request_state_name(RequestState s) {
+  switch (s) {
+    case RequestState::kPending:
+      return "PENDING";
+    case RequestState::kInFlight:
+      return "IN_FLIGHT";
+    case RequestState::kDone:
+      return "DONE";
+    case RequestState::kFailed:
+      return "FAILED";
+    case RequestState::kCancelled:
+      return "CANCELLED";
+  }
+  return "?";
+}
+
+Result<EngineOptions> EngineOptions::from_env(const EnvLookup& env) {
+  EngineOptions o;
+  if (auto v = env("R2CCL_KV_VERIFY")) {
+    if (*v == "1" || *v == "true") {
+      o.verify = true;
+    } else if (*v == "0" || *v == "false") {
+      o.verify = false;
+    } else {
+      return Status(ErrorCode::kConfig,
+                    fmt::format("R2CCL_KV_VERIFY='{}' is invalid: expected 0 or 1", *v));
+    }
+  }
+  if (auto v = env("R2CCL_KV_MAX_INFLIGHT")) {
+    auto n = parse_size(*v);
+    if (!n || *n < (1u << 20) || *n > (16ull << 30))
+      return Status(
+          ErrorCode::kConfig,
+          fmt::format("R2CCL_KV_MAX_INFLIGHT='{}' is invalid: expected a size from 1M to 16G", *v));
+    o.max_inflight = *n;
+  }
+  return o;
+}
+
+namespace {
+
+constexpr std::uint32_t kMetaMagic = 0x564b3252;  // "R2KV"
+constexpr std::uint32_t kMetaVersion = 1;
+constexpr std::uint64_t kMaxWriteBytes = 4u << 20;  // coalesced writes stay below this
+constexpr std::size_t kMaxPayload = 4096;
+
+enum class MsgType : std::uint8_t { kNotify = 1, kPull = 2 };
+
+std::uint64_t block_hash(const std::byte* p, std::uint64_t n, std::uint32_t layer,
+                         std::uint32_t part) {
+  return XXH3_64bits_withSeed(p, n, (static_cast<std::uint64_t>(layer) << 2) | part);
+}
+
+void encode_spans(ByteWriter& w, const std::vector<BlockSpan>& spans) {
+  w.u32(static_cast<std::uint32_t>(spans.size()));
+  for (const auto& s : spans) {
+    w.u32(s.first_layer).u32(s.last_layer).u32(static_cast<std::uint32_t>(s.src_blocks.size()));
+    for (std::size_t i = 0; i < s.src_blocks.size(); ++i)
+      w.u32(s.src_blocks[i]).u32(s.dst_blocks[i]);
+  }
+}
+
+bool decode_spans(ByteReader& r, std::vector<BlockSpan>* out) {
+  const auto n = r.u32();
+  if (!r.ok() || n > 1u << 16) return false;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    BlockSpan s;
+    s.first_layer = r.u32();
+    s.last_layer = r.u32();
+    const auto m = r.u32();
+    if (!r.ok() || m > r.remaining() / 8) return false;
+    for (std::uint32_t j = 0; j < m; ++j) {
+      s.src_blocks.push_back(r.u32());
+      s.dst_blocks.push_back(r.u32());
+    }
+    out->push_back(std::move(s));
+  }
+  return r.ok();
+}
+
+}  // namespace
+
+struct KvEngine::Impl {
+  struct Pool {
+    std::vector<std::span<std::byte>> buffers;
+    std::vector<RegionPtr> regions;
+    KvLayout layout;
+  };
+  struct RemotePool {
+    KvLayout layout;
+    std::vector<RemoteRegion> buffers;
+  };
+  struct Write {
+    std::uint32_t src_buffer = 0, dst_buffer = 0;
+    std::uint64_t src_offset = 0, dst_offset = 0, bytes = 0;
+    std::vector<std::uint32_t> dst_blocks;
+  };
+  // A request this side pushes: its own, or one a peer pulled (requester >= 0).
+  struct Key {
+    int requester = -1;
+    std::uint64_t id = 0;
+    bool operator<(const Key& o) const {
+      return requester != o.requester ? requester < o.requester : id < o.id;
+    }
+  };
+  struct Request {
+    std::uint64_t id = 0;
+    int peer = -1;
+    std::uint32_t local_pool = 0, remote_pool = 0;
+    bool is_pull_record = false;  // we asked `peer` to push; it reports back
+    RequestState state = RequestState::kPending;
+    bool sealed = false;
+    bool cancelled = false;
+    bool failed = false;
+    std::string reason;
+    bool preserved = false;
+    std::deque<Write> pending;
+    std::size_t inflight = 0;
+    std::set<std::uint32_t> dst_blocks;
+    std::set<std::uint32_t> invalid;
+    std::vector<std::uint32_t> invalid_list;  // once ended
+    Bytes payload;
+    std::uint64_t bytes = 0;
+    Clock::time_point started = Clock::now();
+    std::chrono::nanoseconds duration{0};
+    // Verification: per destination block, the XOR of its (layer, part) hashes; the layers.
+    std::map<std::uint32_t, std::uint64_t> hashes;
+    std::set<std::uint32_t> layers;
+    bool ended() const {
+      return state == RequestState::kDone || state == RequestState::kFailed ||
+             state == RequestState::kCancelled;
+    }
+  };
+  struct PeerQueue {
+    std::deque<Key> active;  // round-robin: one write per request per turn
+    std::uint64_t inflight_bytes = 0;
+  };
+  struct Received {
+    Notification note;
+    // To verify on the receiving side.
+    std::uint32_t pool = 0;
+    std::vector<std::uint32_t> layers;
+    std::vector<std::pair<std::uint32_t, std::uint64_t>> hashes;
+  };
+  struct Issue {
+    Key key;
+    int peer;
+    Write write;
+  };
+  struct Outgoing {
+    int peer;
+    Bytes message;
+    bool control_path;
+  };
+
+  Fabric& fabric;
+  EngineOptions options;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Pool> pools;
+  std::map<int, std::vector<RemotePool>> peers;
+  std::map<Key, Request> requests;
+  std::map<int, PeerQueue> queues;
+  std::deque<Received> received;
+  EngineCounters counters;
+
+  Impl(Fabric& f, EngineOptions o) : fabric(f), options(o) {}
+
+  Status check_span(const BlockSpan& s, const KvLayout& src, const KvLayout& dst,
+                    const char* src_name, const char* dst_name) const {
+    if (s.first_layer >= s.last_layer || s.last_layer > src.layers)
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("layer range [{}, {}) is empty or past the {} layers", s.first_layer,
+                          s.last_layer, src.layers)};
+    if (s.src_blocks.size() != s.dst_blocks.size())
+      return {ErrorCode::kInvalidArgument, fmt::format("{} source blocks but {} destination blocks",
+                                                       s.src_blocks.size(), s.dst_blocks.size())};
+    for (auto b : s.src_blocks)
+      if (b >= src.blocks)
+        return {ErrorCode::kInvalidArgument,
+                fmt::format("source block {} is out of range: the {} pool has {} blocks", b,
+                            src_name, src.blocks)};
+    for (auto b : s.dst_blocks)
+      if (b >= dst.blocks)
+        return {ErrorCode::kInvalidArgument,
+                fmt::format("destination block {} is out of range: the {} pool has {} "
+                            "blocks",
+                            b, dst_name, dst.blocks)};
+    return Status::ok();
+  }
+
+  // Turns a span into coalesced writes (and hashes, when verifying). Lock held.
+  void plan(Request& r, const BlockSpan& s, const Pool& src, const RemotePool& dst) {
+    const auto& L = src.layout;
+    for (std::uint32_t layer = s.first_layer; layer < s.last_layer; ++layer) {
+      if (options.verify) r.layers.insert(layer);
+      for (std::uint32_t part = 0; part < L.parts; ++part) {
+        const auto& sp = L.place(layer, part);
+        const auto& dp = dst.layout.place(layer, part);
+        for (std::size_t i = 0; i < s.src_blocks.size(); ++i) {
+          const std::uint64_t so = L.offset(layer, part, s.src_blocks[i]);
+          const std::uint64_t dof = dst.layout.offset(layer, part, s.dst_blocks[i]);
+          r.dst_blocks.insert(s.dst_blocks[i]);
+          r.bytes += L.block_bytes;
+          if (options.verify)
+            r.hashes[s.dst_blocks[i]] ^=
+                block_hash(src.buffers[sp.buffer].data() + so, L.block_bytes, layer, part);
+          if (!r.pending.empty()) {
+            auto& last = r.pending.back();
+            if (last.src_buffer == sp.buffer && last.dst_buffer == dp.buffer &&
+                last.src_offset + last.bytes == so && last.dst_offset + last.bytes == dof &&
+                last.bytes + L.block_bytes <= kMaxWriteBytes) {
+              last.bytes += L.block_bytes;
+              last.dst_blocks.push_back(s.dst_blocks[i]);
+              continue;
+            }
+          }
+          r.pending.push_back(
+              Write{sp.buffer, dp.buffer, so, dof, L.block_bytes, {s.dst_blocks[i]}});
+        }
+      }
+    }
+  }
+
+  // Picks writes to issue for `peer`, round-robin over its requests, within the in-flight limit.
+  std::vector<Issue> take_issues(int peer) {
+    std::vector<Issue> out;
+    auto& q = queues[peer];
+    std::size_t idle_turns = 0;
+    while (!q.active.empty() && q.inflight_bytes < options.max_inflight &&
+           idle_turns < q.active.size()) {
+      const Key key = q.active.front();
+      q.active.pop_front();
+      auto it = requests.find(key);
+      if (it == requests.end() || it->second.ended()) continue;
+      auto& r = it->second;
+      q.active.push_back(key);
+      if (r.pending.empty() || r.cancelled || r.failed) {
+        ++idle_turns;
+        continue;
+      }
+      idle_turns = 0;
+      Write w = std::move(r.pending.front());
+      r.pending.pop_front();
+      ++r.inflight;
+      q.inflight_bytes += w.bytes;
+      out.push_back({key, peer, std::move(w)});
+    }
+    return out;
+  }
+
+  void issue(std::vector<Issue> issues) {
+    for (auto& is : issues) {
+      const auto& pool = pools[requests_pool(is.key)];
+      RemoteRegion remote;
+      std::uint32_t local_pool = 0;
+      {
+        std::lock_guard lock(mu);
+        auto& r = requests.at(is.key);
+        local_pool = r.local_pool;
+        remote = peers.at(r.peer)[r.remote_pool].buffers[is.write.dst_buffer];
+      }
+      (void)pool;
+      auto op = fabric.iwrite(is.peer, pools[local_pool].regions[is.write.src_buffer],
+                              is.write.src_offset, remote, is.write.dst_offset, is.write.bytes);
+      if (!op) {
+        written(is, op.status(), false);
+        continue;
+      }
+      OpPtr held = *op;
+      held->on_complete([this, is, held](const Status& st) { written(is, st, held->replayed()); });
+    }
+  }
+
+  std::uint32_t requests_pool(const Key& key) {
+    std::lock_guard lock(mu);
+    return requests.at(key).local_pool;
+  }
+
+  // A write completed (progress thread, or the caller's on an immediate error).
+  void written(const Issue& is, const Status& st, bool replayed) {
+    std::vector<Outgoing> out;
+    std::vector<Issue> next;
+    {
+      std::lock_guard lock(mu);
+      queues[is.peer].inflight_bytes -= is.write.bytes;
+      auto it = requests.find(is.key);
+      if (it != requests.end()) {
+        auto& r = it->second;
+        --r.inflight;
+        if (replayed) r.preserved = true;
+        if (!st.is_ok()) {
+          if (!r.failed) {
+            r.failed = true;
+            r.reason = st.message();
+          }
+          r.invalid.insert(is.write.dst_blocks.begin(), is.write.dst_blocks.end());
+          for (const auto& w : r.pending)
+            r.invalid.insert(w.dst_blocks.begin(), w.dst_blocks.end());
+          r.pending.clear();
+        }
+        maybe_finish(is.key, r, out);
+      }
+      next = take_issues(is.peer);
+    }
+    send(out);
+    issue(std::move(next));
+  }
+
+  // Ends a request whose writes are all accounted for. Lock held.
+  void maybe_finish(const Key& key, Request& r, std::vector<Outgoing>& out) {
+    if (r.ended() || r.inflight > 0 || !r.pending.empty()) return;
+    if (!r.sealed && !r.cancelled && !r.failed) return;
+    r.duration = Clock::now() - r.started;
+    if (r.cancelled) {
+      r.state = RequestState::kCancelled;
+      if (r.reason.empty()) r.reason = "cancelled by the sender";
+      r.invalid = r.dst_blocks;
+      ++counters.cancelled;
+    } else if (r.failed) {
+      r.state = RequestState::kFailed;
+      ++counters.failed;
+    } else {
+      r.state = RequestState::kDone;
+      ++counters.done;
+      counters.bytes += r.bytes;
+      if (r.preserved) ++counters.preserved;
+    }
+    r.invalid_list.assign(r.invalid.begin(), r.invalid.end());
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(MsgType::kNotify))
+        .u64(r.id)
+        .u8(static_cast<std::uint8_t>(r.state))
+        .str(r.reason);
+    w.blob(r.payload).u32(static_cast<std::uint32_t>(r.invalid_list.size()));
+    for (auto b : r.invalid_list)
+      w.u32(b);
+    const bool verify = options.verify && r.state == RequestState::kDone;
+    w.u8(verify ? 1 : 0);
+    if (verify) {
+      w.u32(r.remote_pool).u32(static_cast<std::uint32_t>(r.layers.size()));
+      for (auto l : r.layers)
+        w.u32(l);
+      w.u32(static_cast<std::uint32_t>(r.hashes.size()));
+      for (const auto& [b, h] : r.hashes)
+        w.u32(b).u64(h);
+    }
+    // DONE travels on the rails, after the writes it reports; a failure notice takes the control
+    // path, which works when no rail is left.
+    out.push_back({r.peer, w.take(), r.state != RequestState::kDone});
+    auto& q = queues[r.peer];
+    std::erase_if(q.active, [&](const Key& k) { return !(k < key) && !(key < k); });
+    cv.notify_all();
+  }
+
+  void send(const std::vector<Outgoing>& out) {
+    for (const auto& o : out) {
+      Status st = fabric.send_message(o.peer, o.message, o.control_path);
+      if (!st && !o.control_path) st = fabric.send_message(o.peer, o.message, true);
+      if (!st) R2CCL_WARN("kv: cannot notify rank {}: {}", o.peer, st.message());
+    }
+  }
+
+  void on_message(int peer, Bytes msg) {
+    ByteReader r(msg);
+    const auto type = static_cast<MsgType>(r.u8());
+    if (type == MsgType::kNotify) return on_notify(peer, r);
+    if (type == MsgType::kPull) return on_pull(peer, r);
+    R2CCL_WARN("kv: unknown message type {} from rank {}", static_cast<int>(type), peer);
+  }
+
+  void on_notify(int peer, ByteReader& r) {
+    Received rec;
+    rec.note.peer = peer;
+    rec.note.request = r.u64();
+    rec.note.state = static_cast<RequestState>(r.u8());
+    rec.note.reason = r.str(4096);
+    rec.note.payload = r.blob(kMaxPayload);
+    const auto n = r.u32();
+    for (std::uint32_t i = 0; i < n && r.ok(); ++i)
+      rec.note.invalid_blocks.push_back(r.u32());
+    if (r.u8() == 1) {
+      rec.pool = r.u32();
+      const auto nl = r.u32();
+      for (std::uint32_t i = 0; i < nl && r.ok(); ++i)
+        rec.layers.push_back(r.u32());
+      const auto nh = r.u32();
+      for (std::uint32_t i = 0; i < nh && r.ok(); ++i) {
+        const auto b = r.u32();
+        rec.hashes.emplace_back(b, r.u64());
+      }
+    }
+    if (!r.finish("KV notification").is_ok()) {
+      R2CCL_WARN("kv: malformed notification from rank {}", peer);
+      return;
+    }
+    std::lock_guard lock(mu);
+    // The end of a pull this side asked for?
+    auto it = requests.find(Key{-1, rec.note.request});
+    if (it != requests.end() && it->second.is_pull_record && it->second.peer == peer &&
+        !it->second.ended()) {
+      verify(rec);
+      auto& q = it->second;
+      q.state = rec.note.state;
+      q.reason = rec.note.reason;
+      q.invalid_list = rec.note.invalid_blocks;
+      q.duration = Clock::now() - q.started;
+      if (q.state == RequestState::kDone) {
+        ++counters.done;
+        counters.bytes += q.bytes;
+      } else {
+        ++counters.failed;
+      }
+    }
+    received.push_back(std::move(rec));
+    cv.notify_all();
+  }
+
+  // Checks a DONE notification's block checksums against our memory. Lock held.
+  void verify(Received& rec) {
+    if (rec.hashes.empty() || rec.note.state != RequestState::kDone) return;
+    if (rec.pool >= pools.size()) {
+      rec.note.state = RequestState::kFailed;
+      rec.note.reason = fmt::format(
+          "verification: the notification names pool {}, which does not exist", rec.pool);
+      return;
+    }
+    const auto& pool = pools[rec.pool];
+    const auto& L = pool.layout;
+    std::vector<std::uint32_t> bad;
+    for (const auto& [block, want] : rec.hashes) {
+      std::uint64_t h = 0;
+      if (block >= L.blocks) {
+        bad.push_back(block);
+        continue;
+      }
+      for (auto layer : rec.layers)
+        for (std::uint32_t part = 0; part < L.parts && layer < L.layers; ++part)
+          h ^= block_hash(
+              pool.buffers[L.place(layer, part).buffer].data() + L.offset(layer, part, block),
+              L.block_bytes, layer, part);
+      if (h != want) bad.push_back(block);
+    }
+    if (bad.empty()) {
+      rec.note.verified = true;
+      return;
+    }
+    rec.note.state = RequestState::kFailed;
+    rec.note.reason =
+        fmt::format("{} block(s) failed verification (first: block {})", bad.size(), bad.front());
+    rec.note.invalid_blocks = bad;
+  }
+
+  void on_pull(int peer, ByteReader& r) {
+    const auto id = r.u64();
+    const auto src_pool = r.u32();
+    const auto dst_pool = r.u32();
+    std::vector<BlockSpan> spans;
+    const bool ok = decode_spans(r, &spans) && r.finish("KV pull").is_ok();
+    std::vector<Outgoing> out;
+    std::vector<Issue> next;
+    {
+      std::lock_guard lock(mu);
+      const Key key{peer, id};
+      if (requests.count(key) != 0) return;  // a duplicate
+      Request q;
+      q.id = id;
+      q.peer = peer;
+      q.local_pool = src_pool;
+      q.remote_pool = dst_pool;
+      q.sealed = true;
+      Status st = ok ? Status::ok() : Status(ErrorCode::kProtocol, "malformed pull request");
+      auto pit = peers.find(peer);
+      if (st.is_ok() && pit == peers.end())
+        st = Status(
+            ErrorCode::kInvalidArgument,
+            fmt::format("rank {} is not connected here: call connect() with its metadata first",
+                        peer));
+      if (st.is_ok() && (src_pool >= pools.size() || dst_pool >= pit->second.size()))
+        st = Status(ErrorCode::kInvalidArgument,
+                    fmt::format("pull names pool {} here / {} there, which do not exist", src_pool,
+                                dst_pool));
+      for (const auto& s : spans) {
+        if (!st.is_ok()) break;
+        st = check_span(s, pools[src_pool].layout, pit->second[dst_pool].layout, "source",
+                        "destination");
+      }
+      if (st.is_ok()) {
+        for (const auto& s : spans)
+          plan(q, s, pools[src_pool], pit->second[dst_pool]);
+        q.state = RequestState::kInFlight;
+      } else {
+        q.failed = true;
+        q.reason = st.message();
+        for (const auto& s : spans)
+          q.invalid.insert(s.dst_blocks.begin(), s.dst_blocks.end());
+      }
+      auto& stored = requests.emplace(key, std::move(q)).first->second;
+      if (st.is_ok()) queues[peer].active.push_back(key);
+      maybe_finish(key, stored, out);
+      next = take_issues(peer);
+    }
+    send(out);
+    issue(std::move(next));
+  }
+};
+
+KvEngine::KvEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+KvEngine::~KvEngine() {
+  impl_->fabric.set_message_handler(nullptr);
+  // Let writes in flight complete (or fail at their deadline) before the pools go away.
+  std::unique_lock lock(impl_->mu);
+  impl_->cv.wait_for(lock, impl_->fabric.config().timeout + std::chrono::seconds(1), [&] {
+    return std::all_of(impl_->requests.begin(), impl_->requests.end(),
+                       [](const auto& kv) { return kv.second.inflight == 0; });
+  });
+}
+
+Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineOptions& options) {
+  auto impl = std::make_unique<Impl>(fabric, options);
+  Impl* raw = impl.get();
+  fabric.set_message_handler([raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
+  return std::unique_ptr<KvEngine>(new KvEngine(std::move(impl)));
+}
+
+Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::byte>>& buffers,
+                                              const KvLayout& layout) {
+  std::vector<std::uint64_t> lengths;
+  for (const auto& b : buffers) {
+    if (b.data() == nullptr)
+      return Status(ErrorCode::kInvalidArgument, "register_pool: a buffer is null");
+    lengths.push_back(b.size());
+  }
+  R2CCL_RETURN_IF_ERROR(layout.validate(lengths).with_context("register_pool"));
+  Impl::Pool pool;
+  pool.buffers = buffers;
+  pool.layout = layout;
+  for (const auto& b : buffers) {
+    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->fabric.register_memory(b.data(), b.size()));
+    pool.regions.push_back(region);
+  }
+  std::lock_guard lock(impl_->mu);
+  impl_->pools.push_back(std::move(pool));
+  return static_cast<std::uint32_t>(impl_->pools.size() - 1);
+}
+
+Bytes KvEngine::metadata() const {
+  ByteWriter body;
+  {
+    std::lock_guard lock(impl_->mu);
+    body.u32(static_cast<std::uint32_t>(impl_->fabric.rank()))
+        .u32(static_cast<std::uint32_t>(impl_->pools.size()));
+    for (const auto& p : impl_->pools) {
+      p.layout.encode(body);
+      body.u32(static_cast<std::uint32_t>(p.regions.size()));
+      for (const auto& r : p.regions)
+        RemoteRegion{r->id, r->length, r->keys}.encode(body);
+    }
+  }
+  ByteWriter w;
+  w.u32(kMetaMagic)
+      .u32(kMetaVersion)
+      .blob(body.bytes())
+      .u64(XXH3_64bits(body.bytes().data(), body.bytes().size()));
+  return w.take();
+}
+
+Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
+  if (peer < 0 || peer >= impl_->fabric.nranks() || peer == impl_->fabric.rank())
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("connect: rank {} is not a peer (world of {} ranks)", peer,
+                        impl_->fabric.nranks())};
+  ByteReader r(metadata);
+  const auto magic = r.u32();
+  if (!r.ok()) return {ErrorCode::kProtocol, "KV metadata is truncated (no header)"};
+  if (magic != kMetaMagic) return {ErrorCode::kProtocol, "not r2ccl KV metadata (bad magic)"};
+  const auto version = r.u32();
+  if (version != kMetaVersion)
+    return {ErrorCode::kProtocol,
+            fmt::format("KV metadata version {} is not supported (this build reads version {})",
+                        version, kMetaVersion)};
+  Bytes body = r.blob(64u << 20);
+  const auto sum = r.u64();
+  if (!r.ok()) return {ErrorCode::kProtocol, "KV metadata is truncated"};
+  if (!r.at_end()) return {ErrorCode::kProtocol, "KV metadata has trailing bytes"};
+  if (sum != XXH3_64bits(body.data(), body.size()))
+    return {ErrorCode::kProtocol, "KV metadata is corrupted (checksum mismatch)"};
+  ByteReader b(body);
+  const auto rank = static_cast<int>(b.u32());
+  if (rank != peer)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("this KV metadata is rank {}'s, not rank {}'s", rank, peer)};
+  const auto npools = b.u32();
+  std::vector<Impl::RemotePool> remote;
+  for (std::uint32_t i = 0; i < npools && b.ok() && i < 1024; ++i) {
+    Impl::RemotePool rp;
+    R2CCL_ASSIGN_OR_RETURN(rp.layout, KvLayout::decode(b));
+    const auto nb = b.u32();
+    for (std::uint32_t j = 0; j < nb && b.ok() && j < 4096; ++j)
+      rp.buffers.push_back(RemoteRegion::decode(b));
+    remote.push_back(std::move(rp));
+  }
+  R2CCL_RETURN_IF_ERROR(b.finish("KV metadata"));
+  std::lock_guard lock(impl_->mu);
+  for (std::size_t i = 0; i < remote.size() && i < impl_->pools.size(); ++i) {
+    const std::string diff = impl_->pools[i].layout.incompatibility(remote[i].layout);
+    if (!diff.empty())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("rank {}'s KV pool {} is incompatible with ours: {}", peer, i, diff)};
+    std::vector<std::uint64_t> lengths;
+    for (const auto& rr : remote[i].buffers)
+      lengths.push_back(rr.length);
+    R2CCL_RETURN_IF_ERROR(
+        remote[i].layout.validate(lengths).with_context(fmt::format("rank {}'s pool {}", peer, i)));
+  }
+  impl_->peers[peer] = std::move(remote);
+  return Status::ok();
+}
+
+Status KvEngine::begin(std::uint64_t id, int peer, std::uint32_t local_pool,
+                       std::uint32_t remote_pool) {
+  std::lock_guard lock(impl_->mu);
+  if (impl_->requests.count(Impl::Key{-1, id}) != 0)
+    return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
+  auto pit = impl_->peers.find(peer);
+  if (pit == impl_->peers.end())
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("unknown peer {}: connect() with its metadata before sending to it", peer)};
+  if (local_pool >= impl_->pools.size())
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("no local KV pool {} (have {})", local_pool, impl_->pools.size())};
+  if (remote_pool >= pit->second.size())
+    return {ErrorCode::kInvalidArgument, fmt::format("rank {} has no KV pool {} (it has {})", peer,
+                                                     remote_pool, pit->second.size())};
+  Impl::Request r;
+  r.id = id;
+  r.peer = peer;
+  r.local_pool = local_pool;
+  r.remote_pool = remote_pool;
+  impl_->requests.emplace(Impl::Key{-1, id}, std::move(r));
+  impl_->queues[peer].active.push_back(Impl::Key{-1, id});
+  return Status::ok();
+}
+
+Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
+  std::vector<Impl::Issue> next;
+  int peer = -1;
+  {
+    std::lock_guard lock(impl_->mu);
+    auto it = impl_->requests.find(Impl::Key{-1, id});
+    if (it == impl_->requests.end() || it->second.is_pull_record)
+      return {ErrorCode::kNotFound, fmt::format("no push request {} (begin() it first)", id)};
+    auto& r = it->second;
+    if (r.sealed || r.ended())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("request {} is already sealed ({})", id, request_state_name(r.state))};
+    const auto& src = impl_->pools[r.local_pool];
+    const auto& dst = impl_->peers.at(r.peer)[r.remote_pool];
+    R2CCL_RETURN_IF_ERROR(impl_->check_span(span, src.layout, dst.layout, "local", "remote")
+                              .with_context(fmt::format("request {}", id)));
+    impl_->plan(r, span, src, dst);
+    r.state = RequestState::kInFlight;
+    peer = r.peer;
+    next = impl_->take_issues(peer);
+  }
+  impl_->issue(std::move(next));
+  return Status::ok();
+}
+
+Status KvEngine::seal(std::uint64_t id, Bytes payload) {
+  if (payload.size() > kMaxPayload)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("payload of {} bytes exceeds {}", payload.size(), kMaxPayload)};
+  std::vector<Impl::Outgoing> out;
+  {
+    std::lock_guard lock(impl_->mu);
+    auto it = impl_->requests.find(Impl::Key{-1, id});
+    if (it == impl_->requests.end() || it->second.is_pull_record)
+      return {ErrorCode::kNotFound, fmt::format("no push request {}", id)};
+    auto& r = it->second;
+    if (r.sealed || r.ended())
+      return {ErrorCode::kInvalidArgument, fmt::format("request {} is already sealed", id)};
+    r.sealed = true;
+    r.payload = std::move(payload);
+    if (r.state == RequestState::kPending) r.state = RequestState::kInFlight;
+    impl_->maybe_finish(it->first, r, out);
+  }
+  impl_->send(out);
+  return Status::ok();
+}
+
+Status KvEngine::submit(std::uint64_t id, int peer, std::uint32_t local_pool,
+                        std::uint32_t remote_pool, const std::vector<BlockSpan>& spans,
+                        Bytes payload) {
+  {
+    // Check every span before anything is sent.
+    std::lock_guard lock(impl_->mu);
+    auto pit = impl_->peers.find(peer);
+    if (pit != impl_->peers.end() && local_pool < impl_->pools.size() &&
+        remote_pool < pit->second.size())
+      for (const auto& s : spans)
+        R2CCL_RETURN_IF_ERROR(impl_
+                                  ->check_span(s, impl_->pools[local_pool].layout,
+                                               pit->second[remote_pool].layout, "local", "remote")
+                                  .with_context(fmt::format("request {}", id)));
+  }
+  R2CCL_RETURN_IF_ERROR(begin(id, peer, local_pool, remote_pool));
+  for (const auto& s : spans)
+    R2CCL_RETURN_IF_ERROR(add(id, s));
+  return seal(id, std::move(payload));
+}
+
+Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
+                      std::uint32_t remote_pool, const std::vector<BlockSpan>& spans) {
+  ByteWriter w;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->requests.count(Impl::Key{-1, id}) != 0)
+      return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
+    auto pit = impl_->peers.find(peer);
+    if (pit == impl_->peers.end())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("unknown peer {}: connect() with its metadata first", peer)};
+    if (local_pool >= impl_->pools.size() || remote_pool >= pit->second.size())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("no pool {} here or {} on rank {}", local_pool, remote_pool, peer)};
+    Impl::Request r;
+    r.id = id;
+    r.peer = peer;
+    r.local_pool = local_pool;
+    r.remote_pool = remote_pool;
+    r.is_pull_record = true;
+    r.sealed = true;
+    r.state = RequestState::kInFlight;
+    for (const auto& s : spans) {
+      R2CCL_RETURN_IF_ERROR(impl_
+                                ->check_span(s, pit->second[remote_pool].layout,
+                                             impl_->pools[local_pool].layout, "remote", "local")
+                                .with_context(fmt::format("pull {}", id)));
+      r.bytes += static_cast<std::uint64_t>(s.last_layer - s.first_layer) * s.src_blocks.size() *
+                 impl_->pools[local_pool].layout.block_bytes *
+                 impl_->pools[local_pool].layout.parts;
+    }
+    impl_->requests.emplace(Impl::Key{-1, id}, std::move(r));
+  }
+  w.u8(static_cast<std::uint8_t>(MsgType::kPull)).u64(id).u32(remote_pool).u32(local_pool);
+  encode_spans(w, spans);
+  if (w.bytes().size() > 64 * 1024)
+    return {ErrorCode::kInvalidArgument, "pull: too many blocks in one request (split it)"};
+  return impl_->fabric.send_message(peer, w.take());
+}
+
+Result<RequestStatus> KvEngine::status(std::uint64_t id) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->requests.find(Impl::Key{-1, id});
+  if (it == impl_->requests.end())
+    return Status(ErrorCode::kNotFound, fmt::format("no request {}", id));
+  const auto& r = it->second;
+  RequestStatus s;
+  s.state = r.state;
+  s.reason = r.reason;
+  s.preserved = r.preserved;
+  s.invalid_blocks = r.invalid_list;
+  s.bytes = r.bytes;
+  s.duration = r.ended() ? r.duration : std::chrono::nanoseconds(Clock::now() - r.started);
+  return s;
+}
+
+Result<RequestStatus> KvEngine::wait(std::uint64_t id, std::chrono::milliseconds timeout) {
+  {
+    std::unique_lock lock(impl_->mu);
+    auto it = impl_->requests.find(Impl::Key{-1, id});
+    if (it == impl_->requests.end())
+      return Status(ErrorCode::kNotFound, fmt::format("no request {}", id));
+    if (!impl_->cv.wait_for(lock, timeout, [&] { return it->second.ended(); }))
+      return Status(ErrorCode::kTimeout,
+                    fmt::format("request {} did not end within {}ms", id, timeout.count()));
+  }
+  return status(id);
+}
+
+Status KvEngine::cancel(std::uint64_t id) {
+  std::vector<Impl::Outgoing> out;
+  {
+    std::lock_guard lock(impl_->mu);
+    auto it = impl_->requests.find(Impl::Key{-1, id});
+    if (it == impl_->requests.end())
+      return {ErrorCode::kNotFound, fmt::format("no request {}", id)};
+    auto& r = it->second;
+    if (r.ended())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("request {} already ended ({}); nothing to cancel", id,
+                          request_state_name(r.state))};
+    if (r.is_pull_record)
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("request {} is a pull: the peer sends it", id)};
+    r.cancelled = true;
+    r.pending.clear();
+    impl_->maybe_finish(it->first, r, out);
+  }
+  impl_->send(out);
+  return Status::ok();
+}
+
+std::vector<Notification> KvEngine::poll_notifications() {
+  std::vector<Notification> out;
+  std::lock_guard lock(impl_->mu);
+  for (auto& rec : impl_->received) {
+    impl_->verify(rec);
+    out.push_back(std::move(rec.note));
+  }
+  impl_->received.clear();
+  return out;
+}
+
+Result<Notification> KvEngine::wait_notification(int peer, std::uint64_t id,
+                                                 std::chrono::milliseconds timeout) {
+  std::unique_lock lock(impl_->mu);
+  auto match = [&] {
+    return std::find_if(
+        impl_->received.begin(), impl_->received.end(),
+        [&](const Impl::Received& r) { return r.note.peer == peer && r.note.request == id; });
+  };
+  if (!impl_->cv.wait_for(lock, timeout, [&] { return match() != impl_->received.end(); }))
+    return Status(ErrorCode::kTimeout,
+                  fmt::format("no notification for request {} from rank {} within {}ms", id, peer,
+                              timeout.count()));
+  auto it = match();
+  Impl::Received rec = std::move(*it);
+  impl_->received.erase(it);
+  impl_->verify(rec);
+  return rec.note;
+}
+
+EngineCounters KvEngine::counters() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->counters;
+}
+
+}  // namespace r2ccl::kv

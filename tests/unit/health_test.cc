@@ -1,0 +1,129 @@
+// The rail health state machine with a synthetic clock.
+#include "r2ccl/runtime/health.h"
+
+#include <gtest/gtest.h>
+
+namespace r2ccl {
+namespace {
+
+using namespace std::chrono_literals;
+using TP = RailHealth::TimePoint;
+
+HealthConfig config() {
+  return HealthConfig{200ms, 2000ms, 1000ms, 4000ms, 5};
+}
+
+class Health : public testing::Test {
+ protected:
+  TP t0 = TP{} + 1000s;
+  RailHealth h{config(), t0};
+  TP at(std::chrono::milliseconds ms) const { return t0 + ms; }
+  // Probe replies every 20 ms in [from, to).
+  void probes(std::chrono::milliseconds from, std::chrono::milliseconds to) {
+    for (auto t = from; t < to; t += 20ms)
+      h.on_probe_reply(at(t), 100us);
+  }
+};
+
+TEST_F(Health, ConnectedRailIsUpAndUsable) {
+  EXPECT_EQ(h.state(), RailState::kDown);
+  EXPECT_FALSE(h.usable());
+  h.on_connected(at(0ms));
+  EXPECT_EQ(h.state(), RailState::kUp);
+  EXPECT_TRUE(h.usable());
+  probes(0ms, 500ms);
+  EXPECT_EQ(h.tick(at(500ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.state(), RailState::kUp);
+}
+
+TEST_F(Health, SilenceMakesItSuspectThenDownAtTheProbeTimeout) {
+  h.on_connected(at(0ms));
+  h.on_heard(at(10ms));
+  EXPECT_EQ(h.tick(at(100ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.state(), RailState::kUp);
+  EXPECT_EQ(h.tick(at(115ms), false, at(0ms)), HealthAction::kNone);  // 105 ms of silence
+  EXPECT_EQ(h.state(), RailState::kSuspect);
+  EXPECT_FALSE(h.usable());
+  h.on_heard(at(150ms));  // it answers again
+  EXPECT_EQ(h.state(), RailState::kUp);
+  EXPECT_EQ(h.tick(at(349ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.tick(at(350ms), false, at(0ms)), HealthAction::kFence);  // 200 ms: black hole
+  EXPECT_EQ(h.state(), RailState::kDown);
+  EXPECT_NE(h.last_error().find("no probe reply or data for 200ms"), std::string::npos)
+      << h.last_error();
+  EXPECT_EQ(h.last_detection(), 200ms);
+  EXPECT_EQ(h.failovers(), 1u);
+  EXPECT_EQ(h.flaps(), 1u);
+}
+
+TEST_F(Health, UnconfirmedDataWithoutProgressStalls) {
+  h.on_connected(at(0ms));
+  probes(0ms, 2100ms);  // probes fine, data stuck
+  EXPECT_EQ(h.tick(at(1999ms), true, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.tick(at(2000ms), true, at(0ms)), HealthAction::kFence);
+  EXPECT_NE(h.last_error().find("stalled"), std::string::npos);
+}
+
+TEST_F(Health, LinkDownFencesAtOnceAndTheSameFailureReportedTwiceIsOneFlap) {
+  h.on_connected(at(0ms));
+  EXPECT_EQ(h.on_failure(at(10ms), "rank 1 reported: link down"), HealthAction::kFence);
+  EXPECT_EQ(h.on_link(at(11ms), false), HealthAction::kNone);  // our own report of it, later
+  EXPECT_EQ(h.flaps(), 1u);
+  EXPECT_EQ(h.failovers(), 1u);
+  EXPECT_EQ(h.holddown(), 1000ms);
+}
+
+TEST_F(Health, ReadmittedOnlyAfterGoodProbesOverTheHoldDown) {
+  h.on_connected(at(0ms));
+  EXPECT_EQ(h.on_link(at(100ms), false), HealthAction::kFence);
+  EXPECT_EQ(h.on_link(at(300ms), true), HealthAction::kNone);
+  EXPECT_EQ(h.state(), RailState::kDown);
+  h.on_probe_reply(at(320ms), 50us);
+  EXPECT_EQ(h.state(), RailState::kProbing);
+  EXPECT_FALSE(h.usable());
+  probes(340ms, 1400ms);
+  EXPECT_EQ(h.tick(at(1299ms), false, at(0ms)), HealthAction::kNone);  // < 1 s stable
+  EXPECT_EQ(h.tick(at(1305ms), false, at(0ms)), HealthAction::kReadmit);
+  h.on_connected(at(1310ms));
+  EXPECT_EQ(h.state(), RailState::kUp);
+}
+
+TEST_F(Health, EachFlapDoublesTheHoldDownUpToTheCapAndStabilityHalvesIt) {
+  h.on_connected(at(0ms));
+  auto t = 0ms;
+  for (int i = 0; i < 6; ++i) {  // down 200 ms, up 200 ms, probes answer while up
+    t += 100ms;
+    h.on_link(at(t), false);
+    t += 200ms;
+    h.on_link(at(t), true);
+    probes(t + 10ms, t + 200ms);
+    EXPECT_EQ(h.tick(at(t + 190ms), false, at(0ms)), HealthAction::kNone) << "flap " << i;
+    t += 200ms;
+  }
+  EXPECT_EQ(h.flaps(), 6u);
+  EXPECT_EQ(h.holddown(), 4000ms);  // 1, 2, 4, capped at 4
+  // Stable since the last link-up (at t - 200 ms): re-admitted only after the 4 s hold-down.
+  probes(t, t + 5000ms);
+  EXPECT_EQ(h.tick(at(t + 3700ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.tick(at(t + 3850ms), false, at(0ms)), HealthAction::kReadmit);
+  h.on_connected(at(t + 4100ms));
+  probes(t + 4100ms, t + 13000ms);
+  h.tick(at(t + 8200ms), false, at(0ms));
+  EXPECT_EQ(h.holddown(), 2000ms);  // halves after a stable hold-down period
+  h.tick(at(t + 10300ms), false, at(0ms));
+  EXPECT_EQ(h.holddown(), 1000ms);
+  h.tick(at(t + 12000ms), false, at(0ms));
+  EXPECT_EQ(h.holddown(), 1000ms);  // never below the configured one
+}
+
+TEST_F(Health, DegradedStaysUsable) {
+  h.on_connected(at(0ms));
+  h.set_degraded(true);
+  EXPECT_EQ(h.state(), RailState::kDegraded);
+  EXPECT_TRUE(h.usable());
+  h.set_degraded(false);
+  EXPECT_EQ(h.state(), RailState::kUp);
+}
+
+}  // namespace
+}  // namespace r2ccl
