@@ -1,0 +1,264 @@
+// The KV engine between two ranks (threads of this process) over four loopback rails each.
+#include "r2ccl/kv/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <future>
+#include <map>
+#include <random>
+
+#include "../unit/test_util.h"
+
+namespace r2ccl::kv {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Side {
+  std::unique_ptr<Fabric> fabric;
+  std::unique_ptr<KvEngine> engine;
+  std::vector<std::byte> memory;
+  std::uint32_t pool = 0;
+};
+
+constexpr std::uint32_t kLayers = 4, kBlocks = 64, kParts = 2;
+constexpr std::uint64_t kBlockBytes = 4096;
+
+std::byte value_at(int side, std::uint32_t layer, std::uint32_t part, std::uint32_t block,
+                   std::uint64_t i) {
+  return static_cast<std::byte>((side * 131 + layer * 31 + part * 17 + block * 7 + i) & 0xff);
+}
+
+void fill(Side& s, int side) {
+  const auto l = KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts);
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer)
+    for (std::uint32_t part = 0; part < kParts; ++part)
+      for (std::uint32_t b = 0; b < kBlocks; ++b)
+        for (std::uint64_t i = 0; i < kBlockBytes; ++i)
+          s.memory[l.offset(layer, part, b) + i] = value_at(side, layer, part, b, i);
+}
+
+// Does rank 1's block `dst` of `layer` hold rank 0's block `src`?
+bool holds(const Side& s1, std::uint32_t layer, std::uint32_t dst, std::uint32_t src) {
+  const auto l = KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts);
+  for (std::uint32_t part = 0; part < kParts; ++part)
+    for (std::uint64_t i = 0; i < kBlockBytes; ++i)
+      if (s1.memory[l.offset(layer, part, dst) + i] != value_at(0, layer, part, src, i))
+        return false;
+  return true;
+}
+
+std::vector<Side> make_pair_of_engines(std::map<std::string, std::string> extra = {}) {
+  const auto port = test::free_port();
+  std::vector<std::future<Result<std::unique_ptr<Fabric>>>> fs;
+  for (int r = 0; r < 2; ++r)
+    fs.push_back(std::async(std::launch::async, [=] {
+      std::map<std::string, std::string> vars = extra;
+      vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 50 + r);
+      vars.emplace("R2CCL_CHUNK_SIZE", "64K");
+      auto cfg = parse_config(test::env_of(vars));
+      BootstrapOptions o{r, 2, HostPort{"127.0.0.1", port}, {}, 10s, ""};
+      return Fabric::create(*cfg, o);
+    }));
+  std::vector<Side> sides(2);
+  for (int r = 0; r < 2; ++r) {
+    auto f = fs[static_cast<std::size_t>(r)].get();
+    EXPECT_TRUE(f.is_ok()) << f.status().to_string();
+    sides[static_cast<std::size_t>(r)].fabric = std::move(*f);
+  }
+  auto opts = EngineOptions::from_env(test::env_of(extra));
+  EXPECT_TRUE(opts.is_ok());
+  for (int r = 0; r < 2; ++r) {
+    auto& s = sides[static_cast<std::size_t>(r)];
+    s.engine = std::move(*KvEngine::create(*s.fabric, *opts));
+    s.memory.assign(kLayers * kParts * kBlocks * kBlockBytes, std::byte{0});
+    if (r == 0) fill(s, 0);
+    auto pool =
+        s.engine->register_pool({std::span<std::byte>(s.memory)},
+                                KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts));
+    EXPECT_TRUE(pool.is_ok()) << pool.status().to_string();
+    s.pool = *pool;
+  }
+  EXPECT_TRUE(sides[0].engine->connect(1, sides[1].engine->metadata()).is_ok());
+  EXPECT_TRUE(sides[1].engine->connect(0, sides[0].engine->metadata()).is_ok());
+  return sides;
+}
+
+Bytes text(const std::string& s) {
+  return Bytes(reinterpret_cast<const std::byte*>(s.data()),
+               reinterpret_cast<const std::byte*>(s.data()) + s.size());
+}
+
+TEST(KvEngine, PushLandsEveryBlockAndNotifiesOnceWithThePayload) {
+  auto s = make_pair_of_engines();
+  BlockSpan span{0, kLayers, {3, 4, 5, 10}, {20, 21, 22, 40}};
+  ASSERT_TRUE(s[0].engine->submit(7, 1, 0, 0, {span}, text("token 42")).is_ok());
+  auto st = s[0].engine->wait(7, 10s);
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kDone) << st->reason;
+  EXPECT_EQ(st->bytes, 4 * kLayers * kParts * kBlockBytes);
+  auto note = s[1].engine->wait_notification(0, 7, 10s);
+  ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+  EXPECT_EQ(note->state, RequestState::kDone);
+  EXPECT_EQ(note->payload, text("token 42"));
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_TRUE(holds(s[1], layer, 20, 3));
+    EXPECT_TRUE(holds(s[1], layer, 21, 4));
+    EXPECT_TRUE(holds(s[1], layer, 22, 5));
+    EXPECT_TRUE(holds(s[1], layer, 40, 10));
+    EXPECT_EQ(s[1].memory[KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts)
+                              .offset(layer, 0, 23)],
+              std::byte{0});
+  }
+  EXPECT_TRUE(s[1].engine->poll_notifications().empty());  // exactly one
+  EXPECT_EQ(s[0].engine->counters().done, 1u);
+}
+
+TEST(KvEngine, LayerStreamingNotifiesOnlyAfterSeal) {
+  auto s = make_pair_of_engines();
+  ASSERT_TRUE(s[0].engine->begin(1, 1, 0, 0).is_ok());
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer)
+    ASSERT_TRUE(s[0].engine->add(1, BlockSpan{layer, layer + 1, {0, 1, 2}, {5, 6, 7}}).is_ok());
+  std::this_thread::sleep_for(200ms);  // every write has long landed
+  EXPECT_EQ(s[0].engine->status(1)->state, RequestState::kInFlight);
+  EXPECT_TRUE(s[1].engine->poll_notifications().empty());
+  ASSERT_TRUE(s[0].engine->seal(1).is_ok());
+  auto note = s[1].engine->wait_notification(0, 1, 10s);
+  ASSERT_TRUE(note.is_ok());
+  EXPECT_EQ(note->state, RequestState::kDone);
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer)
+    EXPECT_TRUE(holds(s[1], layer, 6, 1));
+  EXPECT_EQ(s[0].engine->add(1, BlockSpan{0, 1, {0}, {0}}).message(),
+            "request 1 is already sealed (DONE)");
+}
+
+TEST(KvEngine, PullMovesThePeersBlocksHere) {
+  auto s = make_pair_of_engines();
+  ASSERT_TRUE(s[1].engine->pull(9, 0, 0, 0, {BlockSpan{1, 3, {60, 61}, {0, 1}}}).is_ok());
+  auto st = s[1].engine->wait(9, 10s);
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->state, RequestState::kDone) << st->reason;
+  EXPECT_TRUE(holds(s[1], 1, 0, 60));
+  EXPECT_TRUE(holds(s[1], 2, 1, 61));
+  EXPECT_FALSE(holds(s[1], 0, 0, 60));  // layer 0 was not asked for
+}
+
+TEST(KvEngine, VerifiedBlocksAndACorruptedOneIsNamed) {
+  auto s = make_pair_of_engines({{"R2CCL_KV_VERIFY", "1"}});
+  ASSERT_TRUE(s[0].engine->submit(3, 1, 0, 0, {BlockSpan{0, kLayers, {1, 2}, {30, 31}}}).is_ok());
+  auto ok = s[1].engine->wait_notification(0, 3, 10s);
+  ASSERT_TRUE(ok.is_ok());
+  EXPECT_EQ(ok->state, RequestState::kDone);
+  EXPECT_TRUE(ok->verified);
+  // Land a second request, then corrupt one of its blocks before the receiver looks.
+  ASSERT_TRUE(s[0].engine->submit(4, 1, 0, 0, {BlockSpan{0, kLayers, {8, 9}, {50, 51}}}).is_ok());
+  ASSERT_EQ(s[0].engine->wait(4, 10s)->state, RequestState::kDone);
+  std::this_thread::sleep_for(100ms);  // the notification has arrived (not yet verified)
+  const auto l = KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts);
+  s[1].memory[l.offset(2, 1, 51) + 100] ^= std::byte{0xff};
+  auto bad = s[1].engine->wait_notification(0, 4, 10s);
+  ASSERT_TRUE(bad.is_ok());
+  EXPECT_EQ(bad->state, RequestState::kFailed);
+  EXPECT_FALSE(bad->verified);
+  EXPECT_EQ(bad->invalid_blocks, std::vector<std::uint32_t>{51});
+  EXPECT_EQ(bad->reason, "1 block(s) failed verification (first: block 51)");
+}
+
+TEST(KvEngine, ManyConcurrentRequestsOfMixedSizesAllComplete) {
+  auto s = make_pair_of_engines({{"R2CCL_KV_MAX_INFLIGHT", "1M"}});
+  std::mt19937 rng(5);
+  constexpr int kRequests = 1000;
+  for (int id = 0; id < kRequests; ++id) {
+    const std::uint32_t n = 1 + rng() % 8;
+    BlockSpan span{0, 1 + static_cast<std::uint32_t>(rng() % kLayers), {}, {}};
+    for (std::uint32_t i = 0; i < n; ++i) {
+      span.src_blocks.push_back(rng() % kBlocks);
+      span.dst_blocks.push_back(rng() % kBlocks);
+    }
+    ASSERT_TRUE(s[0].engine->submit(static_cast<std::uint64_t>(id), 1, 0, 0, {span}).is_ok());
+  }
+  int done = 0;
+  for (int id = 0; id < kRequests; ++id) {
+    auto st = s[0].engine->wait(static_cast<std::uint64_t>(id), 30s);
+    ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+    done += st->state == RequestState::kDone;
+  }
+  EXPECT_EQ(done, kRequests);
+  std::size_t notes = 0;
+  for (int i = 0; i < 100 && notes < static_cast<std::size_t>(kRequests); ++i) {
+    for (const auto& n : s[1].engine->poll_notifications()) {
+      EXPECT_EQ(n.state, RequestState::kDone);
+      ++notes;
+    }
+    if (notes < static_cast<std::size_t>(kRequests)) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(notes, static_cast<std::size_t>(kRequests));
+}
+
+TEST(KvEngine, BadInputIsRefusedWithItsReason) {
+  auto s = make_pair_of_engines();
+  auto& e = *s[0].engine;
+  EXPECT_EQ(e.submit(1, 1, 0, 0, {BlockSpan{0, kLayers, {64}, {0}}}).message(),
+            "request 1: source block 64 is out of range: the local pool has 64 blocks");
+  EXPECT_EQ(e.submit(1, 1, 0, 0, {BlockSpan{0, kLayers, {0}, {99}}}).message(),
+            "request 1: destination block 99 is out of range: the remote pool has 64 blocks");
+  EXPECT_EQ(e.submit(1, 1, 0, 0, {BlockSpan{0, kLayers + 1, {0}, {0}}}).message(),
+            "request 1: layer range [0, 5) is empty or past the 4 layers");
+  EXPECT_EQ(e.submit(1, 1, 0, 0, {BlockSpan{0, 1, {0, 1}, {0}}}).message(),
+            "request 1: 2 source blocks but 1 destination blocks");
+  EXPECT_EQ(e.begin(1, 5, 0, 0).message(),
+            "unknown peer 5: connect() with its metadata before sending to it");
+  EXPECT_EQ(e.begin(1, 1, 3, 0).message(), "no local KV pool 3 (have 1)");
+  ASSERT_TRUE(e.submit(1, 1, 0, 0, {BlockSpan{0, 1, {0}, {0}}}).is_ok());
+  EXPECT_EQ(e.begin(1, 1, 0, 0).message(), "request id 1 is already in use");
+  ASSERT_EQ(e.wait(1, 10s)->state, RequestState::kDone);
+  EXPECT_EQ(e.cancel(1).message(), "request 1 already ended (DONE); nothing to cancel");
+  EXPECT_EQ(e.cancel(77).message(), "no request 77");
+  // A cancelled request ends CANCELLED and the receiver is told every block is invalid.
+  ASSERT_TRUE(e.begin(2, 1, 0, 0).is_ok());
+  ASSERT_TRUE(e.cancel(2).is_ok());
+  EXPECT_EQ(e.status(2)->state, RequestState::kCancelled);
+
+  // Metadata: truncated, corrupted, another version, another rank's, incompatible.
+  Bytes meta = s[1].engine->metadata();
+  EXPECT_EQ(e.connect(1, std::span<const std::byte>(meta.data(), 3)).message(),
+            "KV metadata is truncated (no header)");
+  EXPECT_EQ(e.connect(1, std::span<const std::byte>(meta.data(), meta.size() - 4)).message(),
+            "KV metadata is truncated");
+  Bytes corrupt = meta;
+  corrupt[20] ^= std::byte{1};
+  EXPECT_EQ(e.connect(1, corrupt).message(), "KV metadata is corrupted (checksum mismatch)");
+  Bytes other = meta;
+  other[4] = std::byte{9};
+  EXPECT_EQ(e.connect(1, other).message(),
+            "KV metadata version 9 is not supported (this build reads version 1)");
+  EXPECT_EQ(e.connect(1, s[0].engine->metadata()).message(),
+            "this KV metadata is rank 0's, not rank 1's");
+  EXPECT_EQ(e.connect(0, meta).message(), "connect: rank 0 is not a peer (world of 2 ranks)");
+  // A peer whose pool has other block sizes is refused at connect, saying what differs.
+  std::vector<std::byte> small(kLayers * kParts * kBlocks * 1024),
+      big(kLayers * kParts * kBlocks * 2048);
+  ASSERT_TRUE(s[1].engine
+                  ->register_pool({std::span<std::byte>(small)},
+                                  KvLayout::layer_major(kLayers, kBlocks, 1024, kParts))
+                  .is_ok());
+  ASSERT_TRUE(s[0].engine
+                  ->register_pool({std::span<std::byte>(big)},
+                                  KvLayout::layer_major(kLayers, kBlocks, 2048, kParts))
+                  .is_ok());
+  EXPECT_EQ(e.connect(1, s[1].engine->metadata()).message(),
+            "rank 1's KV pool 1 is incompatible with ours: block sizes differ (2048 bytes here, "
+            "1024 there)");
+  // A layout that does not fit its buffer.
+  EXPECT_EQ(e.register_pool({std::span<std::byte>(small)},
+                            KvLayout::layer_major(kLayers, kBlocks + 1, 1024, kParts))
+                .status()
+                .message(),
+            "register_pool: KV layout: layer 3 part 1 ends at byte 532480, past buffer 0 of "
+            "524288 bytes");
+  s[1].engine.reset();  // before the buffers above go away
+  s[0].engine.reset();
+}
+
+}  // namespace
+}  // namespace r2ccl::kv
