@@ -53,7 +53,9 @@ struct Options {
   bool no_verify = false;
   unsigned seed = 1;
   std::string json_path;
-  std::string fault;  // SECONDS:COMMAND, run by rank 0
+  std::vector<std::string> faults;  // SECONDS:COMMAND, run by rank 0
+  int waves = 1;                    // the workload, this many times in a row
+  double wave_gap = 0;              // seconds between waves
   double pool_limit_gib = 6;
 };
 
@@ -170,82 +172,105 @@ int run(const Options& o) {
   std::uint64_t bytes = 0;
   int done = 0, failed = 0, preserved = 0, verified = 0;
   std::vector<std::string> failures;
-  std::thread fault;
+  nlohmann::json waves = nlohmann::json::array();
+  std::vector<std::thread> faults;
   const auto t0 = Clock::now();
-  if (me == 0 && !o.fault.empty()) {
-    const auto colon = o.fault.find(':');
-    const double at = std::atof(o.fault.substr(0, colon).c_str());
-    const std::string cmd = o.fault.substr(colon + 1);
-    fault = std::thread([at, cmd] {
-      std::this_thread::sleep_for(std::chrono::duration<double>(at));
-      fmt::print(stderr, "r2ccl-kvbench: fault at {:.1f} s: {}\n", at, cmd);
-      if (std::system(cmd.c_str()) != 0)
-        fmt::print(stderr, "r2ccl-kvbench: the fault command failed\n");
-    });
-  }
-  if (initiator) {
-    // Keep `concurrency` requests in flight; each moves one prompt's blocks, all layers.
-    std::vector<Clock::time_point> started(static_cast<std::size_t>(o.requests));
-    int next = 0, finished = 0;
-    std::deque<int> inflight;
-    while (finished < o.requests) {
-      while (next < o.requests && static_cast<int>(inflight.size()) < o.concurrency) {
-        kv::BlockSpan span{0, model->layers, {}, {}};
-        for (std::uint32_t b = 0; b < plan.blocks[static_cast<std::size_t>(next)]; ++b) {
-          span.src_blocks.push_back(plan.first_block[static_cast<std::size_t>(next)] + b);
-          span.dst_blocks.push_back(plan.first_block[static_cast<std::size_t>(next)] + b);
-        }
-        started[static_cast<std::size_t>(next)] = Clock::now();
-        Status st = push ? (*engine)->submit(static_cast<std::uint64_t>(next), peer, 0, 0, {span})
-                         : (*engine)->pull(static_cast<std::uint64_t>(next), peer, 0, 0, {span});
-        if (!st) {
-          fmt::print(stderr, "r2ccl-kvbench: request {}: {}\n", next, st.to_string());
-          return 2;
-        }
-        inflight.push_back(next++);
-      }
-      const int id = inflight.front();
-      inflight.pop_front();
-      auto st =
-          (*engine)->wait(static_cast<std::uint64_t>(id), cfg->timeout + std::chrono::seconds(5));
-      ++finished;
-      if (!st || st->state != kv::RequestState::kDone) {
-        ++failed;
-        failures.push_back(fmt::format(
-            "request {}: {}", id,
-            st ? fmt::format("{} ({}; {} invalid block(s))", kv::request_state_name(st->state),
-                             st->reason, st->invalid_blocks.size())
-               : st.status().to_string()));
-        continue;
-      }
-      ++done;
-      preserved += st->preserved;
-      bytes += st->bytes;
-      latency_ms.push_back(std::chrono::duration<double, std::milli>(
-                               Clock::now() - started[static_cast<std::size_t>(id)])
-                               .count());
+  if (me == 0)
+    for (const auto& spec : o.faults) {
+      const auto colon = spec.find(':');
+      const double at = std::atof(spec.substr(0, colon).c_str());
+      const std::string cmd = colon == std::string::npos ? std::string() : spec.substr(colon + 1);
+      faults.emplace_back([at, cmd] {
+        std::this_thread::sleep_for(std::chrono::duration<double>(at));
+        fmt::print(stderr, "r2ccl-kvbench: fault at {:.1f} s: {}\n", at, cmd);
+        if (std::system(cmd.c_str()) != 0)
+          fmt::print(stderr, "r2ccl-kvbench: the fault command failed\n");
+      });
     }
-  }
-  if (push && me == 1) {
-    // The receiver: one notification per request, verified on arrival.
-    for (int id = 0; id < o.requests; ++id) {
-      auto n = (*engine)->wait_notification(0, static_cast<std::uint64_t>(id),
-                                            cfg->timeout + std::chrono::seconds(10));
-      if (!n || n->state != kv::RequestState::kDone) {
-        ++failed;
-        failures.push_back(fmt::format(
-            "notification {}: {}", id,
-            n ? fmt::format("{} ({}; invalid blocks: {})", kv::request_state_name(n->state),
-                            n->reason, n->invalid_blocks.size())
-              : n.status().to_string()));
-        continue;
+  for (int wave = 0; wave < o.waves; ++wave) {
+    if (wave > 0) std::this_thread::sleep_for(std::chrono::duration<double>(o.wave_gap));
+    const int base = wave * o.requests;
+    int wave_done = 0, wave_failed = 0, wave_preserved = 0;
+    std::uint64_t wave_invalid = 0;
+    if (initiator) {
+      // Keep `concurrency` requests in flight; each moves one prompt's blocks, all layers.
+      std::vector<Clock::time_point> started(static_cast<std::size_t>(o.requests));
+      int next = 0, finished = 0;
+      std::deque<int> inflight;
+      while (finished < o.requests) {
+        while (next < o.requests && static_cast<int>(inflight.size()) < o.concurrency) {
+          kv::BlockSpan span{0, model->layers, {}, {}};
+          for (std::uint32_t b = 0; b < plan.blocks[static_cast<std::size_t>(next)]; ++b) {
+            span.src_blocks.push_back(plan.first_block[static_cast<std::size_t>(next)] + b);
+            span.dst_blocks.push_back(plan.first_block[static_cast<std::size_t>(next)] + b);
+          }
+          started[static_cast<std::size_t>(next)] = Clock::now();
+          const auto id = static_cast<std::uint64_t>(base + next);
+          Status st = push ? (*engine)->submit(id, peer, 0, 0, {span})
+                           : (*engine)->pull(id, peer, 0, 0, {span});
+          if (!st) {
+            fmt::print(stderr, "r2ccl-kvbench: request {}: {}\n", id, st.to_string());
+            return 2;
+          }
+          inflight.push_back(next++);
+        }
+        const int i = inflight.front();
+        inflight.pop_front();
+        const auto id = static_cast<std::uint64_t>(base + i);
+        auto st = (*engine)->wait(id, cfg->timeout + std::chrono::seconds(5));
+        ++finished;
+        if (!st || st->state != kv::RequestState::kDone) {
+          ++wave_failed;
+          if (st) wave_invalid += st->invalid_blocks.size();
+          failures.push_back(fmt::format(
+              "request {}: {}", id,
+              st ? fmt::format("{} ({}; {} invalid block(s))", kv::request_state_name(st->state),
+                               st->reason, st->invalid_blocks.size())
+                 : st.status().to_string()));
+          continue;
+        }
+        ++wave_done;
+        wave_preserved += st->preserved;
+        bytes += st->bytes;
+        latency_ms.push_back(std::chrono::duration<double, std::milli>(
+                                 Clock::now() - started[static_cast<std::size_t>(i)])
+                                 .count());
       }
-      ++done;
-      verified += n->verified;
     }
+    if (push && me == 1) {
+      // The receiver: one notification per request, verified on arrival.
+      for (int i = 0; i < o.requests; ++i) {
+        const auto id = static_cast<std::uint64_t>(base + i);
+        auto n = (*engine)->wait_notification(0, id, cfg->timeout + std::chrono::seconds(10));
+        if (!n || n->state != kv::RequestState::kDone) {
+          ++wave_failed;
+          if (n) wave_invalid += n->invalid_blocks.size();
+          failures.push_back(fmt::format(
+              "notification {}: {}", id,
+              n ? fmt::format("{} ({}; {} invalid block(s))", kv::request_state_name(n->state),
+                              n->reason, n->invalid_blocks.size())
+                : n.status().to_string()));
+          continue;
+        }
+        ++wave_done;
+        verified += n->verified;
+      }
+    }
+    done += wave_done;
+    failed += wave_failed;
+    preserved += wave_preserved;
+    waves.push_back({{"wave", wave},
+                     {"done", wave_done},
+                     {"failed", wave_failed},
+                     {"preserved", wave_preserved},
+                     {"invalid_blocks", wave_invalid}});
+    // The receiver has looked at every notification of this wave before the next one reuses
+    // the blocks.
+    (void)f.bootstrap().barrier(cfg->timeout + std::chrono::seconds(30));
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (fault.joinable()) fault.join();
+  for (auto& t : faults)
+    t.join();
   // Both sides' view, on rank 0.
   ByteWriter mine;
   mine.u32(static_cast<std::uint32_t>(done))
@@ -261,14 +286,15 @@ int run(const Options& o) {
   }
   const int receiver_verified = push ? (me == 1 ? verified : peer_verified) : -1;
   bool ok = failed == 0 && peer_failed == 0 && all.is_ok();
-  if (push && !o.no_verify) ok = ok && receiver_verified == o.requests;
+  if (push && !o.no_verify) ok = ok && receiver_verified == o.requests * o.waves;
   for (const auto& s : failures)
     fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, s);
   if (initiator) {
     const double gbps = static_cast<double>(bytes) / seconds / 1e9;
     fmt::print(
-        "# r2ccl-kvbench {}: {} request(s) of {}-{} tokens, concurrency {}, {} rail(s), {}\n",
-        o.mode, o.requests, o.min_tokens, o.max_tokens, o.concurrency, f.nics().size(),
+        "# r2ccl-kvbench {}: {} request(s) x {} wave(s) of {}-{} tokens, concurrency {}, {} "
+        "rail(s), {}\n",
+        o.mode, o.requests, o.waves, o.min_tokens, o.max_tokens, o.concurrency, f.nics().size(),
         model->name);
     fmt::print(
         "| requests | DONE | FAILED | preserved | GB | seconds | GB/s | req/s | p50 ms | p90 ms | "
@@ -302,7 +328,8 @@ int run(const Options& o) {
                        {"receiver_verified", receiver_verified},
                        {"rails", f.nics().size()},
                        {"failures", failures},
-                       {"ok", ok}};
+                       {"ok", ok},
+                       {"waves", waves}};
       std::ofstream(o.json_path) << j.dump(2) << "\n";
     }
   }
@@ -326,8 +353,12 @@ int main(int argc, char** argv) {
   app.add_flag("--no-verify", o.no_verify, "skip the per-block checksums");
   app.add_option("--seed", o.seed, "workload seed");
   app.add_option("--json", o.json_path, "write the results as JSON (the initiating rank)");
-  app.add_option("--fault", o.fault,
-                 "SECONDS:COMMAND run by rank 0 at that time (e.g. a testbed fault)");
+  app.add_option("--fault", o.faults,
+                 "SECONDS:COMMAND run by rank 0 at that time (e.g. a testbed fault); repeatable");
+  app.add_option("--waves", o.waves,
+                 "run the workload this many times in a row (request ids continue)")
+      ->check(CLI::Range(1, 100));
+  app.add_option("--wave-gap", o.wave_gap, "seconds between waves")->check(CLI::NonNegativeNumber);
   app.add_option("--pool-limit", o.pool_limit_gib, "largest pool per side, GiB");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -41,8 +41,8 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_RAIL_WINDOW", "2M",
      "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G."},
     {"R2CCL_TIMEOUT", "30s",
-     "Deadline of every operation; past it the operation fails with an error naming the peer "
-     "and its rails."},
+     "Deadline of every operation: past it, unless data to the peer is still being confirmed "
+     "(slow is not dead), the operation fails with an error naming the peer and every rail tried."},
     {"R2CCL_CONNECT_TIMEOUT", "10s", "How long establishing the rails to the peers may take."},
     {"R2CCL_PROBE_INTERVAL", "20ms",
      "Interval of the liveness and RTT probes sent on every rail, busy or idle, 1ms–10s."},

@@ -436,15 +436,22 @@ void Channel::tick(Clock::time_point now) {
       ++it;
       continue;
     }
+    // Slow is not dead: a started send on a channel that is still confirming data gets more time.
+    if (s.started && !none_left && now - last_confirm_ < config_.timeout) {
+      s.deadline = now + config_.timeout;
+      ++it;
+      continue;
+    }
     const auto seq = it->first;
     const std::string progress =
         s.started ? fmt::format("{} of {} chunks confirmed", s.confirmed, s.nchunks)
                   : fmt::format("rank {} never posted the matching receive", peer_);
     Status why(
         ErrorCode::kTimeout,
-        fmt::format("{}send #{} of {} bytes to rank {} timed out after {}ms ({}); rails tried: {}",
-                    prefix, seq, s.length, peer_, config_.timeout.count(), progress,
-                    rail_summary()));
+        fmt::format("{}{} #{} of {} bytes to rank {} timed out after {}ms ({}); rails tried: {}",
+                    prefix, (seq & ChunkImm::kOneSidedBit) ? "write" : "send",
+                    seq & ~ChunkImm::kOneSidedBit, s.length, peer_, config_.timeout.count(),
+                    progress, rail_summary()));
     auto op = s.op;
     drop_send(it++);
     op->complete(why);
@@ -453,6 +460,11 @@ void Channel::tick(Clock::time_point now) {
   for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
     auto& r = it->second;
     if (now < r.deadline) {
+      ++it;
+      continue;
+    }
+    if (!none_left && now - r.last_arrival < config_.timeout) {  // its data is still coming in
+      r.deadline = now + config_.timeout;
       ++it;
       continue;
     }
@@ -870,10 +882,12 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
     control_inflight_.erase(cookie);
     return;
   }
+  // Any confirmation shows the rail moving data, even one for a chunk whose operation ended.
+  s.last_progress = now;
   auto c = ledger_.confirm(cookie);
   if (!c) return;  // repeated or stale confirmation
+  last_confirm_ = now;
   scheduler_.release(rail, c->length);
-  s.last_progress = now;
   s.busy_bytes += c->length;
   if (receive_ns > 0) {
     s.receive_time += std::chrono::nanoseconds(static_cast<std::int64_t>(receive_ns));
@@ -932,6 +946,7 @@ void Channel::on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t leng
   auto it = recv_slots_.find(ChunkImm::slot(imm));
   if (it == recv_slots_.end()) return;  // a late duplicate of a completed or failed receive
   auto& r = it->second;
+  r.last_arrival = Clock::now();
   if (r.arrivals.mark(ChunkImm::index(imm)) && r.arrivals.complete()) {
     auto op = r.op;
     recv_slots_.erase(it);

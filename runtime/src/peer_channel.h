@@ -148,6 +148,7 @@ class Channel {
     std::uint64_t seq = 0;
     std::size_t length = 0;
     Clock::time_point deadline;
+    Clock::time_point last_arrival{};  // of one of its chunks
     ArrivalSet arrivals;
   };
 
@@ -208,6 +209,7 @@ class Channel {
   std::uint64_t next_recv_seq_ = 0;
   std::map<std::uint32_t, Recv> recv_slots_;
   Clock::time_point last_tick_{};
+  Clock::time_point last_confirm_{};  // of any chunk to this peer
 };
 
 }  // namespace r2ccl
