@@ -236,6 +236,7 @@ Fabric::~Fabric() {
   prober_.reset();
   registry_.reset();
   provider_.reset();
+  watchdog_.reset();  // its timer belongs to the engine's io_context
   engine_.reset();
   channels_.clear();
   bootstrap_.reset();
