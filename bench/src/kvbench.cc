@@ -93,12 +93,8 @@ int run(const Options& o) {
     return 2;
   }
   set_log_level(cfg->log_level);
-  auto kvopts = kv::EngineOptions::from_env(process_env());
-  if (!kvopts) {
-    fmt::print(stderr, "r2ccl-kvbench: {}\n", kvopts.status().message());
-    return 2;
-  }
-  kvopts->verify = !o.no_verify;
+  auto kvopts = kv::EngineOptions::from(*cfg);
+  kvopts.verify = !o.no_verify;
   const Model* model = nullptr;
   for (const auto& m : kModels)
     if (o.model == m.name) model = &m;
@@ -141,7 +137,7 @@ int run(const Options& o) {
         static_cast<double>(pool_bytes) / (1ull << 30), o.pool_limit_gib);
     return 2;
   }
-  auto engine = kv::KvEngine::create(f, *kvopts);
+  auto engine = kv::KvEngine::create(f, kvopts);
   std::vector<std::byte> memory(pool_bytes);
   const auto layout =
       kv::KvLayout::layer_major(model->layers, plan.total_blocks, block_bytes, model->parts);

@@ -32,29 +32,6 @@ std::string_view request_state_name(RequestState s) {
   return "?";
 }
 
-Result<EngineOptions> EngineOptions::from_env(const EnvLookup& env) {
-  EngineOptions o;
-  if (auto v = env("R2CCL_KV_VERIFY")) {
-    if (*v == "1" || *v == "true") {
-      o.verify = true;
-    } else if (*v == "0" || *v == "false") {
-      o.verify = false;
-    } else {
-      return Status(ErrorCode::kConfig,
-                    fmt::format("R2CCL_KV_VERIFY='{}' is invalid: expected 0 or 1", *v));
-    }
-  }
-  if (auto v = env("R2CCL_KV_MAX_INFLIGHT")) {
-    auto n = parse_size(*v);
-    if (!n || *n < (1u << 20) || *n > (16ull << 30))
-      return Status(
-          ErrorCode::kConfig,
-          fmt::format("R2CCL_KV_MAX_INFLIGHT='{}' is invalid: expected a size from 1M to 16G", *v));
-    o.max_inflight = *n;
-  }
-  return o;
-}
-
 namespace {
 
 constexpr std::uint32_t kMetaMagic = 0x564b3252;  // "R2KV"
@@ -180,6 +157,7 @@ struct KvEngine::Impl {
   std::map<Key, Request> requests;
   std::map<int, PeerQueue> queues;
   std::deque<Received> received;
+  std::function<void(const Notification&)> callback;  // runs under `mu`
   EngineCounters counters;
 
   Impl(Fabric& f, EngineOptions o) : fabric(f), options(o) {}
@@ -429,6 +407,11 @@ struct KvEngine::Impl {
       } else {
         ++counters.failed;
       }
+    }
+    if (callback) {
+      verify(rec);
+      callback(rec.note);
+      return;
     }
     received.push_back(std::move(rec));
     cv.notify_all();
@@ -849,6 +832,17 @@ Result<Notification> KvEngine::wait_notification(int peer, std::uint64_t id,
   impl_->received.erase(it);
   impl_->verify(rec);
   return rec.note;
+}
+
+void KvEngine::set_notification_callback(std::function<void(const Notification&)> fn) {
+  std::lock_guard lock(impl_->mu);
+  impl_->callback = std::move(fn);
+  if (!impl_->callback) return;
+  for (auto& rec : impl_->received) {
+    impl_->verify(rec);
+    impl_->callback(rec.note);
+  }
+  impl_->received.clear();
 }
 
 EngineCounters KvEngine::counters() const {

@@ -64,6 +64,11 @@ constexpr ConfigEntry kTable[] = {
      "Serve this job's rail metrics for Prometheus at `/metrics`; rank r listens on this port + r. "
      "A port in use gives a warning and the job runs on without metrics."},
     {"R2CCL_METRICS_ADDR", "127.0.0.1", "IPv4 address the metrics endpoint binds to."},
+    {"R2CCL_KV_VERIFY", "0",
+     "`1`: the KV engine sends a checksum of every block with each notification and the receiver "
+     "verifies the blocks on arrival."},
+    {"R2CCL_KV_MAX_INFLIGHT", "64M",
+     "KV bytes in flight per peer (requests share it round-robin), 1M–16G."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {
@@ -366,6 +371,13 @@ Result<Config> parse_config(const EnvLookup& env) {
       return bad("R2CCL_METRICS_ADDR", *v, "an IPv4 address such as 127.0.0.1 or 0.0.0.0");
     c.metrics_addr = a;
   }
+  if (auto v = get("R2CCL_KV_VERIFY")) {
+    const std::string t = trim(*v);
+    if (t != "0" && t != "1") return bad("R2CCL_KV_VERIFY", *v, "0 or 1");
+    c.kv_verify = t == "1";
+  }
+  R2CCL_RETURN_IF_ERROR(
+      size_var("R2CCL_KV_MAX_INFLIGHT", 1u << 20, 16ull << 30, c.kv_max_inflight));
   return c;
 }
 

@@ -3,8 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <future>
 #include <map>
+#include <mutex>
 #include <random>
 
 #include "../unit/test_util.h"
@@ -66,11 +68,12 @@ std::vector<Side> make_pair_of_engines(std::map<std::string, std::string> extra 
     EXPECT_TRUE(f.is_ok()) << f.status().to_string();
     sides[static_cast<std::size_t>(r)].fabric = std::move(*f);
   }
-  auto opts = EngineOptions::from_env(test::env_of(extra));
-  EXPECT_TRUE(opts.is_ok());
+  auto cfg = parse_config(test::env_of(extra));
+  EXPECT_TRUE(cfg.is_ok()) << cfg.status().to_string();
+  auto opts = EngineOptions::from(*cfg);
   for (int r = 0; r < 2; ++r) {
     auto& s = sides[static_cast<std::size_t>(r)];
-    s.engine = std::move(*KvEngine::create(*s.fabric, *opts));
+    s.engine = std::move(*KvEngine::create(*s.fabric, opts));
     s.memory.assign(kLayers * kParts * kBlocks * kBlockBytes, std::byte{0});
     if (r == 0) fill(s, 0);
     auto pool =
@@ -258,6 +261,36 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
             "524288 bytes");
   s[1].engine.reset();  // before the buffers above go away
   s[0].engine.reset();
+}
+
+TEST(KvEngine, NotificationsCanArriveThroughACallback) {
+  auto s = make_pair_of_engines({{"R2CCL_KV_VERIFY", "1"}});
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<Notification> got;
+  s[1].engine->set_notification_callback([&](const Notification& n) {
+    std::lock_guard lock(m);
+    got.push_back(n);
+    cv.notify_all();
+  });
+  ASSERT_TRUE(
+      s[0].engine->submit(11, 1, 0, 0, {BlockSpan{0, kLayers, {1}, {2}}}, text("x")).is_ok());
+  std::unique_lock lock(m);
+  ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return !got.empty(); }));
+  EXPECT_EQ(got[0].request, 11u);
+  EXPECT_EQ(got[0].state, RequestState::kDone);
+  EXPECT_TRUE(got[0].verified);
+  EXPECT_EQ(got[0].payload, text("x"));
+  lock.unlock();
+  s[1].engine->set_notification_callback(nullptr);
+}
+
+TEST(KvEngine, SettingsAreNamedWhenBad) {
+  EXPECT_EQ(parse_config(test::env_of({{"R2CCL_KV_VERIFY", "yes"}})).status().message(),
+            "R2CCL_KV_VERIFY='yes' is invalid: expected 0 or 1");
+  EXPECT_EQ(parse_config(test::env_of({{"R2CCL_KV_MAX_INFLIGHT", "10K"}})).status().message(),
+            "R2CCL_KV_MAX_INFLIGHT='10K' is invalid: expected a size from 1M to 16G bytes "
+            "(suffixes K, M, G)");
 }
 
 }  // namespace

@@ -64,7 +64,9 @@ struct EngineCounters {
 struct EngineOptions {
   bool verify = false;                     // R2CCL_KV_VERIFY
   std::uint64_t max_inflight = 64u << 20;  // R2CCL_KV_MAX_INFLIGHT: bytes in flight per peer
-  static Result<EngineOptions> from_env(const EnvLookup& env);
+  static EngineOptions from(const Config& config) {
+    return {config.kv_verify, config.kv_max_inflight};
+  }
 };
 
 class KvEngine {
@@ -101,6 +103,10 @@ class KvEngine {
 
   // Notifications for requests pushed to this side (verified here when R2CCL_KV_VERIFY is on).
   std::vector<Notification> poll_notifications();
+  // Delivers every later notification to `fn` instead (already verified), on the progress
+  // thread: it must not block nor call this engine. Notifications already queued are delivered
+  // at once.
+  void set_notification_callback(std::function<void(const Notification&)> fn);
   Result<Notification> wait_notification(int peer, std::uint64_t id,
                                          std::chrono::milliseconds timeout);
 

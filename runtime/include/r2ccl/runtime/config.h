@@ -54,6 +54,9 @@ struct Config {
   // is given; rank r listens on metrics_port + r.
   std::optional<std::uint16_t> metrics_port;
   std::string metrics_addr = "127.0.0.1";
+  // KV-cache transfer engine (kvxfer).
+  bool kv_verify = false;                   // per-block checksums in notifications
+  std::size_t kv_max_inflight = 64u << 20;  // bytes in flight per peer
 };
 
 struct ConfigEntry {
