@@ -160,7 +160,32 @@ struct KvEngine::Impl {
   std::function<void(const Notification&)> callback;  // runs under `mu`
   EngineCounters counters;
 
-  Impl(Fabric& f, EngineOptions o) : fabric(f), options(o) {}
+  // Published for the monitor (r2ccl_kv_*).
+  MetricRegistry::Counter* m_bytes = nullptr;
+  MetricRegistry::Counter* m_done = nullptr;
+  MetricRegistry::Counter* m_failed = nullptr;
+  MetricRegistry::Counter* m_cancelled = nullptr;
+  MetricRegistry::Counter* m_preserved = nullptr;
+  MetricRegistry::Histogram* m_duration = nullptr;
+
+  Impl(Fabric& f, EngineOptions o) : fabric(f), options(o) {
+    auto& reg = f.metrics();
+    const std::string rank = std::to_string(f.rank());
+    m_bytes = &reg.counter("r2ccl_kv_transfer_bytes_total",
+                           "KV-cache bytes of requests that ended DONE.", {{"rank", rank}});
+    const char* help = "KV transfer requests that ended, by status.";
+    m_done = &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "done"}});
+    m_failed =
+        &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "failed"}});
+    m_cancelled =
+        &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "cancelled"}});
+    m_preserved = &reg.counter("r2ccl_kv_requests_preserved_total",
+                               "KV requests that ended DONE although a rail failed under them.",
+                               {{"rank", rank}});
+    m_duration =
+        &reg.histogram("r2ccl_kv_request_duration_seconds",
+                       "Time from a KV request's submission to its end.", {{"rank", rank}});
+  }
 
   Status check_span(const BlockSpan& s, const KvLayout& src, const KvLayout& dst,
                     const char* src_name, const char* dst_name) const {
@@ -308,7 +333,9 @@ struct KvEngine::Impl {
     if (r.ended() || r.inflight > 0 || !r.pending.empty()) return;
     if (!r.sealed && !r.cancelled && !r.failed) return;
     r.duration = Clock::now() - r.started;
+    m_duration->histogram.observe(std::chrono::duration<double>(r.duration).count());
     if (r.cancelled) {
+      m_cancelled->value.fetch_add(1, std::memory_order_relaxed);
       r.state = RequestState::kCancelled;
       if (r.reason.empty()) r.reason = "cancelled by the sender";
       r.invalid = r.dst_blocks;
@@ -316,11 +343,17 @@ struct KvEngine::Impl {
     } else if (r.failed) {
       r.state = RequestState::kFailed;
       ++counters.failed;
+      m_failed->value.fetch_add(1, std::memory_order_relaxed);
     } else {
       r.state = RequestState::kDone;
       ++counters.done;
       counters.bytes += r.bytes;
-      if (r.preserved) ++counters.preserved;
+      m_done->value.fetch_add(1, std::memory_order_relaxed);
+      m_bytes->value.fetch_add(r.bytes, std::memory_order_relaxed);
+      if (r.preserved) {
+        ++counters.preserved;
+        m_preserved->value.fetch_add(1, std::memory_order_relaxed);
+      }
     }
     r.invalid_list.assign(r.invalid.begin(), r.invalid.end());
     ByteWriter w;

@@ -127,11 +127,46 @@ std::vector<MetricFamily> RailCollector::Collect() const {
     m.histogram.sample_sum = h.sum();
     detection.metric.push_back(std::move(m));
   }
+  // What modules above the runtime published (the KV engine's r2ccl_kv_*), one family per name.
+  std::vector<MetricFamily> published;
+  auto family_for = [&](const std::string& name, const std::string& help,
+                        MetricType type) -> MetricFamily& {
+    for (auto& f : published)
+      if (f.name == name) return f;
+    published.push_back(family(name.c_str(), help.c_str(), type));
+    return published.back();
+  };
+  fabric_.metrics().for_each(
+      [&](const MetricRegistry::Counter& c) {
+        std::vector<ClientMetric::Label> l;
+        for (const auto& [k, v] : c.labels)
+          l.push_back({k, v});
+        add(family_for(c.name, c.help, MetricType::Counter), l,
+            static_cast<double>(c.value.load(std::memory_order_relaxed)));
+      },
+      [&](const MetricRegistry::Histogram& h) {
+        ClientMetric m;
+        for (const auto& [k, v] : h.labels)
+          m.label.push_back({k, v});
+        const auto cum = h.histogram.cumulative();
+        for (std::size_t i = 0; i < LatencyHistogram::kBounds.size(); ++i)
+          m.histogram.bucket.push_back({cum[i], LatencyHistogram::kBounds[i]});
+        m.histogram.bucket.push_back(
+            {h.histogram.count(), std::numeric_limits<double>::infinity()});
+        m.histogram.sample_count = h.histogram.count();
+        m.histogram.sample_sum = h.histogram.sum();
+        family_for(h.name, h.help, MetricType::Histogram).metric.push_back(std::move(m));
+      });
+
   auto build = family("r2ccl_build_info", "r2ccl's version; always 1.", MetricType::Gauge);
   add(build, {{"version", R2CCL_VERSION}, {"rank", rank}}, 1);
 
-  return {up,    state,     degraded, tx,     rx,       errors,    failovers, replayed,
-          flaps, bandwidth, rtt,      weight, holddown, detection, build};
+  std::vector<MetricFamily> out = {up,     state,     degraded, tx,        rx,
+                                   errors, failovers, replayed, flaps,     bandwidth,
+                                   rtt,    weight,    holddown, detection, build};
+  for (auto& f : published)
+    out.push_back(std::move(f));
+  return out;
 }
 
 std::unique_ptr<JobMetrics> JobMetrics::start(const Config& config, const Fabric& fabric) {

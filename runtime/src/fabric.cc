@@ -114,6 +114,39 @@ std::array<std::uint64_t, LatencyHistogram::kBounds.size()> LatencyHistogram::cu
   return out;
 }
 
+MetricRegistry::Counter& MetricRegistry::counter(const std::string& name, const std::string& help,
+                                                 Labels labels) {
+  std::lock_guard lock(mutex_);
+  for (auto& c : counters_)
+    if (c.name == name && c.labels == labels) return c;
+  auto& c = counters_.emplace_back();
+  c.name = name;
+  c.help = help;
+  c.labels = std::move(labels);
+  return c;
+}
+
+MetricRegistry::Histogram& MetricRegistry::histogram(const std::string& name,
+                                                     const std::string& help, Labels labels) {
+  std::lock_guard lock(mutex_);
+  for (auto& h : histograms_)
+    if (h.name == name && h.labels == labels) return h;
+  auto& h = histograms_.emplace_back();
+  h.name = name;
+  h.help = help;
+  h.labels = std::move(labels);
+  return h;
+}
+
+void MetricRegistry::for_each(const std::function<void(const Counter&)>& counters,
+                              const std::function<void(const Histogram&)>& histograms) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& c : counters_)
+    counters(c);
+  for (const auto& h : histograms_)
+    histograms(h);
+}
+
 void RailEventLog::add(RailEvent event) {
   std::lock_guard lock(mutex_);
   if (events_.size() < kMaxEvents) events_.push_back(std::move(event));

@@ -115,6 +115,22 @@ TEST(KvEngine, PushLandsEveryBlockAndNotifiesOnceWithThePayload) {
   }
   EXPECT_TRUE(s[1].engine->poll_notifications().empty());  // exactly one
   EXPECT_EQ(s[0].engine->counters().done, 1u);
+  // Published for the monitor.
+  std::map<std::string, std::uint64_t> published;
+  s[0].fabric->metrics().for_each(
+      [&](const MetricRegistry::Counter& c) {
+        std::string key = c.name;
+        for (const auto& [k, v] : c.labels)
+          key += "," + k + "=" + v;
+        published[key] = c.value.load();
+      },
+      [&](const MetricRegistry::Histogram& h) {
+        published[h.name + "_count"] = h.histogram.count();
+      });
+  EXPECT_EQ(published["r2ccl_kv_requests_total,rank=0,status=done"], 1u);
+  EXPECT_EQ(published["r2ccl_kv_requests_total,rank=0,status=failed"], 0u);
+  EXPECT_EQ(published["r2ccl_kv_transfer_bytes_total,rank=0"], st->bytes);
+  EXPECT_EQ(published["r2ccl_kv_request_duration_seconds_count"], 1u);
 }
 
 TEST(KvEngine, LayerStreamingNotifiesOnlyAfterSeal) {

@@ -96,6 +96,14 @@ TEST(JobMetrics, RailFamiliesReadTheLiveTelemetry) {
   for (const auto& m : find(families, "r2ccl_rail_state")->metric)
     ones += m.gauge.value;
   EXPECT_EQ(ones, 2);
+  // Counters published by modules above the runtime are exported too, one family per name.
+  auto& c = p.a->metrics().counter("r2ccl_kv_requests_total", "help",
+                                   {{"rank", "0"}, {"status", "done"}});
+  c.value = 5;
+  const auto again = collector.Collect();
+  const auto* kv = find(again, "r2ccl_kv_requests_total");
+  ASSERT_NE(kv, nullptr);
+  EXPECT_EQ(kv->metric.at(0).counter.value, 5);
   const auto* h = find(families, "r2ccl_failover_detection_seconds");
   EXPECT_EQ(h->type, prometheus::MetricType::Histogram);
   EXPECT_EQ(h->metric.at(0).histogram.sample_count, 0u);

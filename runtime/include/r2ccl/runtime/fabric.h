@@ -101,6 +101,9 @@ class Fabric {
   std::vector<RailTelemetryView> rail_telemetry() const;
   // How long rail failures took to detect.
   const LatencyHistogram& failover_detection() const { return failover_detection_; }
+  // Where modules above the runtime publish their counters for the monitor.
+  MetricRegistry& metrics() { return metrics_; }
+  const MetricRegistry& metrics() const { return metrics_; }
   // The first asynchronous error: a peer left, or no rail to a peer survived an operation's
   // deadline. OK while none happened.
   Status async_error() const;
@@ -123,6 +126,7 @@ class Fabric {
   std::unique_ptr<class LinkWatcher> link_watcher_;
   RailEventLog events_;
   LatencyHistogram failover_detection_;
+  MetricRegistry metrics_;
   MessageHandler message_handler_;  // progress thread only
   mutable std::mutex async_mutex_;
   Status async_error_;

@@ -5,6 +5,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -75,6 +77,33 @@ class LatencyHistogram {
   std::array<std::atomic<std::uint64_t>, kBounds.size()> buckets_{};  // not cumulative
   std::atomic<std::uint64_t> count_{0};
   std::atomic<std::uint64_t> sum_ns_{0};
+};
+
+// Counters and histograms that modules above the runtime (the KV engine) publish through the
+// fabric, so that the monitor exports them without depending on those modules. Registration
+// takes a lock; updates are plain atomics; entries never move.
+class MetricRegistry {
+ public:
+  using Labels = std::vector<std::pair<std::string, std::string>>;
+  struct Counter {
+    std::string name, help;
+    Labels labels;
+    std::atomic<std::uint64_t> value{0};
+  };
+  struct Histogram {
+    std::string name, help;
+    Labels labels;
+    LatencyHistogram histogram;
+  };
+  Counter& counter(const std::string& name, const std::string& help, Labels labels);
+  Histogram& histogram(const std::string& name, const std::string& help, Labels labels);
+  void for_each(const std::function<void(const Counter&)>& counters,
+                const std::function<void(const Histogram&)>& histograms) const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::deque<Counter> counters_;
+  std::deque<Histogram> histograms_;
 };
 
 // A rail's identity with a pointer to its live telemetry (valid while the fabric lives): what a
