@@ -187,6 +187,25 @@ struct KvEngine::Impl {
                        "Time from a KV request's submission to its end.", {{"rank", rank}});
   }
 
+  // A new request id, a connected peer, and pools that exist on both sides. Lock held.
+  Status check_target(std::uint64_t id, int peer, std::uint32_t local_pool,
+                      std::uint32_t remote_pool) const {
+    if (requests.count(Key{-1, id}) != 0)
+      return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
+    auto pit = peers.find(peer);
+    if (pit == peers.end())
+      return {
+          ErrorCode::kInvalidArgument,
+          fmt::format("unknown peer {}: connect() with its metadata before sending to it", peer)};
+    if (local_pool >= pools.size())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("no local KV pool {} (have {})", local_pool, pools.size())};
+    if (remote_pool >= pit->second.size())
+      return {ErrorCode::kInvalidArgument, fmt::format("rank {} has no KV pool {} (it has {})",
+                                                       peer, remote_pool, pit->second.size())};
+    return Status::ok();
+  }
+
   Status check_span(const BlockSpan& s, const KvLayout& src, const KvLayout& dst,
                     const char* src_name, const char* dst_name) const {
     if (s.first_layer >= s.last_layer || s.last_layer > src.layers)
@@ -655,18 +674,7 @@ Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
 Status KvEngine::begin(std::uint64_t id, int peer, std::uint32_t local_pool,
                        std::uint32_t remote_pool) {
   std::lock_guard lock(impl_->mu);
-  if (impl_->requests.count(Impl::Key{-1, id}) != 0)
-    return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
-  auto pit = impl_->peers.find(peer);
-  if (pit == impl_->peers.end())
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("unknown peer {}: connect() with its metadata before sending to it", peer)};
-  if (local_pool >= impl_->pools.size())
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("no local KV pool {} (have {})", local_pool, impl_->pools.size())};
-  if (remote_pool >= pit->second.size())
-    return {ErrorCode::kInvalidArgument, fmt::format("rank {} has no KV pool {} (it has {})", peer,
-                                                     remote_pool, pit->second.size())};
+  R2CCL_RETURN_IF_ERROR(impl_->check_target(id, peer, local_pool, remote_pool));
   Impl::Request r;
   r.id = id;
   r.peer = peer;
@@ -750,15 +758,8 @@ Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
   ByteWriter w;
   {
     std::lock_guard lock(impl_->mu);
-    if (impl_->requests.count(Impl::Key{-1, id}) != 0)
-      return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
+    R2CCL_RETURN_IF_ERROR(impl_->check_target(id, peer, local_pool, remote_pool));
     auto pit = impl_->peers.find(peer);
-    if (pit == impl_->peers.end())
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("unknown peer {}: connect() with its metadata first", peer)};
-    if (local_pool >= impl_->pools.size() || remote_pool >= pit->second.size())
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("no pool {} here or {} on rank {}", local_pool, remote_pool, peer)};
     Impl::Request r;
     r.id = id;
     r.peer = peer;

@@ -114,28 +114,31 @@ std::array<std::uint64_t, LatencyHistogram::kBounds.size()> LatencyHistogram::cu
   return out;
 }
 
+namespace {
+// The entry with this name and labels, added if new.
+template <typename Entry>
+Entry& find_or_add(std::deque<Entry>& entries, const std::string& name, const std::string& help,
+                   MetricRegistry::Labels labels) {
+  for (auto& e : entries)
+    if (e.name == name && e.labels == labels) return e;
+  auto& e = entries.emplace_back();
+  e.name = name;
+  e.help = help;
+  e.labels = std::move(labels);
+  return e;
+}
+}  // namespace
+
 MetricRegistry::Counter& MetricRegistry::counter(const std::string& name, const std::string& help,
                                                  Labels labels) {
   std::lock_guard lock(mutex_);
-  for (auto& c : counters_)
-    if (c.name == name && c.labels == labels) return c;
-  auto& c = counters_.emplace_back();
-  c.name = name;
-  c.help = help;
-  c.labels = std::move(labels);
-  return c;
+  return find_or_add(counters_, name, help, std::move(labels));
 }
 
 MetricRegistry::Histogram& MetricRegistry::histogram(const std::string& name,
                                                      const std::string& help, Labels labels) {
   std::lock_guard lock(mutex_);
-  for (auto& h : histograms_)
-    if (h.name == name && h.labels == labels) return h;
-  auto& h = histograms_.emplace_back();
-  h.name = name;
-  h.help = help;
-  h.labels = std::move(labels);
-  return h;
+  return find_or_add(histograms_, name, help, std::move(labels));
 }
 
 void MetricRegistry::for_each(const std::function<void(const Counter&)>& counters,

@@ -656,12 +656,15 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
 // ---------------------------------------------------------------------------------------------
 // Data
 
+bool Channel::fail_if_dead(const OpPtr& op) {
+  if (!dead_) return false;
+  op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
+  return true;
+}
+
 void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline) {
-  if (dead_) {
-    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
-    return;
-  }
+  if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
   Send s;
   s.op = std::move(op);
@@ -680,10 +683,7 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
 void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const RemoteRegion& remote,
                          std::size_t remote_offset, std::size_t length,
                          Clock::time_point deadline) {
-  if (dead_) {
-    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
-    return;
-  }
+  if (fail_if_dead(op)) return;
   if (remote.keys.size() < rails_.size()) {
     op->complete(
         {ErrorCode::kInvalidArgument,
@@ -729,10 +729,7 @@ void Channel::send_user_message(Bytes payload) {
 
 void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline) {
-  if (dead_) {
-    op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
-    return;
-  }
+  if (fail_if_dead(op)) return;
   const auto seq = next_recv_seq_++;
   const auto slot = ChunkImm::slot_of(seq);
   if (recv_slots_.count(slot) != 0) {

@@ -173,6 +173,7 @@ class Channel {
                          const std::string& why);
 
   // Data
+  bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone
   void start_send(std::uint64_t seq, const Cts& cts);
   void pump();
   void drop_send(std::map<std::uint64_t, Send>::iterator it);
