@@ -115,6 +115,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   }
   update_usable(index);
   if (readmission) {
+    last_confirm_ = now;  // a rail back in use is a sign of life: operations waiting get more time
     event(index, "readmitted",
           fmt::format("epoch {}, hold-down was {}ms, {} flap(s)", epoch,
                       s.health->holddown().count(), s.health->flaps()));

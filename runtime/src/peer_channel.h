@@ -210,7 +210,7 @@ class Channel {
   std::uint64_t next_recv_seq_ = 0;
   std::map<std::uint32_t, Recv> recv_slots_;
   Clock::time_point last_tick_{};
-  Clock::time_point last_confirm_{};  // of any chunk to this peer
+  Clock::time_point last_confirm_{};  // of any chunk to this peer, or a re-admission
 };
 
 }  // namespace r2ccl
