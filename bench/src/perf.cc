@@ -75,7 +75,8 @@ Result<Gathered> gather(Fabric& f, double seconds, std::uint64_t wrong, const st
   std::uint64_t bits;
   std::memcpy(&bits, &seconds, sizeof bits);
   w.u64(bits).u64(wrong).str(error);
-  R2CCL_ASSIGN_OR_RETURN(auto all, f.bootstrap().allgather(w.bytes(), f.config().timeout));
+  R2CCL_ASSIGN_OR_RETURN(auto all, f.bootstrap().allgather(w.bytes(), 2 * f.config().timeout +
+                                                                          std::chrono::seconds(5)));
   Gathered g;
   for (std::size_t r = 0; r < all.size(); ++r) {
     r2ccl::ByteReader rd(all[r]);
@@ -243,8 +244,10 @@ int run(const Options& o) {
         }
         ++iters;
         const bool up = std::chrono::duration<double>(Clock::now() - t0).count() >= o.duration;
-        auto votes =
-            f.bootstrap().allgather(r2ccl::ByteWriter().u8(up ? 1 : 0).bytes(), f.config().timeout);
+        // Ranks may leave a round up to a deadline apart (one fails at it, another is still
+        // making progress): the vote waits for that.
+        auto votes = f.bootstrap().allgather(r2ccl::ByteWriter().u8(up ? 1 : 0).bytes(),
+                                             2 * f.config().timeout + std::chrono::seconds(5));
         if (!votes) {
           if (error.empty()) error = votes.status().to_string();
           break;
@@ -267,6 +270,8 @@ int run(const Options& o) {
     }
     auto g = gather(f, seconds / iters, wrong, error);
     if (!g) {
+      // This rank's own error first: it is the cause (the exchange failing follows from it).
+      if (!error.empty()) fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", f.rank(), error);
       fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", f.rank(), g.status().to_string());
       return 2;
     }

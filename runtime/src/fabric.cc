@@ -551,6 +551,7 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "send"));
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
+  op->set_deadline(deadline);
   engine_->post([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(true, op, region->base + offset, length);
@@ -565,6 +566,7 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "receive"));
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
+  op->set_deadline(deadline);
   engine_->post([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(false, op, region->base + offset, length);
@@ -586,6 +588,7 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
                               length, remote_offset, peer, remote.length));
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
+  op->set_deadline(deadline);
   engine_->post([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
     channels_[static_cast<std::size_t>(peer)]->post_write(op, region, offset, remote, remote_offset,
                                                           length, deadline);
@@ -617,9 +620,19 @@ void Fabric::set_message_handler(MessageHandler handler) {
 
 Status Fabric::wait(const OpPtr& op) {
   if (!op) return {ErrorCode::kInvalidArgument, "wait: null operation"};
-  // The watchdog fails an operation at its deadline; the extra second only guards against a
-  // stuck progress thread.
-  return op->wait(config_.timeout + milliseconds(1000));
+  // The watchdog fails an operation at its deadline; the grace only guards against a stuck
+  // progress thread.
+  constexpr milliseconds kGrace{1000};
+  while (true) {
+    const auto limit = op->deadline() + kGrace;
+    const auto now = Clock::now();
+    if (now >= limit)
+      return op->done() ? op->status()
+                        : Status(ErrorCode::kTimeout, "operation did not complete by its deadline");
+    Status st = op->wait(std::chrono::duration_cast<milliseconds>(limit - now) + milliseconds(1));
+    if (op->done()) return op->status();
+    (void)st;  // the deadline may have moved: look again
+  }
 }
 
 std::vector<RailSnapshot> Fabric::rail_snapshot() const {

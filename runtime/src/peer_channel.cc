@@ -440,6 +440,7 @@ void Channel::tick(Clock::time_point now) {
     // Slow is not dead: a started send on a channel that is still confirming data gets more time.
     if (s.started && !none_left && now - last_confirm_ < config_.timeout) {
       s.deadline = now + config_.timeout;
+      s.op->set_deadline(s.deadline);
       ++it;
       continue;
     }
@@ -466,6 +467,7 @@ void Channel::tick(Clock::time_point now) {
     }
     if (!none_left && now - r.last_arrival < config_.timeout) {  // its data is still coming in
       r.deadline = now + config_.timeout;
+      r.op->set_deadline(r.deadline);
       ++it;
       continue;
     }

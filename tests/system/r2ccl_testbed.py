@@ -426,3 +426,65 @@ def netns_pids_of(ns: str, exe: Path) -> List[int]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def link_bytes(ns: str, dev: str) -> int:
+    """Bytes received plus sent so far by `dev` in namespace `ns` (-1 if unreadable)."""
+    r = _run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev], timeout=10)
+    try:
+        st = json.loads(r.stdout)[0]["stats64"]
+        return int(st["rx"]["bytes"]) + int(st["tx"]["bytes"])
+    except (ValueError, LookupError, TypeError):
+        return -1
+
+
+class BusyTrigger:
+    """Runs `argv` (a fault) once `dev` in `ns` is seen carrying data, so that the fault hits
+    chunks in flight rather than a pause between rounds (verification, the per-round vote).
+
+    From `delay` seconds after start() it samples the link's byte counters every `window`
+    seconds; once they grew by at least `min_bytes` in one window it runs `argv` at once.  If
+    the link stays idle for `max_wait` seconds it runs `argv` anyway (`busy` stays False).
+    `wall_ns` is the wall-clock time (time.time_ns) just before `argv` started."""
+
+    def __init__(self, ns: str, dev: str, argv: Sequence[str], delay: float, min_bytes: int = 32768,
+                 window: float = 0.01, max_wait: float = 5.0):
+        self.ns, self.dev, self.argv = ns, dev, list(argv)
+        self.delay, self.min_bytes, self.window, self.max_wait = delay, min_bytes, window, max_wait
+        self.busy = False
+        self.wall_ns = 0
+        self.result: Optional[subprocess.CompletedProcess] = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._cancel = threading.Event()
+
+    def _run(self) -> None:
+        if self._cancel.wait(self.delay):
+            return
+        end = time.monotonic() + self.max_wait
+        prev = link_bytes(self.ns, self.dev)
+        while time.monotonic() < end and not self._cancel.is_set():  # bounded: max_wait
+            time.sleep(self.window)
+            cur = link_bytes(self.ns, self.dev)
+            if prev >= 0 and cur - prev >= self.min_bytes:
+                self.busy = True
+                break
+            prev = cur
+        if self._cancel.is_set():
+            return
+        self.wall_ns = time.time_ns()
+        try:
+            self.result = _run(self.argv, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.result = subprocess.CompletedProcess(self.argv, -1, "", str(e))
+
+    def start(self) -> "BusyTrigger":
+        self._thread.start()
+        return self
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """Waits (bounded) until it has run; call after the launch (or cancel())."""
+        self._thread.join(timeout)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        self._thread.join(40)

@@ -38,6 +38,15 @@ class Op {
   // Some of its data was re-sent after a rail failed (the operation survived a failover).
   bool replayed() const { return replayed_.load(std::memory_order_relaxed); }
   void mark_replayed() { replayed_.store(true, std::memory_order_relaxed); }
+  // When the fabric fails the operation unless it completes; moves later while data to the peer
+  // keeps being confirmed. Waiters follow it.
+  void set_deadline(std::chrono::steady_clock::time_point t) {
+    deadline_ns_.store(t.time_since_epoch().count(), std::memory_order_relaxed);
+  }
+  std::chrono::steady_clock::time_point deadline() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::steady_clock::duration(deadline_ns_.load(std::memory_order_relaxed)));
+  }
 
  private:
   mutable std::mutex mutex_;
@@ -46,6 +55,7 @@ class Op {
   Status status_;
   std::function<void(const Status&)> callback_;
   std::atomic<bool> replayed_{false};
+  std::atomic<std::chrono::steady_clock::rep> deadline_ns_{0};
 };
 using OpPtr = std::shared_ptr<Op>;
 
@@ -90,7 +100,8 @@ class Fabric {
   // Runs on the progress thread; must not block.
   void set_message_handler(MessageHandler handler);
 
-  // Waits for an operation; never longer than R2CCL_TIMEOUT plus a grace period.
+  // Waits for an operation: until it completes, or a grace period past its deadline (which moves
+  // only while the peer keeps confirming data).
   Status wait(const OpPtr& op);
 
   std::vector<RailSnapshot> rail_snapshot() const;
