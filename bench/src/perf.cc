@@ -204,6 +204,7 @@ int run(const Options& o) {
   int rows = 0;
   std::uint64_t round = 0;
   std::vector<r2ccl::RailSnapshot> before, after;
+  std::vector<r2ccl::RailEvent> events;  // as of the end of the timed work (not the peer's exit)
   double last_seconds = 0;
   for (std::size_t bytes = *minb; bytes <= *maxb;) {
     std::string error;
@@ -261,6 +262,7 @@ int run(const Options& o) {
     iters = std::max(iters, 1);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     after = f.rail_snapshot();
+    events = f.rail_events();
     if (o.check && error.empty() && o.duration <= 0) {
       auto w = bench.checked(bytes, ++round);
       if (w)
@@ -330,7 +332,7 @@ int run(const Options& o) {
   if (!o.events_path.empty()) {
     // Every rank writes its own file: PATH.rankN.
     std::ofstream ev(fmt::format("{}.rank{}", o.events_path, f.rank()));
-    for (const auto& e : f.rail_events())
+    for (const auto& e : events)
       ev << nlohmann::json{{"wall_ns", e.wall_ns}, {"rank", f.rank()}, {"peer", e.peer},
                            {"rail", e.rail},       {"nic", e.nic},     {"kind", e.kind},
                            {"detail", e.detail}}
