@@ -157,6 +157,8 @@ struct KvEngine::Impl {
   std::map<Key, Request> requests;
   std::map<int, PeerQueue> queues;
   std::deque<Received> received;
+  static constexpr std::size_t kHistory = 1u << 16;  // ended requests kept for status()
+  std::deque<Key> ended;
   std::function<void(const Notification&)> callback;  // runs under `mu`
   EngineCounters counters;
 
@@ -291,18 +293,17 @@ struct KvEngine::Impl {
 
   void issue(std::vector<Issue> issues) {
     for (auto& is : issues) {
-      const auto& pool = pools[requests_pool(is.key)];
+      RegionPtr local;
       RemoteRegion remote;
-      std::uint32_t local_pool = 0;
       {
+        // Under the lock: register_pool may grow `pools` meanwhile.
         std::lock_guard lock(mu);
-        auto& r = requests.at(is.key);
-        local_pool = r.local_pool;
+        const auto& r = requests.at(is.key);
+        local = pools[r.local_pool].regions[is.write.src_buffer];
         remote = peers.at(r.peer)[r.remote_pool].buffers[is.write.dst_buffer];
       }
-      (void)pool;
-      auto op = fabric.iwrite(is.peer, pools[local_pool].regions[is.write.src_buffer],
-                              is.write.src_offset, remote, is.write.dst_offset, is.write.bytes);
+      auto op = fabric.iwrite(is.peer, local, is.write.src_offset, remote, is.write.dst_offset,
+                              is.write.bytes);
       if (!op) {
         written(is, op.status(), false);
         continue;
@@ -310,11 +311,6 @@ struct KvEngine::Impl {
       OpPtr held = *op;
       held->on_complete([this, is, held](const Status& st) { written(is, st, held->replayed()); });
     }
-  }
-
-  std::uint32_t requests_pool(const Key& key) {
-    std::lock_guard lock(mu);
-    return requests.at(key).local_pool;
   }
 
   // A write completed (progress thread, or the caller's on an immediate error).
@@ -375,6 +371,14 @@ struct KvEngine::Impl {
       }
     }
     r.invalid_list.assign(r.invalid.begin(), r.invalid.end());
+    // Ended requests stay queryable for a while; the oldest are forgotten past kHistory.
+    ended.push_back(key);
+    while (ended.size() > kHistory) {
+      auto old = requests.find(ended.front());
+      if (old != requests.end() && old->second.ended() && old->second.inflight == 0)
+        requests.erase(old);
+      ended.pop_front();
+    }
     ByteWriter w;
     w.u8(static_cast<std::uint8_t>(MsgType::kNotify))
         .u64(r.id)
@@ -453,6 +457,7 @@ struct KvEngine::Impl {
       q.reason = rec.note.reason;
       q.invalid_list = rec.note.invalid_blocks;
       q.duration = Clock::now() - q.started;
+      ended.push_back(it->first);
       if (q.state == RequestState::kDone) {
         ++counters.done;
         counters.bytes += q.bytes;
@@ -805,10 +810,15 @@ Result<RequestStatus> KvEngine::status(std::uint64_t id) const {
 Result<RequestStatus> KvEngine::wait(std::uint64_t id, std::chrono::milliseconds timeout) {
   {
     std::unique_lock lock(impl_->mu);
-    auto it = impl_->requests.find(Impl::Key{-1, id});
-    if (it == impl_->requests.end())
+    const Impl::Key key{-1, id};
+    if (impl_->requests.count(key) == 0)
       return Status(ErrorCode::kNotFound, fmt::format("no request {}", id));
-    if (!impl_->cv.wait_for(lock, timeout, [&] { return it->second.ended(); }))
+    // Looked up afresh each time: ended requests are eventually forgotten.
+    auto ended = [&] {
+      auto it = impl_->requests.find(key);
+      return it == impl_->requests.end() || it->second.ended();
+    };
+    if (!impl_->cv.wait_for(lock, timeout, ended))
       return Status(ErrorCode::kTimeout,
                     fmt::format("request {} did not end within {}ms", id, timeout.count()));
   }
