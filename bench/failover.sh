@@ -51,20 +51,12 @@ perf=$build/bin/r2ccl-perf
 [[ -x $perf ]] || { echo "failover: $perf not found (build first: scripts/run build)" >&2; exit 2; }
 command -v python3 >/dev/null 2>&1 || { echo "failover: python3 not found" >&2; exit 2; }
 
-if [[ $EUID -ne 0 ]]; then
-  echo "failover: needs root for the netns testbed; skipped" >&2
-  exit 77
-fi
-if ! why=$("$testbed" check 2>&1 >/dev/null); then
-  echo "failover: no testbed here (${why#testbed: }); skipped" >&2
-  exit 77
-fi
-
 NAME=failover
 duration_s=$(((LEAD_MS + trials * PERIOD_MS) / 1000 + TAIL_S))
 RANK_TIMEOUT=$((duration_s + 90)) # hard wall-clock limit per rank (s)
 # shellcheck source=scripts/lib.sh
 source "$root/scripts/lib.sh"
+r2_require_testbed
 r2_init failover
 
 ns0=$TB_NAME-h0 # host 0's namespace (testbed layout)

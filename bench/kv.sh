@@ -39,18 +39,10 @@ kvbench=$build/bin/r2ccl-kvbench
 [[ -x $kvbench ]] || { echo "bench: $kvbench not found (build first: scripts/run build)" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "bench: needs python3 (reads the JSON results)" >&2; exit 2; }
 
-if [[ $EUID -ne 0 ]]; then
-  echo "bench: needs root for the netns testbed; skipped" >&2
-  exit 77
-fi
-if ! why=$("$testbed" check 2>&1 >/dev/null); then
-  echo "bench: no testbed here (${why#testbed: }); skipped" >&2
-  exit 77
-fi
-
 NAME=bench
 # shellcheck source=scripts/lib.sh
 source "$root/scripts/lib.sh"
+r2_require_testbed
 r2_init kv
 
 # run_pair TAG PORT [ENV...] [-- KVBENCH-ARGS...] -> rank 0 on host 0 (writes $work/TAG.json),

@@ -23,18 +23,10 @@ testbed=$root/tests/testbed/testbed
 perf=$build/bin/r2ccl-perf
 [[ -x $perf ]] || { echo "bench: $perf not found (build first: scripts/run build)" >&2; exit 2; }
 
-if [[ $EUID -ne 0 ]]; then
-  echo "bench: needs root for the netns testbed; skipped" >&2
-  exit 77
-fi
-if ! why=$("$testbed" check 2>&1 >/dev/null); then
-  echo "bench: no testbed here (${why#testbed: }); skipped" >&2
-  exit 77
-fi
-
 NAME=bench
 # shellcheck source=scripts/lib.sh
 source "$root/scripts/lib.sh"
+r2_require_testbed
 r2_init bench
 
 # run_pair TAG PORT [ENV...] -> rank 0 on host 0, rank 1 on host 1; rank 0 writes $work/TAG.json.

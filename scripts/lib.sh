@@ -52,3 +52,16 @@ r2_free_port() {
   echo "$NAME: no free TCP port in 29500..29599" >&2
   return 1
 }
+
+# r2_require_testbed: exits 77 (skipped), saying why, unless a netns testbed can be made here.
+r2_require_testbed() {
+  if [[ $EUID -ne 0 ]]; then
+    echo "$NAME: needs root for the netns testbed; skipped" >&2
+    exit 77
+  fi
+  local why
+  if ! why=$("$testbed" check 2>&1 >/dev/null); then
+    echo "$NAME: no testbed here (${why#testbed: }); skipped" >&2
+    exit 77
+  fi
+}

@@ -659,6 +659,17 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
 // ---------------------------------------------------------------------------------------------
 // Data
 
+Channel::Send Channel::make_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                                 Clock::time_point deadline) {
+  Send s;
+  s.op = std::move(op);
+  s.region = std::move(region);
+  s.offset = offset;
+  s.length = length;
+  s.deadline = deadline;
+  return s;
+}
+
 bool Channel::fail_if_dead(const OpPtr& op) {
   if (!dead_) return false;
   op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
@@ -669,13 +680,7 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
                         Clock::time_point deadline) {
   if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
-  Send s;
-  s.op = std::move(op);
-  s.region = std::move(region);
-  s.offset = offset;
-  s.length = length;
-  s.deadline = deadline;
-  sends_.emplace(seq, std::move(s));
+  sends_.emplace(seq, make_send(std::move(op), std::move(region), offset, length, deadline));
   if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
     Cts c = it->second;
     early_cts_.erase(it);
@@ -699,12 +704,7 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
     return;
   }
   const auto seq = ChunkImm::kOneSidedBit | next_write_seq_++;
-  Send s;
-  s.op = std::move(op);
-  s.region = std::move(region);
-  s.offset = offset;
-  s.length = length;
-  s.deadline = deadline;
+  Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
   s.started = true;
   s.cts.seq = seq;
   s.cts.length = length;

@@ -174,6 +174,8 @@ class Channel {
 
   // Data
   bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone
+  static Send make_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                        Clock::time_point deadline);
   void start_send(std::uint64_t seq, const Cts& cts);
   void pump();
   void drop_send(std::map<std::uint64_t, Send>::iterator it);

@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prom_harness import (PROMETHEUS, Procs, prometheus_config, start_prometheus,  # noqa: E402
+from prom_harness import (PROMETHEUS, prometheus_config, start_prometheus,  # noqa: E402
                           wait_until)
 from r2ccl_testbed import (Proc, Testbed, _base_env, describe, free_port,  # noqa: E402
                            launch_ranks, loopback_nics, random_port, rank_env, wait_for_binary)
@@ -37,13 +37,6 @@ DURATION_S = 40  # the job's length; every phase below fits in it with room to s
 SLACK_S = 30  # start-up, shutdown and one R2CCL_TIMEOUT past the duration: catches hangs only
 JOB = "r2ccl-job"
 ALERT = "R2cclRailDown"  # deploy/prometheus/r2ccl-alerts.yml: expr r2ccl_rail_up == 0, for: 30s
-
-
-@pytest.fixture
-def procs(tmp_path):
-    ps = Procs(tmp_path)
-    yield ps
-    ps.close()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prom_harness import (PROMETHEUS, Procs, http_get, metric_value,  # noqa: E402
+from prom_harness import (PROMETHEUS, http_get, metric_value,  # noqa: E402
                           prometheus_config, start_prometheus, wait_until)
 from r2ccl_testbed import BIN_DIR, Testbed, free_port, random_port, wait_for_binary  # noqa: E402
 
@@ -37,13 +37,6 @@ FAMILIES = [
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def procs(tmp_path):
-    ps = Procs(tmp_path)
-    yield ps
-    ps.close()
 
 
 @pytest.fixture
