@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runtime's and the KV engine's tests built with AddressSanitizer + UndefinedBehaviorSanitizer
+# The runtime's, the collectives' and the KV engine's tests built with AddressSanitizer + UndefinedBehaviorSanitizer
 # (leak checking on) in a side build tree, then run. Called by ctest (sanitizer.asan-ubsan).
 #
 #   tests/sanitize.sh SOURCE_DIR BUILD_DIR
@@ -9,7 +9,7 @@
 set -euo pipefail
 src=$1
 build=$2
-targets=(kvxfer_test fabric_test provider_test bootstrap_test channel_test health_test config_test)
+targets=(coll_api_test coll_collectives_test kvxfer_test fabric_test provider_test bootstrap_test channel_test health_test config_test)
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 if [[ ! -f $build/build.ninja ]]; then

@@ -69,6 +69,12 @@ constexpr ConfigEntry kTable[] = {
      "verifies the blocks on arrival."},
     {"R2CCL_KV_MAX_INFLIGHT", "64M",
      "KV bytes in flight per peer (requests share it round-robin), 1M–16G."},
+    {"R2CCL_ALGO", "auto",
+     "Collective algorithm: `auto` (by size: direct one-shot for small messages, ring for large), "
+     "`ring`, `oneshot` or `twoshot`."},
+    {"R2CCL_CHECK", "0",
+     "`1`: before every collective the ranks compare operation, count, type, reduction and root "
+     "(one small exchange) and all fail with an error naming the mismatch."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {
@@ -378,6 +384,19 @@ Result<Config> parse_config(const EnvLookup& env) {
   }
   R2CCL_RETURN_IF_ERROR(
       size_var("R2CCL_KV_MAX_INFLIGHT", 1u << 20, 16ull << 30, c.kv_max_inflight));
+  if (auto v = get("R2CCL_ALGO")) {
+    std::string t = trim(*v);
+    std::transform(t.begin(), t.end(), t.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    if (t != "auto" && t != "ring" && t != "oneshot" && t != "twoshot")
+      return bad("R2CCL_ALGO", *v, "auto, ring, oneshot or twoshot");
+    c.algo = t;
+  }
+  if (auto v = get("R2CCL_CHECK")) {
+    const std::string t = trim(*v);
+    if (t != "0" && t != "1") return bad("R2CCL_CHECK", *v, "0 or 1");
+    c.check = t == "1";
+  }
   return c;
 }
 

@@ -486,6 +486,14 @@ void Fabric::arm_watchdog() {
   });
 }
 
+void Fabric::abort(const std::string& why) {
+  record_async_error({ErrorCode::kAborted, why});
+  engine_->call([&] {
+    for (auto& c : channels_)
+      if (c) c->on_peer_left(why);
+  });
+}
+
 void Fabric::record_async_error(const Status& st) {
   std::lock_guard lock(async_mutex_);
   if (async_error_.is_ok()) async_error_ = st;

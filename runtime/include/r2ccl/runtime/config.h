@@ -57,6 +57,9 @@ struct Config {
   // KV-cache transfer engine (kvxfer).
   bool kv_verify = false;                   // per-block checksums in notifications
   std::size_t kv_max_inflight = 64u << 20;  // bytes in flight per peer
+  // Collectives.
+  std::string algo = "auto";  // auto | ring | oneshot | twoshot
+  bool check = false;         // compare every collective's arguments across ranks first
 };
 
 struct ConfigEntry {

@@ -118,6 +118,9 @@ class Fabric {
   // The first asynchronous error: a peer left, or no rail to a peer survived an operation's
   // deadline. OK while none happened.
   Status async_error() const;
+  // Fails every operation in flight and every later one with `why` (and records it as the
+  // asynchronous error); the fabric stays safe to destroy. Not from the progress thread.
+  void abort(const std::string& why);
 
  private:
   Fabric();

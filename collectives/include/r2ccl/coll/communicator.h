@@ -1,0 +1,106 @@
+// The communicator: a group of ranks and the collectives among them, over the multi-rail fabric.
+//
+// Operations are blocking calls from one thread at a time (like an NCCL communicator used from
+// one stream): every rank calls the same collectives in the same order. Each returns a Status;
+// a failed operation leaves the communicator usable unless the fabric lost a peer (then
+// async_error() says which). Bad arguments are refused before any byte moves.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "r2ccl/coll/plan.h"
+#include "r2ccl/coll/types.h"
+#include "r2ccl/runtime/fabric.h"
+
+namespace r2ccl::coll {
+
+class Communicator {
+ public:
+  // From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP, or mpirun's).
+  static Result<std::unique_ptr<Communicator>> from_env();
+  // From a unique id created by rank 0 (UniqueId::create) and handed to every rank.
+  static Result<std::unique_ptr<Communicator>> from_unique_id(const UniqueId& id, int rank,
+                                                              int nranks);
+  static Result<std::unique_ptr<Communicator>> create(const Config& config,
+                                                      const BootstrapOptions& boot);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return fabric_->rank(); }
+  int size() const { return fabric_->nranks(); }
+  Fabric& fabric() { return *fabric_; }
+  const Config& config() const { return fabric_->config(); }
+
+  // Collectives. `count` is in elements: all-gather's per-rank send count, reduce-scatter's
+  // per-rank receive count. In place when send == recv (all-gather: send == recv + rank*count;
+  // reduce-scatter: recv == send + rank*count). Broadcast reads `send` only at the root; reduce
+  // writes `recv` only at the root (other ranks may pass null).
+  Status all_reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op);
+  Status all_gather(const void* send, void* recv, std::size_t count, DataType type);
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, RedOp op);
+  Status broadcast(const void* send, void* recv, std::size_t count, DataType type, int root);
+  Status reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op, int root);
+  Status barrier();
+
+  // Point to point, matched in order per pair. Outside a group each call blocks until done;
+  // between group_start() and group_end() they are queued and group_end() runs them all at once
+  // (so a rank can send to and receive from its neighbours without ordering them).
+  Status send(const void* buf, std::size_t count, DataType type, int peer);
+  Status recv(void* buf, std::size_t count, DataType type, int peer);
+  Status group_start();
+  Status group_end();
+
+  // Ranks with the same color form a new communicator, ordered by (key, old rank); a negative
+  // color joins none (the result is null). Every rank of this communicator must call it.
+  Result<std::unique_ptr<Communicator>> split(int color, int key);
+
+  // Fails what is in flight and everything after with an error; the object stays safe to destroy.
+  void abort();
+  // The first asynchronous error (a peer left, no rail survived, abort()); OK while none.
+  Status async_error() const;
+
+  // The algorithm the last collective ran (for benchmarks and logs).
+  Algo last_algo() const { return last_algo_; }
+
+ private:
+  explicit Communicator(std::unique_ptr<Fabric> fabric);
+  struct Buffers {
+    const void* send = nullptr;
+    void* recv = nullptr;
+  };
+  Status validate(const CollDesc& d, const Buffers& b) const;
+  Status run(const CollDesc& d, Buffers b);
+  Status check_agreement(const CollDesc& d);
+  Status execute(const Plan& plan, const CollDesc& d, const Buffers& b, const std::string& what);
+  Result<RegionPtr> scratch(std::size_t bytes);
+  struct P2p {
+    bool is_send;
+    void* buf;
+    std::size_t bytes;
+    int peer;
+  };
+  Status run_p2p(const std::vector<P2p>& ops);
+  Status check_p2p(const void* buf, std::size_t count, DataType type, int peer,
+                   const char* what) const;
+  LatencyHistogram& duration(CollOp op, Algo algo);
+
+  std::unique_ptr<Fabric> fabric_;
+  Algo requested_algo_ = Algo::kAuto;
+  Algo last_algo_ = Algo::kAuto;
+  std::uint64_t op_seq_ = 0;  // collectives run so far (in the agreement header)
+  std::vector<std::byte> scratch_;
+  RegionPtr scratch_region_;
+  int group_depth_ = 0;
+  std::vector<P2p> group_;
+  bool aborted_ = false;
+  std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
+};
+
+}  // namespace r2ccl::coll

@@ -1,0 +1,91 @@
+// Collectives as plans (DESIGN.md): an algorithm turns (operation, world size, this rank, message
+// size) into a list of phases. A phase's communication steps are posted together and all complete
+// before its compute steps (reduce, copy) run. Plans name buffers and peers only — never rails,
+// sockets or registrations — so the executor runs them on the fabric and a simulator can run the
+// same plans on a cost model.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "r2ccl/coll/types.h"
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl::coll {
+
+enum class CollOp : std::uint8_t {
+  kAllReduce,
+  kAllGather,
+  kReduceScatter,
+  kBroadcast,
+  kReduce,
+  kBarrier,
+};
+std::string_view coll_op_name(CollOp op);
+
+enum class Algo : std::uint8_t { kAuto, kRing, kOneShot, kTwoShot };
+std::string_view algo_name(Algo a);
+Result<Algo> parse_algo(std::string_view text);  // auto ring oneshot twoshot
+
+// Where a step reads or writes: the caller's send or receive buffer, or the plan's scratch space.
+enum class Buf : std::uint8_t { kSend, kRecv, kScratch };
+struct Ref {
+  Buf buf = Buf::kSend;
+  std::size_t offset = 0;  // bytes
+};
+
+struct Step {
+  enum class Kind : std::uint8_t {
+    kSend,    // bytes from `a` to `peer`
+    kRecv,    // bytes from `peer` into `dst`
+    kReduce,  // dst = a op b, element-wise over bytes / element size
+    kCopy,    // dst = a
+    kAvg,     // dst /= world size (the end of an avg)
+  };
+  Kind kind = Kind::kCopy;
+  int peer = -1;
+  Ref a, b, dst;
+  std::size_t bytes = 0;
+};
+
+struct Phase {
+  std::vector<Step> comm;     // posted together (receives first), then all awaited
+  std::vector<Step> compute;  // after every communication step of the phase completed
+};
+
+struct Plan {
+  Algo algo = Algo::kRing;
+  std::size_t scratch_bytes = 0;
+  std::vector<Phase> phases;
+};
+
+// What an operation asks for. `count` is the element count of the operation as NCCL counts it
+// (per rank for all-gather's send and reduce-scatter's receive buffer).
+struct CollDesc {
+  CollOp op = CollOp::kAllReduce;
+  std::size_t count = 0;
+  DataType type = DataType::kF32;
+  RedOp redop = RedOp::kSum;
+  int root = 0;
+  bool in_place = false;  // the send data lies where this rank's part of the result goes
+};
+
+// The algorithm `auto` picks for this operation and size.
+Algo choose_algo(const CollDesc& d, int nranks, Algo requested);
+// The plan of rank `rank` of `nranks`. Every rank's plan pairs with every other's: the n-th send
+// from a to b in plan order meets the n-th receive at b from a.
+Result<Plan> make_plan(const CollDesc& d, int rank, int nranks, Algo algo);
+
+// Bytes each rank must provide in its send and receive buffers.
+std::size_t send_bytes(const CollDesc& d, int nranks);
+std::size_t recv_bytes(const CollDesc& d, int nranks);
+
+// Messages up to this many bytes per rank use the direct one-shot algorithm under `auto`
+// (measured on loopback and on the testbed: below it one round of messages beats the ring's
+// 2(p-1) rounds).
+inline constexpr std::size_t kDirectThreshold = 64 * 1024;
+
+}  // namespace r2ccl::coll

@@ -1,0 +1,523 @@
+#include "r2ccl/coll/communicator.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "r2ccl/coll/reduce.h"
+#include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/wire.h"
+
+namespace r2ccl::coll {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string describe(const CollDesc& d, int nranks) {
+  std::string s = fmt::format("{}(count {}, {}", coll_op_name(d.op), d.count, type_name(d.type));
+  if (d.op == CollOp::kAllReduce || d.op == CollOp::kReduceScatter || d.op == CollOp::kReduce)
+    s += fmt::format(", {}", redop_name(d.redop));
+  if (d.op == CollOp::kBroadcast || d.op == CollOp::kReduce) s += fmt::format(", root {}", d.root);
+  (void)nranks;
+  return s + ")";
+}
+
+bool reduces(CollOp op) {
+  return op == CollOp::kAllReduce || op == CollOp::kReduceScatter || op == CollOp::kReduce;
+}
+
+// The agreement header of R2CCL_CHECK=1.
+constexpr std::uint32_t kCheckMagic = 0x52324348;  // "R2CH"
+constexpr std::size_t kHeaderBytes = 32;
+
+Bytes encode_header(const CollDesc& d, Algo algo, std::uint64_t seq) {
+  ByteWriter w;
+  w.u32(kCheckMagic)
+      .u8(static_cast<std::uint8_t>(d.op))
+      .u8(static_cast<std::uint8_t>(d.type))
+      .u8(static_cast<std::uint8_t>(d.redop))
+      .u8(static_cast<std::uint8_t>(algo))
+      .u32(static_cast<std::uint32_t>(d.root))
+      .u64(d.count)
+      .u64(seq);
+  Bytes b = w.take();
+  b.resize(kHeaderBytes);
+  return b;
+}
+
+struct Header {
+  CollDesc d;
+  Algo algo = Algo::kAuto;
+  std::uint64_t seq = 0;
+  bool valid = false;
+};
+
+Header decode_header(const std::byte* p) {
+  ByteReader r(std::span<const std::byte>(p, kHeaderBytes));
+  Header h;
+  if (r.u32() != kCheckMagic) return h;
+  h.d.op = static_cast<CollOp>(r.u8());
+  h.d.type = static_cast<DataType>(r.u8());
+  h.d.redop = static_cast<RedOp>(r.u8());
+  h.algo = static_cast<Algo>(r.u8());
+  h.d.root = static_cast<int>(r.u32());
+  h.d.count = r.u64();
+  h.seq = r.u64();
+  h.valid = r.ok();
+  return h;
+}
+
+bool same(const Header& a, const Header& b) {
+  if (a.d.op != b.d.op || a.d.count != b.d.count || a.d.type != b.d.type || a.algo != b.algo)
+    return false;
+  if (reduces(a.d.op) && a.d.redop != b.d.redop) return false;
+  if ((a.d.op == CollOp::kBroadcast || a.d.op == CollOp::kReduce) && a.d.root != b.d.root)
+    return false;
+  return true;
+}
+
+// Registrations of the caller's buffers for one operation.
+struct Registered {
+  Fabric& fabric;
+  std::vector<RegionPtr> regions;
+  ~Registered() {
+    for (auto& r : regions)
+      (void)fabric.deregister_memory(r);
+  }
+  Result<RegionPtr> add(const void* p, std::size_t bytes) {
+    if (!p || bytes == 0) return RegionPtr{};
+    R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes));
+    regions.push_back(r);
+    return r;
+  }
+};
+
+// Waits for every operation (so no transfer still reads or writes a buffer once the call
+// returns) and gives the first error.
+Status wait_all(Fabric& f, const std::vector<OpPtr>& ops) {
+  Status first;
+  for (const auto& op : ops) {
+    Status st = f.wait(op);
+    if (!st && first.is_ok()) first = std::move(st);
+  }
+  return first;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> Communicator::from_env() {
+  R2CCL_ASSIGN_OR_RETURN(auto cfg, parse_config(process_env()));
+  R2CCL_ASSIGN_OR_RETURN(auto boot, BootstrapOptions::from_config(cfg));
+  return create(cfg, boot);
+}
+
+Result<std::unique_ptr<Communicator>> Communicator::from_unique_id(const UniqueId& id, int rank,
+                                                                   int nranks) {
+  R2CCL_ASSIGN_OR_RETURN(auto cfg, parse_config(process_env()));
+  R2CCL_ASSIGN_OR_RETURN(auto boot, BootstrapOptions::from_unique_id(id, rank, nranks, cfg));
+  return create(cfg, boot);
+}
+
+Result<std::unique_ptr<Communicator>> Communicator::create(const Config& config,
+                                                           const BootstrapOptions& boot) {
+  R2CCL_ASSIGN_OR_RETURN(auto algo, parse_algo(config.algo));
+  R2CCL_ASSIGN_OR_RETURN(auto fabric, Fabric::create(config, boot));
+  std::unique_ptr<Communicator> c(new Communicator(std::move(fabric)));
+  c->requested_algo_ = algo;
+  return c;
+}
+
+Communicator::Communicator(std::unique_ptr<Fabric> fabric) : fabric_(std::move(fabric)) {}
+
+Communicator::~Communicator() {
+  if (scratch_region_) (void)fabric_->deregister_memory(scratch_region_);
+}
+
+LatencyHistogram& Communicator::duration(CollOp op, Algo algo) {
+  auto& h = durations_[{op, algo}];
+  if (!h)
+    h = &fabric_->metrics()
+             .histogram(
+                 "r2ccl_collective_duration_seconds",
+                 "Time one collective took on this rank, by operation and algorithm.",
+                 {{"op", std::string(coll_op_name(op))}, {"algo", std::string(algo_name(algo))}})
+             .histogram;
+  return *h;
+}
+
+Result<RegionPtr> Communicator::scratch(std::size_t bytes) {
+  bytes = std::max<std::size_t>(bytes, 64);
+  if (scratch_region_ && scratch_.size() >= bytes) return scratch_region_;
+  if (scratch_region_) {
+    (void)fabric_->deregister_memory(scratch_region_);
+    scratch_region_.reset();
+  }
+  scratch_.assign(std::max(bytes, scratch_.size() * 2), std::byte{0});
+  R2CCL_ASSIGN_OR_RETURN(scratch_region_,
+                         fabric_->register_memory(scratch_.data(), scratch_.size()));
+  return scratch_region_;
+}
+
+Status Communicator::validate(const CollDesc& d, const Buffers& b) const {
+  const int p = size();
+  const std::string what = std::string(coll_op_name(d.op));
+  if (reduces(d.op)) {
+    if (Status st = check_type_and_op(d.type, d.redop); !st) return st.with_context(what);
+  } else if (Status st = check_type(d.type); !st) {
+    return st.with_context(what);
+  }
+  if ((d.op == CollOp::kBroadcast || d.op == CollOp::kReduce) && (d.root < 0 || d.root >= p))
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: root {} is out of range (0..{})", what, d.root, p - 1)};
+  const std::size_t elem = type_size(d.type);
+  const std::size_t per_rank = d.op == CollOp::kAllGather || d.op == CollOp::kReduceScatter
+                                   ? static_cast<std::size_t>(p)
+                                   : 1;
+  if (d.count > std::numeric_limits<std::size_t>::max() / elem / per_rank ||
+      d.count * elem * per_rank > (std::size_t{1} << 47))
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: count {} of {} ({} bytes each{}) overflows the largest buffer size",
+                        what, d.count, type_name(d.type), elem,
+                        per_rank > 1 ? fmt::format(", times {} ranks", p) : "")};
+  if (d.count == 0) return Status::ok();
+  const bool root = rank() == d.root;
+  const bool need_send = d.op != CollOp::kBroadcast || root;
+  const bool need_recv = d.op != CollOp::kReduce || root;
+  if (need_send && !b.send)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the send buffer is null (count {})", what, d.count)};
+  if (need_recv && !b.recv)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the receive buffer is null (count {})", what, d.count)};
+  return Status::ok();
+}
+
+Status Communicator::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
+                                RedOp op) {
+  return run({CollOp::kAllReduce, count, type, op, 0, false}, {send, recv});
+}
+Status Communicator::all_gather(const void* send, void* recv, std::size_t count, DataType type) {
+  return run({CollOp::kAllGather, count, type, RedOp::kSum, 0, false}, {send, recv});
+}
+Status Communicator::reduce_scatter(const void* send, void* recv, std::size_t count, DataType type,
+                                    RedOp op) {
+  return run({CollOp::kReduceScatter, count, type, op, 0, false}, {send, recv});
+}
+Status Communicator::broadcast(const void* send, void* recv, std::size_t count, DataType type,
+                               int root) {
+  return run({CollOp::kBroadcast, count, type, RedOp::kSum, root, false}, {send, recv});
+}
+Status Communicator::reduce(const void* send, void* recv, std::size_t count, DataType type,
+                            RedOp op, int root) {
+  return run({CollOp::kReduce, count, type, op, root, false}, {send, recv});
+}
+Status Communicator::barrier() {
+  return run({CollOp::kBarrier, 0, DataType::kU8, RedOp::kSum, 0, false}, {});
+}
+
+Status Communicator::run(const CollDesc& desc, Buffers b) {
+  CollDesc d = desc;
+  const std::string name(coll_op_name(d.op));
+  if (aborted_) return {ErrorCode::kAborted, name + ": the communicator was aborted"};
+  if (group_depth_ > 0)
+    return {ErrorCode::kInvalidArgument,
+            name + ": collectives cannot be queued in a group (only send and recv can)"};
+  R2CCL_RETURN_IF_ERROR(validate(d, b));
+  const std::size_t elem = type_size(d.type);
+  const auto r = static_cast<std::size_t>(rank());
+  switch (d.op) {
+    case CollOp::kAllGather:
+      d.in_place = b.send && b.recv &&
+                   static_cast<const std::byte*>(b.send) ==
+                       static_cast<const std::byte*>(b.recv) + r * d.count * elem;
+      break;
+    case CollOp::kReduceScatter:
+      d.in_place = b.send && b.recv &&
+                   static_cast<const std::byte*>(b.recv) ==
+                       static_cast<const std::byte*>(b.send) + r * d.count * elem;
+      break;
+    default:
+      d.in_place = b.send && b.send == b.recv;
+      break;
+  }
+  if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d));
+  if (d.count == 0 && d.op != CollOp::kBarrier) return Status::ok();
+  const Algo algo = choose_algo(d, size(), requested_algo_);
+  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(d, rank(), size(), algo));
+  last_algo_ = plan.algo;
+  const auto t0 = Clock::now();
+  Status st = execute(plan, d, b,
+                      fmt::format("{} ({}) on rank {} of {}", describe(d, size()),
+                                  algo_name(plan.algo), rank(), size()));
+  if (st)
+    duration(d.op, plan.algo).observe(std::chrono::duration<double>(Clock::now() - t0).count());
+  return st;
+}
+
+Status Communicator::check_agreement(const CollDesc& d) {
+  const int p = size();
+  const Algo algo = choose_algo(d, p, requested_algo_);
+  const Bytes mine = encode_header(d, algo, op_seq_++);
+  if (p == 1) return Status::ok();
+  const std::size_t total = kHeaderBytes * static_cast<std::size_t>(p);
+  R2CCL_ASSIGN_OR_RETURN(auto region, scratch(total));
+  std::memcpy(scratch_.data() + kHeaderBytes * static_cast<std::size_t>(rank()), mine.data(),
+              kHeaderBytes);
+  std::vector<OpPtr> ops;
+  Status posted;
+  for (int i = 1; i < p && posted; ++i) {
+    const int from = (rank() - i + p) % p;
+    auto op =
+        fabric_->irecv(from, region, kHeaderBytes * static_cast<std::size_t>(from), kHeaderBytes);
+    if (op)
+      ops.push_back(*op);
+    else
+      posted = op.status();
+  }
+  for (int i = 1; i < p && posted; ++i) {
+    auto op = fabric_->isend((rank() + i) % p, region,
+                             kHeaderBytes * static_cast<std::size_t>(rank()), kHeaderBytes);
+    if (op)
+      ops.push_back(*op);
+    else
+      posted = op.status();
+  }
+  Status st = wait_all(*fabric_, ops);
+  if (!posted) st = posted;
+  if (!st)
+    return st.with_context(fmt::format("R2CCL_CHECK exchange before {}", coll_op_name(d.op)));
+  std::vector<Header> all;
+  for (int i = 0; i < p; ++i)
+    all.push_back(decode_header(scratch_.data() + kHeaderBytes * static_cast<std::size_t>(i)));
+  for (int i = 1; i < p; ++i) {
+    if (all[static_cast<std::size_t>(i)].valid && same(all[0], all[static_cast<std::size_t>(i)]))
+      continue;
+    const auto& h = all[static_cast<std::size_t>(i)];
+    const auto& h0 = all[0];
+    std::string theirs =
+        h.valid ? describe(h.d, p) : std::string("something that is not a collective");
+    std::string ours = describe(h0.d, p);
+    if (h.valid && h.algo != h0.algo && describe(h.d, p) == ours) {
+      theirs += fmt::format(" with algorithm {}", algo_name(h.algo));
+      ours += fmt::format(" with algorithm {}", algo_name(h0.algo));
+    }
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("mismatched collective (R2CCL_CHECK=1): rank 0 called {} but rank {} "
+                        "called {}",
+                        ours, i, theirs)};
+  }
+  return Status::ok();
+}
+
+Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers& b,
+                             const std::string& what) {
+  const int p = size();
+  Registered reg{*fabric_, {}};
+  RegionPtr send_region, recv_region, scratch_region;
+  if (d.op != CollOp::kBarrier) {
+    const bool root = rank() == d.root;
+    if (d.op != CollOp::kBroadcast || root) {
+      R2CCL_ASSIGN_OR_RETURN(send_region, reg.add(b.send, send_bytes(d, p)));
+    }
+    if (d.op != CollOp::kReduce || root) {
+      R2CCL_ASSIGN_OR_RETURN(recv_region, reg.add(b.recv, recv_bytes(d, p)));
+    }
+  }
+  if (plan.scratch_bytes > 0) {
+    R2CCL_ASSIGN_OR_RETURN(scratch_region, scratch(plan.scratch_bytes));
+  }
+  auto region_of = [&](Buf buf) -> const RegionPtr& {
+    return buf == Buf::kSend ? send_region : buf == Buf::kRecv ? recv_region : scratch_region;
+  };
+  auto ptr = [&](const Ref& ref) -> std::byte* {
+    const auto& r = region_of(ref.buf);
+    return r ? r->base + ref.offset : nullptr;
+  };
+  const std::size_t elem = type_size(d.type);
+  for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
+    const auto& phase = plan.phases[ph];
+    std::vector<OpPtr> ops;
+    Status posted;
+    // Receives first, so clear-to-sends go out before the data that needs them.
+    for (int pass = 0; pass < 2 && posted; ++pass) {
+      for (const auto& s : phase.comm) {
+        if (s.bytes == 0 || (pass == 0) != (s.kind == Step::Kind::kRecv)) continue;
+        auto op = s.kind == Step::Kind::kRecv
+                      ? fabric_->irecv(s.peer, region_of(s.dst.buf), s.dst.offset, s.bytes)
+                      : fabric_->isend(s.peer, region_of(s.a.buf), s.a.offset, s.bytes);
+        if (!op) {
+          posted = op.status();
+          break;
+        }
+        ops.push_back(*op);
+      }
+    }
+    Status st = wait_all(*fabric_, ops);
+    if (!posted) st = posted;
+    if (!st)
+      return st.with_context(fmt::format("{}, step {} of {}", what, ph + 1, plan.phases.size()));
+    for (const auto& s : phase.compute) {
+      if (s.bytes == 0) continue;
+      switch (s.kind) {
+        case Step::Kind::kReduce:
+          coll::reduce(ptr(s.dst), ptr(s.a), ptr(s.b), s.bytes / elem, d.type, d.redop);
+          break;
+        case Step::Kind::kCopy:
+          std::memmove(ptr(s.dst), ptr(s.a), s.bytes);
+          break;
+        case Step::Kind::kAvg:
+          finish_avg(ptr(s.dst), s.bytes / elem, d.type, p);
+          break;
+        case Step::Kind::kSend:
+        case Step::Kind::kRecv:
+          break;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+// ---- point to point
+
+Status Communicator::check_p2p(const void* buf, std::size_t count, DataType type, int peer,
+                               const char* what) const {
+  if (aborted_) return {ErrorCode::kAborted, fmt::format("{}: the communicator was aborted", what)};
+  if (Status st = check_type(type); !st) return st.with_context(what);
+  if (peer < 0 || peer >= size())
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: peer {} is out of range (0..{})", what, peer, size() - 1)};
+  if (count > (std::size_t{1} << 47) / type_size(type))
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: count {} of {} overflows the largest buffer size", what, count,
+                        type_name(type))};
+  if (count > 0 && !buf)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the buffer is null (count {})", what, count)};
+  return Status::ok();
+}
+
+Status Communicator::send(const void* buf, std::size_t count, DataType type, int peer) {
+  R2CCL_RETURN_IF_ERROR(check_p2p(buf, count, type, peer, "send"));
+  P2p op{true, const_cast<void*>(buf), count * type_size(type), peer};
+  if (group_depth_ > 0) {
+    group_.push_back(op);
+    return Status::ok();
+  }
+  return run_p2p({op});
+}
+
+Status Communicator::recv(void* buf, std::size_t count, DataType type, int peer) {
+  R2CCL_RETURN_IF_ERROR(check_p2p(buf, count, type, peer, "recv"));
+  P2p op{false, buf, count * type_size(type), peer};
+  if (group_depth_ > 0) {
+    group_.push_back(op);
+    return Status::ok();
+  }
+  return run_p2p({op});
+}
+
+Status Communicator::group_start() {
+  ++group_depth_;
+  return Status::ok();
+}
+
+Status Communicator::group_end() {
+  if (group_depth_ == 0)
+    return {ErrorCode::kInvalidArgument, "group_end: no group was started (group_start)"};
+  if (--group_depth_ > 0) return Status::ok();
+  std::vector<P2p> ops;
+  ops.swap(group_);
+  return run_p2p(ops);
+}
+
+Status Communicator::run_p2p(const std::vector<P2p>& list) {
+  Registered reg{*fabric_, {}};
+  R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));
+  std::vector<OpPtr> ops;
+  Status posted;
+  for (int pass = 0; pass < 2 && posted; ++pass) {
+    for (const auto& o : list) {
+      if (o.is_send == (pass == 0)) continue;  // receives first
+      auto region = reg.add(o.buf, o.bytes);
+      if (!region) {
+        posted = region.status();
+        break;
+      }
+      const RegionPtr& rp = *region ? *region : empty;
+      auto op = o.is_send ? fabric_->isend(o.peer, rp, 0, o.bytes)
+                          : fabric_->irecv(o.peer, rp, 0, o.bytes);
+      if (!op) {
+        posted = op.status();
+        break;
+      }
+      ops.push_back(*op);
+    }
+  }
+  Status st = wait_all(*fabric_, ops);
+  if (!posted) return posted;
+  return st;
+}
+
+// ---- lifecycle
+
+Result<std::unique_ptr<Communicator>> Communicator::split(int color, int key) {
+  if (aborted_) return Status(ErrorCode::kAborted, "split: the communicator was aborted");
+  const auto timeout = config().timeout;
+  auto& boot = fabric_->bootstrap();
+  ByteWriter w;
+  w.u32(static_cast<std::uint32_t>(color)).u32(static_cast<std::uint32_t>(key));
+  R2CCL_ASSIGN_OR_RETURN(auto all, boot.allgather(w.bytes(), timeout));
+  struct Member {
+    int color, key, rank;
+  };
+  std::vector<Member> members;
+  for (int i = 0; i < size(); ++i) {
+    ByteReader r(all[static_cast<std::size_t>(i)]);
+    Member m{static_cast<int>(r.u32()), static_cast<int>(r.u32()), i};
+    if (!r.ok())
+      return Status(ErrorCode::kProtocol, fmt::format("split: rank {} sent a malformed color", i));
+    if (m.color == color && color >= 0) members.push_back(m);
+  }
+  std::sort(members.begin(), members.end(), [](const Member& a, const Member& b) {
+    return a.key != b.key ? a.key < b.key : a.rank < b.rank;
+  });
+  // The first member of each new communicator creates its unique id; a second all-gather hands
+  // the ids out.
+  Bytes id_bytes;
+  UniqueId id;
+  const bool leader = color >= 0 && members.front().rank == rank();
+  if (leader) {
+    R2CCL_ASSIGN_OR_RETURN(id, UniqueId::create(boot.control_address()));
+    id_bytes.assign(reinterpret_cast<const std::byte*>(id.bytes.data()),
+                    reinterpret_cast<const std::byte*>(id.bytes.data()) + UniqueId::kSize);
+  }
+  R2CCL_ASSIGN_OR_RETURN(auto ids, boot.allgather(id_bytes, timeout));
+  if (color < 0) return std::unique_ptr<Communicator>{};
+  const auto& theirs = ids[static_cast<std::size_t>(members.front().rank)];
+  if (theirs.size() != UniqueId::kSize)
+    return Status(ErrorCode::kProtocol, "split: the new communicator's first rank sent no id");
+  std::memcpy(id.bytes.data(), theirs.data(), UniqueId::kSize);
+  int new_rank = 0;
+  while (members[static_cast<std::size_t>(new_rank)].rank != rank())
+    ++new_rank;
+  Config cfg = config();
+  cfg.rank.reset();
+  cfg.nranks.reset();
+  R2CCL_ASSIGN_OR_RETURN(auto opts, BootstrapOptions::from_unique_id(
+                                        id, new_rank, static_cast<int>(members.size()), cfg));
+  return create(cfg, opts);
+}
+
+void Communicator::abort() {
+  if (aborted_) return;
+  aborted_ = true;
+  fabric_->abort(fmt::format("the communicator was aborted on rank {}", rank()));
+}
+
+Status Communicator::async_error() const {
+  return fabric_->async_error();
+}
+
+}  // namespace r2ccl::coll

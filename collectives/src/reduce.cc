@@ -1,0 +1,185 @@
+#include "r2ccl/coll/reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// GCC/Clang: an AVX2+F16C clone of the dispatchers, chosen by the dynamic loader on CPUs that
+// have it; the template kernels are inlined into each clone so both get their own code.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define R2CCL_CLONES __attribute__((target_clones("default", "arch=haswell")))
+#else
+#define R2CCL_CLONES
+#endif
+#define R2CCL_INLINE [[gnu::always_inline]] inline
+
+namespace r2ccl::coll {
+namespace {
+
+struct Sum {
+  template <class T>
+  R2CCL_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct Prod {
+  template <class T>
+  R2CCL_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      // Promote u8/u16 to unsigned int so the product cannot overflow a signed int.
+      using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
+      return static_cast<T>(
+          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  }
+};
+struct Min {
+  template <class T>
+  R2CCL_INLINE T operator()(T a, T b) const {
+    return b < a ? b : a;
+  }
+};
+struct Max {
+  template <class T>
+  R2CCL_INLINE T operator()(T a, T b) const {
+    return a < b ? b : a;
+  }
+};
+
+template <class T, class Op>
+R2CCL_INLINE void plain(void* dst, const void* a, const void* b, std::size_t n, Op op) {
+  auto* d = static_cast<T*>(dst);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (std::size_t i = 0; i < n; ++i)
+    d[i] = op(x[i], y[i]);
+}
+
+R2CCL_INLINE float bf16_in(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+R2CCL_INLINE std::uint16_t bf16_out(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<std::uint16_t>(u >> 16);
+}
+R2CCL_INLINE float f16_in(std::uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, sizeof v);
+  return static_cast<float>(v);
+}
+R2CCL_INLINE std::uint16_t f16_out(float f) {
+  const auto v = static_cast<_Float16>(f);
+  std::uint16_t h;
+  std::memcpy(&h, &v, sizeof h);
+  return h;
+}
+
+// 16-bit floats: widen a block to float, reduce, round back.
+template <bool kBf16, class Op>
+R2CCL_INLINE void half(void* dst, const void* a, const void* b, std::size_t n, Op op) {
+  constexpr std::size_t kBlock = 256;
+  auto* d = static_cast<std::uint16_t*>(dst);
+  const auto* x = static_cast<const std::uint16_t*>(a);
+  const auto* y = static_cast<const std::uint16_t*>(b);
+  float fx[kBlock], fy[kBlock];
+  for (std::size_t i = 0; i < n; i += kBlock) {
+    const std::size_t m = std::min(kBlock, n - i);
+    for (std::size_t j = 0; j < m; ++j) {
+      fx[j] = kBf16 ? bf16_in(x[i + j]) : f16_in(x[i + j]);
+      fy[j] = kBf16 ? bf16_in(y[i + j]) : f16_in(y[i + j]);
+    }
+    for (std::size_t j = 0; j < m; ++j)
+      fx[j] = op(fx[j], fy[j]);
+    for (std::size_t j = 0; j < m; ++j)
+      d[i + j] = kBf16 ? bf16_out(fx[j]) : f16_out(fx[j]);
+  }
+}
+
+template <class Op>
+R2CCL_INLINE void by_type(void* d, const void* a, const void* b, std::size_t n, DataType t, Op op) {
+  switch (t) {
+    case DataType::kF32:
+      return plain<float>(d, a, b, n, op);
+    case DataType::kF64:
+      return plain<double>(d, a, b, n, op);
+    case DataType::kI32:
+      return plain<std::int32_t>(d, a, b, n, op);
+    case DataType::kI64:
+      return plain<std::int64_t>(d, a, b, n, op);
+    case DataType::kU8:
+      return plain<std::uint8_t>(d, a, b, n, op);
+    case DataType::kF16:
+      return half<false>(d, a, b, n, op);
+    case DataType::kBF16:
+      return half<true>(d, a, b, n, op);
+  }
+}
+
+}  // namespace
+
+R2CCL_CLONES void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType t,
+                         RedOp op) {
+  switch (op) {
+    case RedOp::kSum:
+    case RedOp::kAvg:
+      return by_type(dst, a, b, count, t, Sum{});
+    case RedOp::kProd:
+      return by_type(dst, a, b, count, t, Prod{});
+    case RedOp::kMin:
+      return by_type(dst, a, b, count, t, Min{});
+    case RedOp::kMax:
+      return by_type(dst, a, b, count, t, Max{});
+  }
+}
+
+R2CCL_CLONES void finish_avg(void* buf, std::size_t count, DataType t, int n) {
+  struct Div {
+    float fn;
+    double dn;
+    R2CCL_INLINE float operator()(float a, float) const { return a / fn; }
+    R2CCL_INLINE double operator()(double a, double) const { return a / dn; }
+  } div{static_cast<float>(n), static_cast<double>(n)};
+  switch (t) {
+    case DataType::kF32:
+      return plain<float>(buf, buf, buf, count, div);
+    case DataType::kF64:
+      return plain<double>(buf, buf, buf, count, div);
+    case DataType::kF16:
+      return half<false>(buf, buf, buf, count, div);
+    case DataType::kBF16:
+      return half<true>(buf, buf, buf, count, div);
+    default:
+      return;  // avg is refused for integer types before any data moves
+  }
+}
+
+float half_to_float(std::uint16_t h) {
+  return f16_in(h);
+}
+std::uint16_t float_to_half(float f) {
+  return f16_out(f);
+}
+float bf16_to_float(std::uint16_t h) {
+  return bf16_in(h);
+}
+std::uint16_t float_to_bf16(float f) {
+  return bf16_out(f);
+}
+
+}  // namespace r2ccl::coll

@@ -1,0 +1,359 @@
+// Every collective x type x reduction x algorithm x 2-8 ranks x sizes (0, 1, odd, fewer elements
+// than ranks, non-multiples of the chunk size), in place and out of place, against a reference
+// each rank computes itself. Integers must be bit-exact; floats are fed small integers (whose
+// sums and products are exact in every float type) so they must be exact too, except avg, which
+// must be within rounding of the reference and bit-identical on every rank.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "coll_test_util.h"
+#include "r2ccl/coll/reduce.h"
+
+namespace r2ccl::coll {
+namespace {
+
+struct Case {
+  CollOp op;
+  DataType type;
+  RedOp redop;
+  Algo algo;
+  std::size_t count;
+  bool in_place;
+  int root;
+  std::string name() const {
+    return fmt::format("{} {} {} algo={} count={} {} root={}", coll_op_name(op), type_name(type),
+                       redop_name(redop), algo_name(algo), count,
+                       in_place ? "in-place" : "out-of-place", root);
+  }
+};
+
+bool reduces(CollOp op) {
+  return op == CollOp::kAllReduce || op == CollOp::kReduceScatter || op == CollOp::kReduce;
+}
+
+std::vector<Case> all_cases(int p) {
+  std::vector<Case> out;
+  const std::size_t sizes[] = {0, 1, 7, static_cast<std::size_t>(p - 1), 1000, 40001};
+  int k = 0;
+  for (CollOp op : {CollOp::kAllReduce, CollOp::kReduceScatter, CollOp::kReduce, CollOp::kAllGather,
+                    CollOp::kBroadcast}) {
+    std::vector<Algo> algos{Algo::kRing, Algo::kOneShot};
+    if (op == CollOp::kAllReduce) algos.push_back(Algo::kTwoShot);
+    for (DataType t : kAllTypes) {
+      for (RedOp r : kAllRedOps) {
+        if (!reduces(op) && r != RedOp::kSum) continue;
+        if (r == RedOp::kAvg && !is_float(t)) continue;
+        for (Algo a : algos)
+          for (std::size_t n : sizes) {
+            // The largest size once per (op, type, reduction), with the ring.
+            if (n == 40001 && a != Algo::kRing) continue;
+            ++k;
+            out.push_back({op, t, r, a, n, k % 2 == 0, k % p});
+          }
+      }
+    }
+  }
+  return out;
+}
+
+// Rank r's input element i, as a small integer (exact in every type).
+double input_value(int r, std::size_t i, RedOp op) {
+  if (op == RedOp::kProd) {
+    const auto k = (static_cast<std::size_t>(r) * 3 + i) % 7;
+    return k == 0 ? 2 : k == 3 ? -1 : 1;
+  }
+  return static_cast<double>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 9) - 4);
+}
+
+void store(std::byte* buf, std::size_t i, DataType t, double v) {
+  switch (t) {
+    case DataType::kF32: {
+      float x = static_cast<float>(v);
+      std::memcpy(buf + 4 * i, &x, 4);
+      break;
+    }
+    case DataType::kF64:
+      std::memcpy(buf + 8 * i, &v, 8);
+      break;
+    case DataType::kF16: {
+      auto h = float_to_half(static_cast<float>(v));
+      std::memcpy(buf + 2 * i, &h, 2);
+      break;
+    }
+    case DataType::kBF16: {
+      auto h = float_to_bf16(static_cast<float>(v));
+      std::memcpy(buf + 2 * i, &h, 2);
+      break;
+    }
+    case DataType::kI32: {
+      auto x = static_cast<std::int32_t>(v);
+      std::memcpy(buf + 4 * i, &x, 4);
+      break;
+    }
+    case DataType::kI64: {
+      auto x = static_cast<std::int64_t>(v);
+      std::memcpy(buf + 8 * i, &x, 8);
+      break;
+    }
+    case DataType::kU8:
+      buf[i] = static_cast<std::byte>(static_cast<std::uint8_t>(static_cast<int>(v)));
+      break;
+  }
+}
+
+// Integers as int64 (u8 as 0..255), floats as double.
+double load(const std::byte* buf, std::size_t i, DataType t) {
+  switch (t) {
+    case DataType::kF32: {
+      float x;
+      std::memcpy(&x, buf + 4 * i, 4);
+      return x;
+    }
+    case DataType::kF64: {
+      double x;
+      std::memcpy(&x, buf + 8 * i, 8);
+      return x;
+    }
+    case DataType::kF16: {
+      std::uint16_t h;
+      std::memcpy(&h, buf + 2 * i, 2);
+      return half_to_float(h);
+    }
+    case DataType::kBF16: {
+      std::uint16_t h;
+      std::memcpy(&h, buf + 2 * i, 2);
+      return bf16_to_float(h);
+    }
+    case DataType::kI32: {
+      std::int32_t x;
+      std::memcpy(&x, buf + 4 * i, 4);
+      return x;
+    }
+    case DataType::kI64: {
+      std::int64_t x;
+      std::memcpy(&x, buf + 8 * i, 8);
+      return static_cast<double>(x);
+    }
+    case DataType::kU8:
+      return static_cast<double>(static_cast<std::uint8_t>(buf[i]));
+  }
+  return 0;
+}
+
+// The reference of one output element from the p inputs (already in the type's domain), with
+// the type's wrap-around for integer sums and products.
+std::vector<std::byte> reference_element(const std::vector<double>& in, DataType t, RedOp op) {
+  std::vector<std::byte> out(type_size(t));
+  if (is_float(t)) {
+    double acc = in[0];
+    for (std::size_t k = 1; k < in.size(); ++k) {
+      switch (op) {
+        case RedOp::kSum:
+        case RedOp::kAvg:
+          acc += in[k];
+          break;
+        case RedOp::kProd:
+          acc *= in[k];
+          break;
+        case RedOp::kMin:
+          acc = std::min(acc, in[k]);
+          break;
+        case RedOp::kMax:
+          acc = std::max(acc, in[k]);
+          break;
+      }
+    }
+    if (op == RedOp::kAvg) acc /= static_cast<double>(in.size());
+    store(out.data(), 0, t, acc);
+    return out;
+  }
+  auto acc = static_cast<std::uint64_t>(static_cast<std::int64_t>(in[0]));
+  std::int64_t lo = static_cast<std::int64_t>(in[0]), hi = lo;
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const auto x = static_cast<std::int64_t>(in[k]);
+    if (op == RedOp::kSum) acc += static_cast<std::uint64_t>(x);
+    if (op == RedOp::kProd) acc *= static_cast<std::uint64_t>(x);
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+  }
+  const std::uint64_t v = op == RedOp::kMin   ? static_cast<std::uint64_t>(lo)
+                          : op == RedOp::kMax ? static_cast<std::uint64_t>(hi)
+                                              : acc;
+  std::memcpy(out.data(), &v, out.size());  // little-endian: the low bytes are the wrapped value
+  return out;
+}
+
+constexpr std::size_t kGuard = 64;  // bytes past every output that must stay untouched
+
+// Runs one case on one rank and checks its output; returns a digest of the output for the
+// cross-rank comparison.
+std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>& errors) {
+  const int p = c.size(), r = c.rank();
+  const std::size_t e = type_size(k.type), n = k.count;
+  auto input = [&](int rank, std::vector<std::byte>& buf, std::size_t elems, std::size_t first) {
+    for (std::size_t i = 0; i < elems; ++i)
+      store(buf.data(), i, k.type, input_value(rank, first + i, k.redop));
+  };
+  // Element counts of the send and receive sides.
+  const std::size_t send_elems =
+      k.op == CollOp::kReduceScatter ? n * static_cast<std::size_t>(p) : n;
+  const std::size_t recv_elems = k.op == CollOp::kAllGather ? n * static_cast<std::size_t>(p) : n;
+  std::vector<std::byte> mine(send_elems * e);
+  input(r, mine, send_elems, 0);
+  std::vector<std::byte> big(std::max(send_elems, recv_elems) * e + kGuard, std::byte{0xEE});
+  std::vector<std::byte> sendbuf;
+  const void* send = nullptr;
+  std::byte* recv = big.data();
+  Status st;
+  if (k.in_place) {
+    switch (k.op) {
+      case CollOp::kAllGather:
+        std::memcpy(big.data() + static_cast<std::size_t>(r) * n * e, mine.data(), mine.size());
+        send = big.data() + static_cast<std::size_t>(r) * n * e;
+        break;
+      case CollOp::kReduceScatter:
+        std::memcpy(big.data(), mine.data(), mine.size());
+        send = big.data();
+        recv = big.data() + static_cast<std::size_t>(r) * n * e;
+        break;
+      default:
+        std::memcpy(big.data(), mine.data(), mine.size());
+        send = big.data();
+        break;
+    }
+  } else {
+    sendbuf = mine;
+    sendbuf.resize(mine.size() + kGuard, std::byte{0xEE});
+    send = sendbuf.data();
+  }
+  switch (k.op) {
+    case CollOp::kAllReduce:
+      st = c.all_reduce(send, recv, n, k.type, k.redop);
+      break;
+    case CollOp::kAllGather:
+      st = c.all_gather(send, recv, n, k.type);
+      break;
+    case CollOp::kReduceScatter:
+      st = c.reduce_scatter(send, recv, n, k.type, k.redop);
+      break;
+    case CollOp::kBroadcast:
+      st = c.broadcast(send, recv, n, k.type, k.root);
+      break;
+    case CollOp::kReduce:
+      st = c.reduce(send, recv, n, k.type, k.redop, k.root);
+      break;
+    case CollOp::kBarrier:
+      break;
+  }
+  auto fail = [&](const std::string& why) {
+    if (errors.size() < 20) errors.push_back(fmt::format("rank {}: {}: {}", r, k.name(), why));
+  };
+  if (!st) {
+    fail(st.to_string());
+    return 0;
+  }
+  if (!k.in_place)
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      if (sendbuf[i] != mine[i])
+        return fail(fmt::format("the send buffer changed at byte {}", i)), 0;
+  if (k.op == CollOp::kReduce && r != k.root) return 1;  // nothing to check on this rank
+  std::uint64_t digest = 1469598103934665603ull;
+  std::vector<std::byte> want(e);
+  std::vector<double> in(static_cast<std::size_t>(p));
+  std::vector<std::byte> tmp(e);
+  for (std::size_t i = 0; i < recv_elems; ++i) {
+    switch (k.op) {
+      case CollOp::kAllGather: {
+        store(want.data(), 0, k.type,
+              input_value(static_cast<int>(i / std::max<std::size_t>(n, 1)),
+                          i % std::max<std::size_t>(n, 1), k.redop));
+        break;
+      }
+      case CollOp::kBroadcast:
+        store(want.data(), 0, k.type, input_value(k.root, i, k.redop));
+        break;
+      default: {
+        const std::size_t first =
+            k.op == CollOp::kReduceScatter ? static_cast<std::size_t>(r) * n : 0;
+        for (int q = 0; q < p; ++q) {
+          store(tmp.data(), 0, k.type, input_value(q, first + i, k.redop));
+          in[static_cast<std::size_t>(q)] = load(tmp.data(), 0, k.type);
+        }
+        want = reference_element(in, k.type, k.redop);
+      }
+    }
+    const std::byte* got = recv + i * e;
+    if (k.redop == RedOp::kAvg && reduces(k.op)) {
+      const double g = load(got, 0, k.type), w = load(want.data(), 0, k.type);
+      const double tol = k.type == DataType::kBF16 ? 1e-2 : k.type == DataType::kF16 ? 1e-3 : 1e-6;
+      if (!(std::fabs(g - w) <= tol * std::max(1.0, std::fabs(w))))
+        return fail(fmt::format("element {}: {} where {} was expected", i, g, w)), 0;
+    } else if (std::memcmp(got, want.data(), e) != 0) {
+      return fail(fmt::format("element {}: {} where {} was expected", i, load(got, 0, k.type),
+                              load(want.data(), 0, k.type))),
+             0;
+    }
+    for (std::size_t b = 0; b < e; ++b)
+      digest = (digest ^ static_cast<std::uint8_t>(got[b])) * 1099511628211ull;
+  }
+  // Past the output: in place, the bytes after it may be other ranks' input; the guard after
+  // the whole buffer must stay untouched either way.
+  const std::byte* end =
+      k.in_place ? big.data() + std::max(send_elems, recv_elems) * e : recv + recv_elems * e;
+  for (std::size_t g = 0; g < kGuard && end + g < big.data() + big.size(); ++g)
+    if (end[g] != std::byte{0xEE})
+      return fail(fmt::format("wrote {} bytes past the output", g + 1)), 0;
+  // Reduce-scatter's outputs differ by rank: only the others are compared across ranks.
+  return k.op == CollOp::kReduceScatter ? 1 : digest;
+}
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, EveryOpTypeReductionAlgorithmAndSizeMatchesTheReference) {
+  const int p = GetParam();
+  const auto cases = all_cases(p);
+  std::vector<std::vector<std::uint64_t>> digests(static_cast<std::size_t>(p));
+  std::mutex m;
+  std::vector<std::string> errors;
+  for (Algo a : {Algo::kRing, Algo::kOneShot, Algo::kTwoShot}) {
+    auto comms = test::make_comms(p, {{"R2CCL_ALGO", std::string(algo_name(a))}});
+    ASSERT_EQ(comms.size(), static_cast<std::size_t>(p));
+    test::on_all(comms, [&](int r, Communicator& c) {
+      std::vector<std::string> mine;
+      for (const auto& k : cases) {
+        if (k.algo != a) continue;
+        digests[static_cast<std::size_t>(r)].push_back(run_case(c, k, mine));
+        EXPECT_EQ(c.last_algo(),
+                  k.count == 0
+                      ? c.last_algo()
+                      : choose_algo({k.op, k.count, k.type, k.redop, k.root, k.in_place}, p, a));
+      }
+      std::lock_guard<std::mutex> lock(m);
+      errors.insert(errors.end(), mine.begin(), mine.end());
+    });
+  }
+  for (const auto& e : errors)
+    ADD_FAILURE() << e;
+  // Every rank that has the result holds the same bits (floats included).
+  for (int r = 1; r < p; ++r) {
+    ASSERT_EQ(digests[static_cast<std::size_t>(r)].size(), digests[0].size());
+    for (std::size_t i = 0; i < digests[0].size(); ++i) {
+      const auto a = digests[0][i], b = digests[static_cast<std::size_t>(r)][i];
+      if (a > 1 && b > 1) {
+        EXPECT_EQ(a, b) << "rank " << r << " differs from rank 0 in case " << i;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Range(2, 9),
+                         [](const ::testing::TestParamInfo<int>& p) {
+                           return fmt::format("p{}", p.param);
+                         });
+
+}  // namespace
+}  // namespace r2ccl::coll
