@@ -1,11 +1,13 @@
 // r2ccl-perf: benchmarks in the style of nccl-tests.
 //
-//   R2CCL_RANK=0 R2CCL_NRANKS=2 R2CCL_BOOTSTRAP=198.19.0.1:29500 r2ccl-perf sendrecv -b 8 -e 64M -c
-//   1
+//   R2CCL_RANK=0 R2CCL_NRANKS=2 R2CCL_BOOTSTRAP=198.19.0.1:29500 r2ccl-perf allreduce -b 8 -e 64M
+//   -d bf16 -o sum -c 1
 //
-// Every rank sends to rank+1 and receives from rank-1 (a ring of point-to-point transfers, as
-// nccl-tests' sendrecv). Rank 0 prints the table. Exit status: 0 when every check passed, 1 when
-// any element was wrong, 2 on bad arguments or any operation error.
+// sendrecv: every rank sends to rank+1 and receives from rank-1 (as nccl-tests' sendrecv);
+// allreduce, allgather, reducescatter, broadcast, reduce: the communicator's collectives, with
+// nccl-tests' sizes, columns and bus-bandwidth factors. Rank 0 prints the table. Exit status: 0
+// when every check passed, 1 when any element was wrong, 2 on bad arguments or any operation
+// error.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +18,8 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "r2ccl/coll/communicator.h"
+#include "r2ccl/coll/verify.h"
 #include "r2ccl/monitor/job_metrics.h"
 #include "r2ccl/runtime/config.h"
 #include "r2ccl/runtime/fabric.h"
@@ -28,6 +32,10 @@ using r2ccl::Fabric;
 using r2ccl::Result;
 using r2ccl::Status;
 using Clock = std::chrono::steady_clock;
+using r2ccl::coll::CollOp;
+using r2ccl::coll::Communicator;
+using r2ccl::coll::DataType;
+using r2ccl::coll::RedOp;
 
 struct Options {
   std::string op = "sendrecv";
@@ -42,6 +50,9 @@ struct Options {
   double duration = 0;      // > 0: iterate for this many seconds instead of -n
   bool keep_going = false;  // with --duration: a failed round is reported, not fatal
   std::string events_path;  // rail events as JSON lines
+  std::string type = "float";
+  std::string redop = "sum";
+  int root = 0;
 };
 
 // The byte at `i` of the message rank `src` sends in round `round`.
@@ -91,11 +102,32 @@ Result<Gathered> gather(Fabric& f, double seconds, std::uint64_t wrong, const st
   return g;
 }
 
-class SendRecv {
+// One benchmarked operation: its sizes, timing runs and checked runs.
+class Bench {
+ public:
+  virtual ~Bench() = default;
+  virtual Status init() = 0;
+  // The size actually run for a requested size (whole elements; all-gather and reduce-scatter:
+  // a multiple of the rank count), and its element count as nccl-tests prints it.
+  virtual std::size_t round_bytes(std::size_t bytes) const { return bytes; }
+  virtual std::size_t count(std::size_t bytes) const { return bytes; }
+  virtual Status run_once(std::size_t bytes) = 0;
+  // One checked round: fresh data per round, outputs poisoned first; returns wrong elements.
+  virtual Result<std::uint64_t> checked(std::size_t bytes, std::uint64_t round) = 0;
+  // nccl-tests' bus bandwidth factor.
+  virtual double busbw_factor() const { return 1.0; }
+  virtual std::string type() const { return "uint8"; }
+  virtual std::string redop() const { return "none"; }
+  virtual int root() const { return -1; }
+  virtual std::string algo() const { return "p2p"; }
+};
+
+// Every rank sends to rank+1 and receives from rank-1 over the fabric.
+class SendRecv final : public Bench {
  public:
   SendRecv(Fabric& f, std::size_t max_bytes) : f_(f), send_(max_bytes), recv_(max_bytes) {}
 
-  Status init() {
+  Status init() override {
     auto s = f_.register_memory(send_.data(), send_.size());
     if (!s) return s.status();
     auto r = f_.register_memory(recv_.data(), recv_.size());
@@ -105,7 +137,7 @@ class SendRecv {
     return Status::ok();
   }
 
-  Status run_once(std::size_t bytes) {
+  Status run_once(std::size_t bytes) override {
     const int me = f_.rank();
     const int n = f_.nranks();
     const int to = (me + 1) % n;
@@ -121,7 +153,7 @@ class SendRecv {
   }
 
   // One checked round: distinct data per round, receive buffer poisoned first.
-  Result<std::uint64_t> checked(std::size_t bytes, std::uint64_t round) {
+  Result<std::uint64_t> checked(std::size_t bytes, std::uint64_t round) override {
     const int from = (f_.rank() - 1 + f_.nranks()) % f_.nranks();
     fill_pattern(send_.data(), bytes, f_.rank(), round);
     std::memset(recv_.data(), 0xEE, bytes);
@@ -135,6 +167,103 @@ class SendRecv {
   std::vector<std::byte> recv_;
   r2ccl::RegionPtr send_region_;
   r2ccl::RegionPtr recv_region_;
+};
+
+// A collective through the communicator, with nccl-tests' size conventions: the size is the
+// all-reduce/broadcast/reduce buffer, all-gather's receive buffer, reduce-scatter's send buffer.
+class Collective final : public Bench {
+ public:
+  Collective(Communicator& c, CollOp op, DataType t, RedOp r, int root, std::size_t max_bytes)
+      : c_(c), op_(op), t_(t), r_(r), root_(root), send_(max_bytes + 64), recv_(max_bytes + 64) {}
+
+  Status init() override {
+    if (root_ < 0 || root_ >= c_.size())
+      return {r2ccl::ErrorCode::kInvalidArgument,
+              fmt::format("root {} is out of range (0..{})", root_, c_.size() - 1)};
+    return uses_redop() ? r2ccl::coll::check_type_and_op(t_, r_) : Status::ok();
+  }
+  std::size_t round_bytes(std::size_t bytes) const override {
+    const std::size_t unit = r2ccl::coll::type_size(t_) * (per_rank() ? p() : 1);
+    return bytes / unit * unit;
+  }
+  std::size_t count(std::size_t bytes) const override {
+    return bytes / r2ccl::coll::type_size(t_);
+  }
+  double busbw_factor() const override {
+    const double n = static_cast<double>(p());
+    if (op_ == CollOp::kAllReduce) return 2 * (n - 1) / n;
+    if (per_rank()) return (n - 1) / n;
+    return 1;
+  }
+  std::string type() const override { return std::string(r2ccl::coll::type_name(t_)); }
+  std::string redop() const override {
+    return uses_redop() ? std::string(r2ccl::coll::redop_name(r_)) : "none";
+  }
+  int root() const override { return has_root() ? root_ : -1; }
+  std::string algo() const override { return std::string(r2ccl::coll::algo_name(c_.last_algo())); }
+
+  Status run_once(std::size_t bytes) override {
+    const std::size_t n = count(bytes) / (per_rank() ? p() : 1);  // the call's count argument
+    switch (op_) {
+      case CollOp::kAllReduce: return c_.all_reduce(send_.data(), recv_.data(), n, t_, r_);
+      case CollOp::kAllGather: return c_.all_gather(send_.data(), recv_.data(), n, t_);
+      case CollOp::kReduceScatter: return c_.reduce_scatter(send_.data(), recv_.data(), n, t_, r_);
+      case CollOp::kBroadcast: return c_.broadcast(send_.data(), recv_.data(), n, t_, root_);
+      case CollOp::kReduce: return c_.reduce(send_.data(), recv_.data(), n, t_, r_, root_);
+      case CollOp::kBarrier: return c_.barrier();
+    }
+    return Status::ok();
+  }
+
+  Result<std::uint64_t> checked(std::size_t bytes, std::uint64_t round) override {
+    using r2ccl::coll::test_value;
+    const std::size_t total = count(bytes), e = r2ccl::coll::type_size(t_);
+    const std::size_t n = total / (per_rank() ? p() : 1);
+    const int me = c_.rank();
+    const std::size_t send_elems = op_ == CollOp::kAllGather ? n : total;
+    for (std::size_t i = 0; i < send_elems; ++i)
+      r2ccl::coll::set_element(send_.data(), i, t_, test_value(me, i, round, r_));
+    std::memset(recv_.data(), 0xEE, bytes);
+    R2CCL_RETURN_IF_ERROR(run_once(bytes));
+    if (op_ == CollOp::kReduce && me != root_) return std::uint64_t{0};
+    const std::size_t recv_elems = op_ == CollOp::kReduceScatter ? n : total;
+    std::uint64_t wrong = 0;
+    std::vector<double> in(static_cast<std::size_t>(p()));
+    std::byte tmp[8];
+    auto value = [&](int rank, std::size_t i) {  // as stored in the type
+      r2ccl::coll::set_element(tmp, 0, t_, test_value(rank, i, round, r_));
+      return r2ccl::coll::get_element(tmp, 0, t_);
+    };
+    for (std::size_t i = 0; i < recv_elems; ++i) {
+      const std::byte* got = recv_.data() + i * e;
+      if (op_ == CollOp::kAllGather || op_ == CollOp::kBroadcast) {
+        const int src = op_ == CollOp::kBroadcast ? root_ : static_cast<int>(i / n);
+        const double want = value(src, op_ == CollOp::kBroadcast ? i : i % n);
+        wrong += r2ccl::coll::get_element(got, 0, t_) != want;
+        continue;
+      }
+      const std::size_t at = op_ == CollOp::kReduceScatter ? static_cast<std::size_t>(me) * n + i : i;
+      for (int q = 0; q < c_.size(); ++q)
+        in[static_cast<std::size_t>(q)] = value(q, at);
+      wrong += !r2ccl::coll::matches_reduction(got, in, t_, r_);
+    }
+    return wrong;
+  }
+
+ private:
+  std::size_t p() const { return static_cast<std::size_t>(c_.size()); }
+  bool per_rank() const { return op_ == CollOp::kAllGather || op_ == CollOp::kReduceScatter; }
+  bool uses_redop() const {
+    return op_ == CollOp::kAllReduce || op_ == CollOp::kReduceScatter || op_ == CollOp::kReduce;
+  }
+  bool has_root() const { return op_ == CollOp::kBroadcast || op_ == CollOp::kReduce; }
+
+  Communicator& c_;
+  CollOp op_;
+  DataType t_;
+  RedOp r_;
+  int root_;
+  std::vector<std::byte> send_, recv_;
 };
 
 std::string mbps(double bytes, double seconds) {
@@ -157,20 +286,38 @@ int run(const Options& o) {
                o.min_bytes, o.max_bytes, o.step_factor, o.iters, o.warmup);
     return 2;
   }
+  auto type = r2ccl::coll::parse_type(o.type);
+  auto redop = r2ccl::coll::parse_redop(o.redop);
+  for (const Status& st : {type.status(), redop.status()})
+    if (!st) {
+      fmt::print(stderr, "r2ccl-perf: {}\n", st.message());
+      return 2;
+    }
   auto boot = r2ccl::BootstrapOptions::from_config(*cfg);
   if (!boot) {
     fmt::print(stderr, "r2ccl-perf: {}\n", boot.status().message());
     return 2;
   }
-  auto fabric = Fabric::create(*cfg, *boot);
-  if (!fabric) {
-    fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", boot->rank, fabric.status().to_string());
+  auto comm = Communicator::create(*cfg, *boot);
+  if (!comm) {
+    fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", boot->rank, comm.status().to_string());
     return 2;
   }
-  Fabric& f = **fabric;
+  Fabric& f = (*comm)->fabric();
   auto metrics = r2ccl::mon::JobMetrics::start(*cfg, f);  // when R2CCL_METRICS_PORT is set
   const bool root = f.rank() == 0;
-  SendRecv bench(f, *maxb);
+  std::unique_ptr<Bench> made;
+  if (o.op == "sendrecv") {
+    made = std::make_unique<SendRecv>(f, *maxb);
+  } else {
+    const CollOp op = o.op == "allreduce"       ? CollOp::kAllReduce
+                      : o.op == "allgather"     ? CollOp::kAllGather
+                      : o.op == "reducescatter" ? CollOp::kReduceScatter
+                      : o.op == "broadcast"     ? CollOp::kBroadcast
+                                                : CollOp::kReduce;
+    made = std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb);
+  }
+  Bench& bench = *made;
   if (Status st = bench.init(); !st) {
     fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", f.rank(), st.to_string());
     return 2;
@@ -192,10 +339,10 @@ int run(const Options& o) {
           return s;
         }(),
         r2ccl::format_size(f.config().chunk_size), f.config().provider);
-    fmt::print("#\n# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "size", "count", "type",
-               "time", "algbw", "busbw", "#wrong");
-    fmt::print("# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "(us)",
-               "(GB/s)", "(GB/s)", "");
+    fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}  {}\n", "size",
+               "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "algo");
+    fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}\n", "(B)",
+               "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
   }
   int exit_code = 0;
   int failed_rounds = 0;
@@ -206,7 +353,8 @@ int run(const Options& o) {
   std::vector<r2ccl::RailSnapshot> before, after;
   std::vector<r2ccl::RailEvent> events;  // as of the end of the timed work (not the peer's exit)
   double last_seconds = 0;
-  for (std::size_t bytes = *minb; bytes <= *maxb;) {
+  for (std::size_t requested = *minb; requested <= *maxb;) {
+    const std::size_t bytes = bench.round_bytes(requested);
     std::string error;
     std::uint64_t wrong = 0;
     for (int i = 0; i < o.warmup && error.empty(); ++i)
@@ -279,7 +427,7 @@ int run(const Options& o) {
     }
     last_seconds = g->max_seconds * iters;
     const double algbw = static_cast<double>(bytes) / g->max_seconds / 1e9;
-    const double busbw = algbw;  // sendrecv: every byte crosses one link once
+    const double busbw = algbw * bench.busbw_factor();
     if (!g->error.empty()) {
       if (root) fmt::print(stderr, "r2ccl-perf: {} bytes failed: {}\n", bytes, g->error);
       exit_code = 2;
@@ -289,16 +437,22 @@ int run(const Options& o) {
     busbw_sum += busbw;
     ++rows;
     if (root)
-      fmt::print("  {:>12} {:>12} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7}\n", bytes, bytes, "uint8",
-                 g->max_seconds * 1e6, algbw, busbw, o.check ? std::to_string(g->wrong) : "N/A");
+      fmt::print("  {:>12} {:>12} {:>8} {:>6} {:>5} {:>10.1f} {:>8.3f} {:>8.3f} {:>7}  {}\n", bytes,
+                 bench.count(bytes), bench.type(), bench.redop(), bench.root(),
+                 g->max_seconds * 1e6, algbw, busbw, o.check ? std::to_string(g->wrong) : "N/A",
+                 bench.algo());
     std::fflush(stdout);
     report["results"].push_back({{"bytes", bytes},
+                                 {"count", bench.count(bytes)},
+                                 {"type", bench.type()},
+                                 {"redop", bench.redop()},
+                                 {"algo", bench.algo()},
                                  {"time_us", g->max_seconds * 1e6},
                                  {"algbw_gbps", algbw},
                                  {"busbw_gbps", busbw},
                                  {"wrong", o.check ? nlohmann::json(g->wrong) : nlohmann::json()}});
-    const auto next = static_cast<std::size_t>(static_cast<double>(bytes) * o.step_factor);
-    bytes = next > bytes ? next : bytes + 1;
+    const auto next = static_cast<std::size_t>(static_cast<double>(requested) * o.step_factor);
+    requested = next > requested ? next : requested + 1;
   }
   if (root && rows > 0) {
     fmt::print("# Out of bounds values : {} {}\n", exit_code == 1 ? "some" : "0",
@@ -402,7 +556,13 @@ int main(int argc, char** argv) {
   CLI::App app{"r2ccl-perf: nccl-tests style benchmarks over r2ccl's multi-rail fabric"};
   Options o;
   bool print_table = false;
-  app.add_option("op", o.op, "operation")->check(CLI::IsMember({"sendrecv"}));
+  app.add_option("op", o.op, "operation")
+      ->check(CLI::IsMember(
+          {"sendrecv", "allreduce", "allgather", "reducescatter", "broadcast", "reduce"}));
+  app.add_option("-o,--op", o.redop, "reduction: sum prod min max avg");
+  app.add_option("-d,--datatype", o.type,
+                 "float half bfloat16 double int32 int64 uint8 (or f32 f16 bf16 f64 i32 i64 u8)");
+  app.add_option("-r,--root", o.root, "root rank of broadcast and reduce");
   app.add_option("-b,--minbytes", o.min_bytes, "smallest size (e.g. 8, 4K, 1M)");
   app.add_option("-e,--maxbytes", o.max_bytes, "largest size");
   app.add_option("-f,--stepfactor", o.step_factor, "multiply the size by this between rows");

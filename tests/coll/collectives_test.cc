@@ -12,6 +12,7 @@
 
 #include "coll_test_util.h"
 #include "r2ccl/coll/reduce.h"
+#include "r2ccl/coll/verify.h"
 
 namespace r2ccl::coll {
 namespace {
@@ -60,132 +61,9 @@ std::vector<Case> all_cases(int p) {
   return out;
 }
 
-// Rank r's input element i, as a small integer (exact in every type).
-double input_value(int r, std::size_t i, RedOp op) {
-  if (op == RedOp::kProd) {
-    const auto k = (static_cast<std::size_t>(r) * 3 + i) % 7;
-    return k == 0 ? 2 : k == 3 ? -1 : 1;
-  }
-  return static_cast<double>(static_cast<int>((static_cast<std::size_t>(r) * 7 + i * 3) % 9) - 4);
-}
-
-void store(std::byte* buf, std::size_t i, DataType t, double v) {
-  switch (t) {
-    case DataType::kF32: {
-      float x = static_cast<float>(v);
-      std::memcpy(buf + 4 * i, &x, 4);
-      break;
-    }
-    case DataType::kF64:
-      std::memcpy(buf + 8 * i, &v, 8);
-      break;
-    case DataType::kF16: {
-      auto h = float_to_half(static_cast<float>(v));
-      std::memcpy(buf + 2 * i, &h, 2);
-      break;
-    }
-    case DataType::kBF16: {
-      auto h = float_to_bf16(static_cast<float>(v));
-      std::memcpy(buf + 2 * i, &h, 2);
-      break;
-    }
-    case DataType::kI32: {
-      auto x = static_cast<std::int32_t>(v);
-      std::memcpy(buf + 4 * i, &x, 4);
-      break;
-    }
-    case DataType::kI64: {
-      auto x = static_cast<std::int64_t>(v);
-      std::memcpy(buf + 8 * i, &x, 8);
-      break;
-    }
-    case DataType::kU8:
-      buf[i] = static_cast<std::byte>(static_cast<std::uint8_t>(static_cast<int>(v)));
-      break;
-  }
-}
-
-// Integers as int64 (u8 as 0..255), floats as double.
-double load(const std::byte* buf, std::size_t i, DataType t) {
-  switch (t) {
-    case DataType::kF32: {
-      float x;
-      std::memcpy(&x, buf + 4 * i, 4);
-      return x;
-    }
-    case DataType::kF64: {
-      double x;
-      std::memcpy(&x, buf + 8 * i, 8);
-      return x;
-    }
-    case DataType::kF16: {
-      std::uint16_t h;
-      std::memcpy(&h, buf + 2 * i, 2);
-      return half_to_float(h);
-    }
-    case DataType::kBF16: {
-      std::uint16_t h;
-      std::memcpy(&h, buf + 2 * i, 2);
-      return bf16_to_float(h);
-    }
-    case DataType::kI32: {
-      std::int32_t x;
-      std::memcpy(&x, buf + 4 * i, 4);
-      return x;
-    }
-    case DataType::kI64: {
-      std::int64_t x;
-      std::memcpy(&x, buf + 8 * i, 8);
-      return static_cast<double>(x);
-    }
-    case DataType::kU8:
-      return static_cast<double>(static_cast<std::uint8_t>(buf[i]));
-  }
-  return 0;
-}
-
-// The reference of one output element from the p inputs (already in the type's domain), with
-// the type's wrap-around for integer sums and products.
-std::vector<std::byte> reference_element(const std::vector<double>& in, DataType t, RedOp op) {
-  std::vector<std::byte> out(type_size(t));
-  if (is_float(t)) {
-    double acc = in[0];
-    for (std::size_t k = 1; k < in.size(); ++k) {
-      switch (op) {
-        case RedOp::kSum:
-        case RedOp::kAvg:
-          acc += in[k];
-          break;
-        case RedOp::kProd:
-          acc *= in[k];
-          break;
-        case RedOp::kMin:
-          acc = std::min(acc, in[k]);
-          break;
-        case RedOp::kMax:
-          acc = std::max(acc, in[k]);
-          break;
-      }
-    }
-    if (op == RedOp::kAvg) acc /= static_cast<double>(in.size());
-    store(out.data(), 0, t, acc);
-    return out;
-  }
-  auto acc = static_cast<std::uint64_t>(static_cast<std::int64_t>(in[0]));
-  std::int64_t lo = static_cast<std::int64_t>(in[0]), hi = lo;
-  for (std::size_t k = 1; k < in.size(); ++k) {
-    const auto x = static_cast<std::int64_t>(in[k]);
-    if (op == RedOp::kSum) acc += static_cast<std::uint64_t>(x);
-    if (op == RedOp::kProd) acc *= static_cast<std::uint64_t>(x);
-    lo = std::min(lo, x);
-    hi = std::max(hi, x);
-  }
-  const std::uint64_t v = op == RedOp::kMin   ? static_cast<std::uint64_t>(lo)
-                          : op == RedOp::kMax ? static_cast<std::uint64_t>(hi)
-                                              : acc;
-  std::memcpy(out.data(), &v, out.size());  // little-endian: the low bytes are the wrapped value
-  return out;
-}
+double input_value(int r, std::size_t i, RedOp op) { return test_value(r, i, 0, op); }
+void store(std::byte* buf, std::size_t i, DataType t, double v) { set_element(buf, i, t, v); }
+double load(const std::byte* buf, std::size_t i, DataType t) { return get_element(buf, i, t); }
 
 constexpr std::size_t kGuard = 64;  // bytes past every output that must stay untouched
 
@@ -283,18 +161,16 @@ std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>&
           store(tmp.data(), 0, k.type, input_value(q, first + i, k.redop));
           in[static_cast<std::size_t>(q)] = load(tmp.data(), 0, k.type);
         }
-        want = reference_element(in, k.type, k.redop);
       }
     }
     const std::byte* got = recv + i * e;
-    if (k.redop == RedOp::kAvg && reduces(k.op)) {
-      const double g = load(got, 0, k.type), w = load(want.data(), 0, k.type);
-      const double tol = k.type == DataType::kBF16 ? 1e-2 : k.type == DataType::kF16 ? 1e-3 : 1e-6;
-      if (!(std::fabs(g - w) <= tol * std::max(1.0, std::fabs(w))))
-        return fail(fmt::format("element {}: {} where {} was expected", i, g, w)), 0;
-    } else if (std::memcmp(got, want.data(), e) != 0) {
+    if (reduces(k.op) ? !matches_reduction(got, in, k.type, k.redop)
+                      : std::memcmp(got, want.data(), e) != 0) {
+      std::string expected = reduces(k.op) ? "the reduction of" : fmt::format("{}", load(want.data(), 0, k.type));
+      if (reduces(k.op))
+        for (double x : in) expected += fmt::format(" {}", x);
       return fail(fmt::format("element {}: {} where {} was expected", i, load(got, 0, k.type),
-                              load(want.data(), 0, k.type))),
+                              expected)),
              0;
     }
     for (std::size_t b = 0; b < e; ++b)
