@@ -5,13 +5,11 @@
 #include <cstring>
 #include <type_traits>
 
-// GCC/Clang: an AVX2+F16C clone of the dispatchers, chosen by the dynamic loader on CPUs that
-// have it; the template kernels are inlined into each clone so both get their own code.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define R2CCL_CLONES __attribute__((target_clones("default", "arch=haswell")))
-#else
-#define R2CCL_CLONES
+// x86-64: the kernels are compiled twice, for the baseline and for AVX2 + F16C + FMA, and the
+// second is used when the CPU has those (checked once). The template kernels are inlined into
+// both entry points so each gets its own code.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define R2CCL_X86_DISPATCH 1
 #endif
 #define R2CCL_INLINE [[gnu::always_inline]] inline
 
@@ -131,10 +129,9 @@ R2CCL_INLINE void by_type(void* d, const void* a, const void* b, std::size_t n, 
   }
 }
 
-}  // namespace
-
-R2CCL_CLONES void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType t,
-                         RedOp op) {
+// The kernels' bodies, inlined into one entry point per instruction set.
+R2CCL_INLINE void reduce_body(void* dst, const void* a, const void* b, std::size_t count,
+                              DataType t, RedOp op) {
   switch (op) {
     case RedOp::kSum:
     case RedOp::kAvg:
@@ -148,7 +145,7 @@ R2CCL_CLONES void reduce(void* dst, const void* a, const void* b, std::size_t co
   }
 }
 
-R2CCL_CLONES void finish_avg(void* buf, std::size_t count, DataType t, int n) {
+R2CCL_INLINE void avg_body(void* buf, std::size_t count, DataType t, int n) {
   struct Div {
     float fn;
     double dn;
@@ -167,6 +164,46 @@ R2CCL_CLONES void finish_avg(void* buf, std::size_t count, DataType t, int n) {
     default:
       return;  // avg is refused for integer types before any data moves
   }
+}
+
+void reduce_baseline(void* dst, const void* a, const void* b, std::size_t count, DataType t,
+                     RedOp op) {
+  reduce_body(dst, a, b, count, t, op);
+}
+void avg_baseline(void* buf, std::size_t count, DataType t, int n) {
+  avg_body(buf, count, t, n);
+}
+
+#ifdef R2CCL_X86_DISPATCH
+__attribute__((target("avx2,f16c,fma"))) void reduce_avx2(void* dst, const void* a, const void* b,
+                                                          std::size_t count, DataType t, RedOp op) {
+  reduce_body(dst, a, b, count, t, op);
+}
+__attribute__((target("avx2,f16c,fma"))) void avg_avx2(void* buf, std::size_t count, DataType t,
+                                                       int n) {
+  avg_body(buf, count, t, n);
+}
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType t, RedOp op) {
+#ifdef R2CCL_X86_DISPATCH
+  if (has_avx2()) return reduce_avx2(dst, a, b, count, t, op);
+#endif
+  reduce_baseline(dst, a, b, count, t, op);
+}
+
+void finish_avg(void* buf, std::size_t count, DataType t, int n) {
+#ifdef R2CCL_X86_DISPATCH
+  if (has_avx2()) return avg_avx2(buf, count, t, n);
+#endif
+  avg_baseline(buf, count, t, n);
 }
 
 float half_to_float(std::uint16_t h) {
