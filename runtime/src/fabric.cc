@@ -55,6 +55,14 @@ Status Op::status() const {
 }
 
 Status Op::wait(milliseconds timeout) {
+  // A short spin first (yielding, so the progress thread of this or another rank gets the core):
+  // a small message completes within it and the waiter skips a sleep and wake-up.
+  constexpr auto kSpin = std::chrono::microseconds(50);
+  const auto spin_until =
+      std::chrono::steady_clock::now() + std::min<Clock::duration>(kSpin, timeout);
+  while (!done_flag_.load(std::memory_order_acquire) &&
+         std::chrono::steady_clock::now() < spin_until)
+    std::this_thread::yield();
   std::unique_lock lock(mutex_);
   if (!cv_.wait_for(lock, timeout, [&] { return done_; }))
     return {ErrorCode::kTimeout,
@@ -69,6 +77,7 @@ void Op::complete(Status status) {
     if (done_) return;
     done_ = true;
     status_ = std::move(status);
+    done_flag_.store(true, std::memory_order_release);
     fn = std::move(callback_);
   }
   cv_.notify_all();

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "r2ccl/runtime/log.h"
 
@@ -14,7 +15,18 @@ namespace {
 using std::chrono::milliseconds;
 
 // Control messages on the rails: u64 sequence number, u8 type, body.
-enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3 };
+enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3, kEager = 4 };
+// Messages up to this size travel eagerly inside a control message (no clear-to-send round trip
+// before the data).
+constexpr std::size_t kEagerMax = 64 * 1024;
+
+std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint64_t sent,
+                          std::uint64_t posted) {
+  return fmt::format(
+      "size mismatch in message #{} between rank {} and rank {}: the sender sends {} bytes, the "
+      "receiver posted {} bytes",
+      seq, sender, receiver, sent, posted);
+}
 // Fence notices on the control path: u8 type, u32 rail, u32 epoch, reason.
 enum class FenceType : std::uint8_t { kFence = 1, kFenceAck = 2 };
 
@@ -579,9 +591,10 @@ void Channel::shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Control messages on the rails
 
-void Channel::send_control(Bytes body) {
+void Channel::send_control(Bytes body, std::size_t payload) {
   ControlEntry e;
   e.seq = next_control_seq_++;
+  e.payload = payload;
   ByteWriter w;
   w.u64(e.seq).raw(body.data(), body.size());
   e.message = w.take();
@@ -632,8 +645,21 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
     }
     if (sends_.count(c.seq) != 0)
       start_send(c.seq, c);
-    else
+    else if (c.seq >= next_send_seq_)
       early_cts_[c.seq] = c;
+    // else: the send already ended (it failed)
+    return;
+  }
+  if (type == ControlType::kEager) {
+    const auto seq2 = r.u64();
+    const auto length = r.u64();
+    if (!r.ok() || message.size() - 25 != length) {
+      R2CCL_WARN("rank {} sent a malformed eager message on rail {}", peer_, rail);
+      return;
+    }
+    rails_[rail]->tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
+    rails_[rail]->tel.rx_chunks.fetch_add(1, std::memory_order_relaxed);
+    on_eager(seq2, Bytes(message.begin() + 25, message.end()));
     return;
   }
   if (type == ControlType::kAbort) {
@@ -680,7 +706,15 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
                         Clock::time_point deadline) {
   if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
-  sends_.emplace(seq, make_send(std::move(op), std::move(region), offset, length, deadline));
+  Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
+  if (length > 0 && length <= kEagerMax) {
+    s.eager = true;
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(ControlType::kEager)).u64(seq).u64(length);
+    w.raw(s.region->base + offset, length);
+    send_control(w.take(), length);
+  }
+  sends_.emplace(seq, std::move(s));
   if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
     Cts c = it->second;
     early_cts_.erase(it);
@@ -708,7 +742,7 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
   s.started = true;
   s.cts.seq = seq;
   s.cts.length = length;
-  s.cts.chunk = static_cast<std::uint32_t>(config_.chunk_size);
+  s.cts.chunk = chunk_for(length);
   s.cts.offset = remote_offset;
   s.cts.region = remote;
   s.nchunks = chunk_count(length, s.cts.chunk);
@@ -744,13 +778,14 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   Cts cts;
   cts.seq = seq;
   cts.length = length;
-  cts.chunk = static_cast<std::uint32_t>(config_.chunk_size);
+  cts.chunk = chunk_for(length);
   cts.offset = offset;
   cts.region = RemoteRegion{region->id, region->length, region->keys};
   Recv r;
   r.op = op;
   r.region = std::move(region);
   r.seq = seq;
+  r.offset = offset;
   r.length = length;
   r.deadline = deadline;
   r.arrivals = ArrivalSet(chunk_count(length, cts.chunk));
@@ -766,7 +801,46 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     op->complete(Status::ok());
     return;
   }
+  if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
+    Bytes data = std::move(it->second);
+    unexpected_.erase(it);
+    finish_eager(op, r.region, offset, length, seq, data);
+    return;
+  }
   recv_slots_.emplace(slot, std::move(r));
+}
+
+void Channel::on_eager(std::uint64_t seq, Bytes data) {
+  auto it = recv_slots_.find(ChunkImm::slot_of(seq));
+  if (it == recv_slots_.end() || it->second.seq != seq) {
+    if (seq >= next_recv_seq_) unexpected_.emplace(seq, std::move(data));
+    return;  // else: the receive already ended (failed at its deadline)
+  }
+  Recv r = std::move(it->second);
+  recv_slots_.erase(it);
+  finish_eager(r.op, r.region, r.offset, r.length, seq, data);
+}
+
+void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
+                           std::size_t length, std::uint64_t seq, const Bytes& data) {
+  if (data.size() != length) {
+    op->complete(
+        {ErrorCode::kInvalidArgument, size_mismatch(seq, peer_, ctx_.me, data.size(), length)});
+    return;
+  }
+  std::memcpy(region->base + offset, data.data(), length);
+  op->complete(Status::ok());
+}
+
+std::uint32_t Channel::chunk_for(std::size_t length) const {
+  // At most R2CCL_CHUNK_SIZE, but small enough that a message gives every rail two chunks (so a
+  // 1 MiB message is striped over four rails rather than sent whole on one), and no smaller
+  // than 64 KiB (per-chunk overhead) or 4 KiB-aligned.
+  constexpr std::size_t kMinChunk = 64 * 1024;
+  const std::size_t pieces = 2 * std::max<std::size_t>(rails_.size(), 1);
+  std::size_t c = (length + pieces - 1) / pieces;
+  c = (c + 4095) / 4096 * 4096;
+  return static_cast<std::uint32_t>(std::min(config_.chunk_size, std::max(kMinChunk, c)));
 }
 
 void Channel::start_send(std::uint64_t seq, const Cts& cts) {
@@ -778,10 +852,7 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
     op->complete(std::move(st));
   };
   if (cts.length != s.length) {
-    const std::string why = fmt::format(
-        "size mismatch in message #{} between rank {} and rank {}: the sender sends {} bytes, the "
-        "receiver posted {} bytes",
-        seq, ctx_.me, peer_, s.length, cts.length);
+    const std::string why = size_mismatch(seq, ctx_.me, peer_, s.length, cts.length);
     ByteWriter w;
     w.u8(static_cast<std::uint8_t>(ControlType::kAbort)).u64(seq).str(why);
     send_control(w.take());
@@ -790,6 +861,7 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
   if (cts.region.keys.size() < rails_.size() || cts.chunk == 0)
     return finish(
         {ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
+  if (s.eager) return finish(Status::ok());  // the data went ahead; the receiver has the size
   s.started = true;
   s.cts = cts;
   s.nchunks = chunk_count(s.length, cts.chunk);
@@ -879,7 +951,13 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
   auto& s = *rails_[rail];
   s.health->on_heard(now);
   if (cookie & kControlCookieBit) {
-    control_inflight_.erase(cookie);
+    if (auto it = control_inflight_.find(cookie); it != control_inflight_.end()) {
+      if (it->second.payload > 0) {
+        s.tel.tx_bytes.fetch_add(it->second.payload, std::memory_order_relaxed);
+        s.tel.tx_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+      control_inflight_.erase(it);
+    }
     return;
   }
   // Any confirmation shows the rail moving data, even one for a chunk whose operation ended.

@@ -101,6 +101,7 @@ class Channel {
     std::uint64_t seq = 0;
     Bytes message;  // the whole framed control message
     std::uint32_t rail = 0;
+    std::size_t payload = 0;  // user data inside (eager messages): counted as rail traffic
   };
   struct RailSlot {
     std::shared_ptr<Rail> rail;  // null while fenced / not connected
@@ -137,6 +138,9 @@ class Channel {
     std::size_t length = 0;
     Clock::time_point deadline;
     bool started = false;
+    // Small messages go eagerly: the data travels inside a control message at once, and the send
+    // completes when the receiver's clear-to-send confirms the length.
+    bool eager = false;
     Cts cts;
     std::uint32_t nchunks = 0;
     std::uint32_t next_chunk = 0;
@@ -146,6 +150,7 @@ class Channel {
     OpPtr op;
     RegionPtr region;
     std::uint64_t seq = 0;
+    std::size_t offset = 0;
     std::size_t length = 0;
     Clock::time_point deadline;
     Clock::time_point last_arrival{};  // of one of its chunks
@@ -166,7 +171,7 @@ class Channel {
   bool any_usable() const;
 
   // Control messages on the rails (clear-to-send, abort): reliable and idempotent.
-  void send_control(Bytes body);
+  void send_control(Bytes body, std::size_t payload = 0);
   void flush_control();
   void deliver_control(std::uint32_t rail, Bytes message);
   void send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
@@ -176,7 +181,13 @@ class Channel {
   bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone
   static Send make_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline);
+  std::uint32_t chunk_for(std::size_t length) const;  // chunk size of a message
   void start_send(std::uint64_t seq, const Cts& cts);
+  // Eager data for receive `seq` (posted or not yet).
+  void on_eager(std::uint64_t seq, Bytes data);
+  // Completes a posted receive with eager data (or its size mismatch).
+  void finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
+                    std::size_t length, std::uint64_t seq, const Bytes& data);
   void pump();
   void drop_send(std::map<std::uint64_t, Send>::iterator it);
   void fail_all(const Status& why);
@@ -210,6 +221,7 @@ class Channel {
   std::deque<InflightChunk> replay_;
 
   std::uint64_t next_recv_seq_ = 0;
+  std::map<std::uint64_t, Bytes> unexpected_;  // eager data whose receive is not posted yet
   std::map<std::uint32_t, Recv> recv_slots_;
   Clock::time_point last_tick_{};
   Clock::time_point last_confirm_{};  // of any chunk to this peer, or a re-admission

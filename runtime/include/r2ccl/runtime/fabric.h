@@ -52,6 +52,7 @@ class Op {
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::atomic<bool> done_flag_{false};  // done_, readable without the lock (the waiter's spin)
   Status status_;
   std::function<void(const Status&)> callback_;
   std::atomic<bool> replayed_{false};
