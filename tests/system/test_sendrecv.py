@@ -13,7 +13,8 @@ from r2ccl_testbed import (PERF, Proc, Testbed, describe, free_port, launch_rank
                            loopback_nics, perf_ranks, random_port, rank_env)
 
 CHECK_LINE = "# Check: every byte verified on every rank"
-ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+uint8\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*$")
+# size count type redop root time algbw busbw #wrong algo
+ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+uint8\s+none\s+-1\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+p2p\s*$")
 TOKEN_A = "0123456789abcdef0123456789abcdef"
 TOKEN_B = "fedcba9876543210fedcba9876543210"
 
