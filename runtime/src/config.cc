@@ -38,7 +38,7 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_PROVIDER", "tcp", "Transport provider: `tcp` (verbs arrives with its own issue)."},
     {"R2CCL_CHUNK_SIZE", "512K",
      "Largest chunk a message is cut into for striping over the rails, 4K–64M (smaller "
-     "messages use smaller chunks, down to 64K, so that each still spans every rail)."},
+     "messages use smaller chunks, down to 4K, so that each still spans every rail)."},
     {"R2CCL_RAIL_WINDOW", "2M",
      "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G."},
     {"R2CCL_TIMEOUT", "30s",

@@ -18,7 +18,9 @@ using std::chrono::milliseconds;
 enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3, kEager = 4 };
 // Messages up to this size travel eagerly inside a control message (no clear-to-send round trip
 // before the data).
-constexpr std::size_t kEagerMax = 64 * 1024;
+// Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
+// sent whole on one rail already takes longer than the clear-to-send round trip it saves.
+constexpr std::size_t kEagerMax = 8 * 1024;
 
 std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint64_t sent,
                           std::uint64_t posted) {
@@ -837,9 +839,8 @@ void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t
 
 std::uint32_t Channel::chunk_for(std::size_t length) const {
   // At most R2CCL_CHUNK_SIZE, but small enough that a message gives every rail two chunks (so a
-  // 1 MiB message is striped over four rails rather than sent whole on one), and no smaller
-  // than 64 KiB (per-chunk overhead) or 4 KiB-aligned.
-  constexpr std::size_t kMinChunk = 64 * 1024;
+  // 1 MiB message is striped over four rails rather than sent whole on one); whole 4 KiB units.
+  constexpr std::size_t kMinChunk = 4 * 1024;
   const std::size_t pieces = 2 * std::max<std::size_t>(rails_.size(), 1);
   std::size_t c = (length + pieces - 1) / pieces;
   c = (c + 4095) / 4096 * 4096;

@@ -193,3 +193,33 @@ def test_metrics_port_past_65535_job_runs_without_metrics(perf):
     assert CHECK_LINE in res[0].stdout, describe(res)
     warning = [line for line in res[1].stderr.splitlines() if "running without metrics" in line]
     assert len(warning) == 1 and "65535" in warning[0], describe(res)
+
+
+def test_collective_durations_are_exported_per_op_and_algorithm(perf):
+    """A running all-reduce job publishes r2ccl_collective_duration_seconds{op,algo}: one series
+    per algorithm it ran (one-shot for 4 KiB, ring for 1 MiB), counts growing while it runs."""
+    import re
+    import threading
+    import urllib.request
+    port = two_free_ports()
+    result = {}
+    job = threading.Thread(target=lambda: result.setdefault("res", loopback_job(
+        port, ("allreduce", "-b", "4K", "-e", "1M", "-f", "256", "--duration", "3", "-c", "1"))))
+    job.start()
+    pat = re.compile(r'^r2ccl_collective_duration_seconds_count\{(?=[^}]*op="allreduce")'
+                     r'(?=[^}]*algo="(\w+)")[^}]*\} (\d+)', re.M)
+    seen = {}
+    deadline = time.monotonic() + 30
+    while job.is_alive() and time.monotonic() < deadline:  # bounded: the job's own 60 s limit
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            for algo, count in pat.findall(text):
+                seen[algo] = max(seen.get(algo, 0), int(count))
+        except OSError:
+            pass
+        time.sleep(0.2)
+    job.join(60)
+    res = result["res"]
+    assert [r.returncode for r in res] == [0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert seen.get("oneshot", 0) > 0 and seen.get("ring", 0) > 0, seen

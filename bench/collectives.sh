@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# bench/collectives.sh: r2ccl's all-reduce side by side with Open MPI's MPI_Allreduce and Gloo
+# (torch.distributed) in one run, on the same hosts and sizes, as one table with ratios.
+#
+#   bench/collectives.sh BUILD_DIR [testbed|loopback|both]   (default both)
+#
+# testbed:  2 hosts x 4 NICs, every rail shaped to 100mbit; one rank per host. r2ccl stripes over
+#           the four rails; Open MPI gets the same four interfaces (its TCP BTL stripes large
+#           messages over them); Gloo gets them as GLOO_SOCKET_IFNAME (one device per interface,
+#           used in turn by successive collectives).
+# loopback: 2 ranks on 127.0.0.1, one interface for everyone.
+# Every implementation runs float32 sum, out of place, -b 8 -e 4M -f 2, and checks every element
+# once per size (-c 1). Targets (issue "collectives"): at >= 1 MiB r2ccl's bus bandwidth >= 1.2x
+# the better baseline; from 8 B to 64 KiB r2ccl's time <= the better baseline's.
+# Exit status: 0 every target PASS, 1 a target FAILed or a run failed, 2 usage, 77 no testbed.
+set -euo pipefail
+
+readonly TB_NAME=collbench
+readonly RANK_TIMEOUT=600
+readonly SIZES=(-b 8 -e 4M -f 2 -n 10 -w 3 -c 1)
+
+[[ $# -ge 1 ]] || { echo "usage: bench/collectives.sh BUILD_DIR [testbed|loopback|both]" >&2; exit 2; }
+build=$1
+which=${2:-both}
+[[ $which == testbed || $which == loopback || $which == both ]] ||
+  { echo "bench: unknown setup '$which': expected testbed, loopback or both" >&2; exit 2; }
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+testbed=$root/tests/testbed/testbed
+perf=$build/bin/r2ccl-perf
+[[ -x $perf ]] || { echo "bench: $perf not found (build first: scripts/run build)" >&2; exit 2; }
+/usr/bin/python3 -c 'import torch.distributed' 2>/dev/null ||
+  { echo "bench: needs Debian's python3-torch (Gloo) and openmpi-bin, libopenmpi-dev" >&2; exit 77; }
+
+NAME=bench
+# shellcheck source=scripts/lib.sh
+source "$root/scripts/lib.sh"
+r2_init coll
+
+# r2ccl on the testbed: rank h on host h, the rails chosen by default (every NIC but eth0).
+r2ccl_testbed() {
+  local port
+  port=$(r2_free_port)
+  local env=(R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=198.19.0.1:$port")
+  cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 "${env[@]}" "$perf" allreduce "${SIZES[@]}"
+    --json "$work/r2ccl-testbed.json")
+  cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 "${env[@]}" "$perf" allreduce "${SIZES[@]}")
+  r2_run_pair r2ccl-testbed
+}
+
+r2ccl_loopback() {
+  local port
+  port=$(r2_free_port)
+  local env=(R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=127.0.0.1:$port" R2CCL_NICS=127.0.0.1)
+  cmd0=(env R2CCL_RANK=0 "${env[@]}" "$perf" allreduce "${SIZES[@]}" --json "$work/r2ccl-loopback.json")
+  cmd1=(env R2CCL_RANK=1 "${env[@]}" "$perf" allreduce "${SIZES[@]}")
+  r2_run_pair r2ccl-loopback
+}
+
+# The baselines (bench/baseline.sh prints one JSON line per implementation and size).
+baselines() {
+  local net=$1
+  shift
+  timeout "$RANK_TIMEOUT" "$root/bench/baseline.sh" --net "$net" "$@" -- "${SIZES[@]}" \
+    >"$work/baseline-$net.jsonl" 2>"$work/baseline-$net.err" || {
+    echo "bench: the $net baselines failed:" >&2
+    cat "$work/baseline-$net.err" >&2
+    return 1
+  }
+}
+
+# table NET: the side-by-side table of one setup and its targets; returns 1 if a target failed.
+table() {
+  /usr/bin/python3 - "$work/r2ccl-$1.json" "$work/baseline-$1.jsonl" "$1" <<'PY'
+import json, sys
+r2, base, net = sys.argv[1], sys.argv[2], sys.argv[3]
+rows = {}
+for r in json.load(open(r2))["results"]:
+    rows.setdefault(r["bytes"], {})["r2ccl"] = (r["time_us"], r["busbw_gbps"])
+for line in open(base):
+    j = json.loads(line)
+    rows.setdefault(j["bytes"], {})[j["impl"]] = (j["time_us"], j["busbw_gbps"])
+impls = ["openmpi", "gloo"]
+def size(b):
+    for unit, n in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= n and b % n == 0:
+            return f"{b // n} {unit}"
+    return f"{b} B"
+print(f"\n{net}: all-reduce float32 sum, 2 ranks; time per operation (us) and bus bandwidth (MB/s)\n")
+print("| size | r2ccl us | Open MPI us | Gloo us | r2ccl MB/s | Open MPI MB/s | Gloo MB/s |"
+      " busbw vs better | time vs better |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+ok = True
+for b in sorted(rows):
+    r = rows[b]
+    if "r2ccl" not in r or not all(i in r for i in impls):
+        continue
+    t, bw = r["r2ccl"]
+    best_bw = max(r[i][1] for i in impls)
+    best_t = min(r[i][0] for i in impls)
+    bw_ratio = bw / best_bw if best_bw > 0 else float("inf")
+    t_ratio = best_t / t if t > 0 else float("inf")  # > 1: r2ccl is faster
+    mark = ""
+    if b >= 1 << 20:
+        mark = " PASS" if bw_ratio >= 1.2 else " FAIL"
+        ok &= bw_ratio >= 1.2
+    tmark = ""
+    if b <= 64 << 10:
+        tmark = " PASS" if t <= best_t else " FAIL"
+        ok &= t <= best_t
+    print(f"| {size(b)} | {t:.1f} | {r['openmpi'][0]:.1f} | {r['gloo'][0]:.1f} | {bw * 1e3:.2f} | "
+          f"{r['openmpi'][1] * 1e3:.2f} | {r['gloo'][1] * 1e3:.2f} | {bw_ratio:.2f}x{mark} | "
+          f"{t_ratio:.2f}x{tmark} |")
+print("\nbusbw vs better: r2ccl / the better baseline (target >= 1.2x at >= 1 MiB); time vs better:"
+      " the better baseline's time / r2ccl's (target >= 1x from 8 B to 64 KiB).")
+sys.exit(0 if ok else 1)
+PY
+}
+
+status=0
+if [[ $which == testbed || $which == both ]]; then
+  r2_require_testbed
+  r2_create_testbed --hosts 2 --nics 4 --rate 100mbit
+  echo "bench: testbed '$TB_NAME': 2 hosts x 4 NICs at 100mbit" >&2
+  r2ccl_testbed || status=1
+  baselines testbed --testbed "$TB_NAME" --nics 4 || status=1
+  [[ $status -ne 0 ]] || table testbed || status=1
+fi
+if [[ $which == loopback || $which == both ]]; then
+  r2ccl_loopback || status=1
+  baselines loopback || status=1
+  [[ -s $work/r2ccl-loopback.json ]] && { table loopback || status=1; }
+fi
+exit "$status"
