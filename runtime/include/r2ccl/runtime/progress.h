@@ -1,6 +1,7 @@
 // The progress engine: one event loop thread (Asio's reactor: epoll) that runs every provider
-// and channel handler. It blocks in the kernel when there is nothing to do — no busy polling,
-// which on a small machine would starve the other ranks (DESIGN.md, Progress).
+// and channel handler. After work it polls for at most 50 us (yielding the core), then blocks in
+// the kernel — no long busy polling, which on a small machine would starve the other ranks
+// (DESIGN.md, Progress).
 #pragma once
 
 #include <utility>
@@ -41,6 +42,7 @@ class ProgressEngine {
   void stop();
 
  private:
+  void run_adaptive();
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
   std::thread thread_;
