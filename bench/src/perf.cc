@@ -186,9 +186,7 @@ class Collective final : public Bench {
     const std::size_t unit = r2ccl::coll::type_size(t_) * (per_rank() ? p() : 1);
     return bytes / unit * unit;
   }
-  std::size_t count(std::size_t bytes) const override {
-    return bytes / r2ccl::coll::type_size(t_);
-  }
+  std::size_t count(std::size_t bytes) const override { return bytes / r2ccl::coll::type_size(t_); }
   double busbw_factor() const override {
     const double n = static_cast<double>(p());
     if (op_ == CollOp::kAllReduce) return 2 * (n - 1) / n;
@@ -205,12 +203,18 @@ class Collective final : public Bench {
   Status run_once(std::size_t bytes) override {
     const std::size_t n = count(bytes) / (per_rank() ? p() : 1);  // the call's count argument
     switch (op_) {
-      case CollOp::kAllReduce: return c_.all_reduce(send_.data(), recv_.data(), n, t_, r_);
-      case CollOp::kAllGather: return c_.all_gather(send_.data(), recv_.data(), n, t_);
-      case CollOp::kReduceScatter: return c_.reduce_scatter(send_.data(), recv_.data(), n, t_, r_);
-      case CollOp::kBroadcast: return c_.broadcast(send_.data(), recv_.data(), n, t_, root_);
-      case CollOp::kReduce: return c_.reduce(send_.data(), recv_.data(), n, t_, r_, root_);
-      case CollOp::kBarrier: return c_.barrier();
+      case CollOp::kAllReduce:
+        return c_.all_reduce(send_.data(), recv_.data(), n, t_, r_);
+      case CollOp::kAllGather:
+        return c_.all_gather(send_.data(), recv_.data(), n, t_);
+      case CollOp::kReduceScatter:
+        return c_.reduce_scatter(send_.data(), recv_.data(), n, t_, r_);
+      case CollOp::kBroadcast:
+        return c_.broadcast(send_.data(), recv_.data(), n, t_, root_);
+      case CollOp::kReduce:
+        return c_.reduce(send_.data(), recv_.data(), n, t_, r_, root_);
+      case CollOp::kBarrier:
+        return c_.barrier();
     }
     return Status::ok();
   }
@@ -242,7 +246,8 @@ class Collective final : public Bench {
         wrong += r2ccl::coll::get_element(got, 0, t_) != want;
         continue;
       }
-      const std::size_t at = op_ == CollOp::kReduceScatter ? static_cast<std::size_t>(me) * n + i : i;
+      const std::size_t at =
+          op_ == CollOp::kReduceScatter ? static_cast<std::size_t>(me) * n + i : i;
       for (int q = 0; q < c_.size(); ++q)
         in[static_cast<std::size_t>(q)] = value(q, at);
       wrong += !r2ccl::coll::matches_reduction(got, in, t_, r_);
@@ -341,8 +346,8 @@ int run(const Options& o) {
         r2ccl::format_size(f.config().chunk_size), f.config().provider);
     fmt::print("#\n# {:>12} {:>12} {:>8} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}  {}\n", "size",
                "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "algo");
-    fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}\n", "(B)",
-               "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
+    fmt::print("# {:>12} {:>12} {:>8} {:>6} {:>5} {:>10} {:>8} {:>8} {:>7}\n", "(B)", "(elements)",
+               "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
   }
   int exit_code = 0;
   int failed_rounds = 0;

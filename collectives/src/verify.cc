@@ -37,7 +37,8 @@ double get_element(const void* buf, std::size_t i, DataType t) {
       std::memcpy(&x, p, 8);
       return static_cast<double>(x);
     }
-    case DataType::kU8: return static_cast<double>(static_cast<std::uint8_t>(*p));
+    case DataType::kU8:
+      return static_cast<double>(static_cast<std::uint8_t>(*p));
   }
   return 0;
 }
@@ -50,7 +51,9 @@ void set_element(void* buf, std::size_t i, DataType t, double v) {
       std::memcpy(p, &x, 4);
       break;
     }
-    case DataType::kF64: std::memcpy(p, &v, 8); break;
+    case DataType::kF64:
+      std::memcpy(p, &v, 8);
+      break;
     case DataType::kF16:
     case DataType::kBF16: {
       const auto h = t == DataType::kF16 ? float_to_half(static_cast<float>(v))
@@ -91,10 +94,18 @@ bool matches_reduction(const void* got, std::span<const double> in, DataType t, 
     for (std::size_t k = 1; k < in.size(); ++k) {
       switch (op) {
         case RedOp::kSum:
-        case RedOp::kAvg: acc += in[k]; break;
-        case RedOp::kProd: acc *= in[k]; break;
-        case RedOp::kMin: acc = std::min(acc, in[k]); break;
-        case RedOp::kMax: acc = std::max(acc, in[k]); break;
+        case RedOp::kAvg:
+          acc += in[k];
+          break;
+        case RedOp::kProd:
+          acc *= in[k];
+          break;
+        case RedOp::kMin:
+          acc = std::min(acc, in[k]);
+          break;
+        case RedOp::kMax:
+          acc = std::max(acc, in[k]);
+          break;
       }
     }
     if (op == RedOp::kAvg) {

@@ -61,9 +61,15 @@ std::vector<Case> all_cases(int p) {
   return out;
 }
 
-double input_value(int r, std::size_t i, RedOp op) { return test_value(r, i, 0, op); }
-void store(std::byte* buf, std::size_t i, DataType t, double v) { set_element(buf, i, t, v); }
-double load(const std::byte* buf, std::size_t i, DataType t) { return get_element(buf, i, t); }
+double input_value(int r, std::size_t i, RedOp op) {
+  return test_value(r, i, 0, op);
+}
+void store(std::byte* buf, std::size_t i, DataType t, double v) {
+  set_element(buf, i, t, v);
+}
+double load(const std::byte* buf, std::size_t i, DataType t) {
+  return get_element(buf, i, t);
+}
 
 constexpr std::size_t kGuard = 64;  // bytes past every output that must stay untouched
 
@@ -166,9 +172,11 @@ std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>&
     const std::byte* got = recv + i * e;
     if (reduces(k.op) ? !matches_reduction(got, in, k.type, k.redop)
                       : std::memcmp(got, want.data(), e) != 0) {
-      std::string expected = reduces(k.op) ? "the reduction of" : fmt::format("{}", load(want.data(), 0, k.type));
+      std::string expected =
+          reduces(k.op) ? "the reduction of" : fmt::format("{}", load(want.data(), 0, k.type));
       if (reduces(k.op))
-        for (double x : in) expected += fmt::format(" {}", x);
+        for (double x : in)
+          expected += fmt::format(" {}", x);
       return fail(fmt::format("element {}: {} where {} was expected", i, load(got, 0, k.type),
                               expected)),
              0;

@@ -62,11 +62,13 @@ struct RailSnapshot {
 };
 
 // A fixed-bucket latency histogram of plain atomics (observed on the progress thread, read at
-// scrape time). Bucket bounds in seconds: 1ms .. 10s, roughly doubling.
+// scrape time). Bucket bounds in seconds: 50us .. 10s, roughly doubling (small collectives take
+// tens of microseconds, failovers and KV requests milliseconds to seconds).
 class LatencyHistogram {
  public:
-  static constexpr std::array<double, 14> kBounds{0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
-                                                  0.2,   0.3,   0.5,   1,    2,    5,    10};
+  static constexpr std::array<double, 18> kBounds{0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002,
+                                                  0.005,   0.01,   0.02,   0.05,   0.1,   0.2,
+                                                  0.3,     0.5,    1,      2,      5,     10};
   void observe(double seconds);
   // Cumulative counts per bound (as Prometheus wants them), the total count and the sum.
   std::array<std::uint64_t, kBounds.size()> cumulative() const;
