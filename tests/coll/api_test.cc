@@ -9,6 +9,7 @@
 
 #include "coll_test_util.h"
 #include "r2ccl/coll/reduce.h"
+#include "r2ccl/coll/verify.h"
 
 namespace r2ccl::coll {
 namespace {
@@ -37,39 +38,7 @@ TEST(Reduce, EveryTypeAndOperationOnARaggedLength) {
       const std::size_t e = type_size(t);
       std::vector<std::byte> x(n * e), y(n * e), d(n * e);
       auto put = [&](std::vector<std::byte>& buf, std::size_t i, double v) {
-        switch (t) {
-          case DataType::kF32: {
-            float f = static_cast<float>(v);
-            std::memcpy(&buf[i * 4], &f, 4);
-            break;
-          }
-          case DataType::kF64:
-            std::memcpy(&buf[i * 8], &v, 8);
-            break;
-          case DataType::kF16: {
-            auto h = float_to_half(static_cast<float>(v));
-            std::memcpy(&buf[i * 2], &h, 2);
-            break;
-          }
-          case DataType::kBF16: {
-            auto h = float_to_bf16(static_cast<float>(v));
-            std::memcpy(&buf[i * 2], &h, 2);
-            break;
-          }
-          case DataType::kI32: {
-            auto q = static_cast<std::int32_t>(v);
-            std::memcpy(&buf[i * 4], &q, 4);
-            break;
-          }
-          case DataType::kI64: {
-            auto q = static_cast<std::int64_t>(v);
-            std::memcpy(&buf[i * 8], &q, 8);
-            break;
-          }
-          case DataType::kU8:
-            buf[i] = static_cast<std::byte>(static_cast<std::uint8_t>(static_cast<int>(v)));
-            break;
-        }
+        set_element(buf.data(), i, t, v);
       };
       for (std::size_t i = 0; i < n; ++i) {
         put(x, i, a[i]);

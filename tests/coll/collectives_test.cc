@@ -96,16 +96,16 @@ std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>&
   if (k.in_place) {
     switch (k.op) {
       case CollOp::kAllGather:
-        std::memcpy(big.data() + static_cast<std::size_t>(r) * n * e, mine.data(), mine.size());
+        std::copy(mine.begin(), mine.end(), big.begin() + static_cast<std::ptrdiff_t>(r * n * e));
         send = big.data() + static_cast<std::size_t>(r) * n * e;
         break;
       case CollOp::kReduceScatter:
-        std::memcpy(big.data(), mine.data(), mine.size());
+        std::copy(mine.begin(), mine.end(), big.begin());
         send = big.data();
         recv = big.data() + static_cast<std::size_t>(r) * n * e;
         break;
       default:
-        std::memcpy(big.data(), mine.data(), mine.size());
+        std::copy(mine.begin(), mine.end(), big.begin());
         send = big.data();
         break;
     }
