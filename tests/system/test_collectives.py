@@ -7,11 +7,17 @@ must be reported failed and the traffic must have moved to the other rails.  No 
 asserted: the time bounds only catch hangs.
 """
 
+import re
+
 import pytest
 
-from r2ccl_testbed import BusyTrigger, Testbed, describe, launch_ranks, perf_ranks, random_port, read_events
+from r2ccl_testbed import BusyTrigger, Proc, Testbed, describe, launch_ranks, perf_ranks, random_port, read_events
 
 CHECK_LINE = "# Check: every byte verified on every rank"
+PARTIAL = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every rank; "
+                     r"(\d+) round\(s\) failed$", re.M)
+ROUND_FAILED = re.compile(r"^r2ccl-perf: rank 0: round (\d+) failed: (.*)$", re.M)
+ROUNDS = re.compile(r"^r2ccl-perf: rank 0: (\d+) round\(s\) completed, (\d+) failed$", re.M)
 SLACK_S = 40
 
 
@@ -61,3 +67,32 @@ def test_collective_mismatch_is_named_with_check(perf, tmp_path):
             "but rank 1 called allgather(count 256, float)")
     assert [r.returncode for r in res] == [2, 2], describe(res)
     assert want in res[0].stderr, describe(res)
+
+
+def test_allreduce_resumes_after_every_nic_was_down(perf):
+    """All four NICs of host 0 go down (the round in flight fails at R2CCL_TIMEOUT, with the
+    reason), then eth3 comes back: it is re-admitted and later all-reduce rounds complete,
+    verified, over it alone."""
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        ns = tb.ns(0)
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        args = ["allreduce", "-b", "1M", "-e", "1M", "-w", "0", "-c", "1", "--duration", "10",
+                "--keep-going"]
+        procs = perf_ranks(2, boot, args, hosts=[0, 1], extra_env={"R2CCL_TIMEOUT": "3s", "R2CCL_LOG": "info"})
+        down = " ; ".join(f"ip -n {ns} link set eth{i} down" for i in (1, 2, 3, 4))
+        procs.append(Proc(argv=["sh", "-c", down], delay=2.0, name="all NICs of host 0 down"))
+        procs.append(Proc(argv=["sh", "-c", f"ip -n {ns} link set eth3 up"], delay=5.0, name="eth3 up"))
+        res = launch_ranks(procs, testbed=tb, timeout=10 + SLACK_S)
+    assert [r.returncode for r in res[:2]] == [2, 2], describe(res)  # --keep-going: a round failed
+    assert all(r.returncode == 0 for r in res[2:]), describe(res)
+    m = PARTIAL.search(res[0].stdout)
+    assert m and int(m.group(2)) >= 1, describe(res)
+    failed = ROUND_FAILED.findall(res[0].stderr)
+    assert failed and all("no rail to rank 1 survived" in why for _, why in failed), describe(res)
+    readmitted = [line for line in res[0].stderr.splitlines() if "(eth3 -> eth3) to rank 1 re-admitted" in line]
+    assert readmitted, describe(res)
+    # Rounds completed after the outage: more than the ones before it could account for alone.
+    after = ROUNDS.search(res[0].stderr)
+    assert after and int(after.group(1)) == int(m.group(1)), describe(res)
+    last_failed = max(int(n) for n, _ in failed)
+    assert int(after.group(1)) + len(failed) > last_failed + 1, describe(res)
