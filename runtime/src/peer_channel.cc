@@ -21,6 +21,8 @@ enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3, kEager 
 // Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
 // sent whole on one rail already takes longer than the clear-to-send round trip it saves.
 constexpr std::size_t kEagerMax = 8 * 1024;
+// Chunks go round-robin to at most this many of the oldest messages in flight.
+constexpr std::size_t kServeWindow = 4;
 
 std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint64_t sent,
                           std::uint64_t posted) {
@@ -536,6 +538,7 @@ void Channel::fail_all(const Status& why) {
   sends_.clear();
   recv_slots_.clear();
   ready_.clear();
+  serve_ = 0;
   replay_.clear();
   for (auto& [seq, s] : sends) {
     for (const auto& c : ledger_.take_message(seq))
@@ -744,10 +747,7 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
   s.started = true;
   s.cts.seq = seq;
   s.cts.length = length;
-  // One-sided writes keep the configured chunk size: the KV engine already issues many writes
-  // at once, which spreads them over the rails (and with 64 KiB chunks the all-rails-down-then-
-  // one-back KV test left a re-admitted rail with its window unconfirmed; under investigation).
-  s.cts.chunk = static_cast<std::uint32_t>(config_.chunk_size);
+  s.cts.chunk = chunk_for(length);
   s.cts.offset = remote_offset;
   s.cts.region = remote;
   s.nchunks = chunk_count(length, s.cts.chunk);
@@ -881,7 +881,7 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
 }
 
 // Posts chunks while some rail has room: replays first, then new chunks round-robin over the
-// messages in flight so that a large message does not starve small ones.
+// oldest messages in flight (kServeWindow).
 void Channel::pump() {
   while (true) {
     InflightChunk c;
@@ -890,11 +890,17 @@ void Channel::pump() {
       c = replay_.front();
       replay = true;
     } else {
-      while (!ready_.empty() && sends_.count(ready_.front()) == 0)
-        ready_.pop_front();
-      if (ready_.empty()) return;
-      auto& s = sends_.at(ready_.front());
-      c.message = ready_.front();
+      // Round-robin over the oldest few messages only: a large message does not starve the
+      // small ones behind it, and messages still finish about in the order they were posted
+      // (round-robin over a long queue would finish every one of them only at its end).
+      while (true) {
+        if (ready_.empty()) return;
+        if (serve_ >= std::min(kServeWindow, ready_.size())) serve_ = 0;
+        if (sends_.count(ready_[serve_]) != 0) break;
+        ready_.erase(ready_.begin() + static_cast<std::ptrdiff_t>(serve_));  // it ended
+      }
+      auto& s = sends_.at(ready_[serve_]);
+      c.message = ready_[serve_];
       c.index = s.next_chunk;
       c.offset = static_cast<std::uint64_t>(c.index) * s.cts.chunk;
       c.length = std::min<std::uint64_t>(s.cts.chunk, s.length - c.offset);
@@ -934,8 +940,10 @@ void Channel::pump() {
       slot.tel.replayed_chunks.fetch_add(1, std::memory_order_relaxed);
       slot.tel.replayed_bytes.fetch_add(c.length, std::memory_order_relaxed);
     } else {
-      ready_.pop_front();
-      if (++s.next_chunk < s.nchunks) ready_.push_back(c.message);
+      if (++s.next_chunk < s.nchunks)
+        ++serve_;  // the next message of the window gets the next chunk
+      else
+        ready_.erase(ready_.begin() + static_cast<std::ptrdiff_t>(serve_));
     }
   }
 }

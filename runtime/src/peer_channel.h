@@ -217,7 +217,8 @@ class Channel {
   std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)
   std::map<std::uint64_t, Send> sends_;
   std::map<std::uint64_t, Cts> early_cts_;
-  std::deque<std::uint64_t> ready_;
+  std::deque<std::uint64_t> ready_;  // messages with chunks not yet posted, oldest first
+  std::size_t serve_ = 0;            // the one of the oldest few that gets the next chunk
   std::deque<InflightChunk> replay_;
 
   std::uint64_t next_recv_seq_ = 0;
