@@ -27,7 +27,6 @@ readonly LINK_MBPS=12.5    # one rail at 100mbit, MB/s
 readonly RAILS=4
 readonly GOODPUT_TARGET=90 # % of the aggregate link rate
 readonly FAULT_FRACTION=0.4
-readonly CHUNK_BYTES=524288 # R2CCL_CHUNK_SIZE default (512K): the unit the fabric replays
 readonly RANK_TIMEOUT=180  # hard wall-clock limit per rank (s); one rail needs ~50 s
 readonly ARGS=(--model llama3-8b --requests 12 --min-tokens 256 --max-tokens 512 --concurrency 4)
 
@@ -119,13 +118,13 @@ run_pair down 29513 -- --fault "$fault_at:$fault_cmd" || down_ok=0
 
 # Failover time: fault -> eth2 fenced (rank 0's log), + resending the fenced chunks on 3 rails.
 failover_ms=
-fenced=$(sed -n 's/^r2ccl\[rank 0 [^]]*\] \([0-9.]*\) [a-z]*: rail [0-9]* (eth2 -> [^)]*) to rank 1 is down: .*fenced epoch [0-9]*, \([0-9]*\) chunk(s) to replay.*$/\1 \2/p' \
+fenced=$(sed -n 's/^r2ccl\[rank 0 [^]]*\] \([0-9.]*\) [a-z]*: rail [0-9]* (eth2 -> [^)]*) to rank 1 is down: .*fenced epoch [0-9]*, \([0-9]*\) chunk(s) (\([0-9]*\) bytes) to replay.*$/\1 \2 \3/p' \
   "$work/down.0.err" | head -n 1)
 if [[ -s $work/fault.t && -n $fenced ]]; then
-  read -r fenced_t fenced_chunks <<<"$fenced"
+  read -r fenced_t fenced_chunks fenced_bytes <<<"$fenced"
   detect_ms=$(calc 'sprintf("%.0f", (b - a) * 1000)' "a=$(cat "$work/fault.t")" "b=$fenced_t")
-  replay_ms=$(calc 'sprintf("%.0f", n * c / (l * 1e6 * (r - 1)) * 1000)' "n=$fenced_chunks" \
-    "c=$CHUNK_BYTES" "l=$LINK_MBPS" "r=$RAILS")
+  replay_ms=$(calc 'sprintf("%.0f", b / (l * 1e6 * (r - 1)) * 1000)' "b=$fenced_bytes" \
+    "l=$LINK_MBPS" "r=$RAILS")
   failover_ms=$((detect_ms + replay_ms))
 fi
 
@@ -165,7 +164,7 @@ if [[ -s $work/down.json && -n $failover_ms ]]; then
     "+ $failover_ms = $bound ms; NIC down p99 / healthy p99 = $(calc 'sprintf("%.2f", d / h)' "d=$down_p99" \
       "h=$healthy_p99"))"
   echo "  failover time $failover_ms ms = fault -> eth2 fenced $detect_ms ms (measured) + resending" \
-    "$fenced_chunks fenced chunk(s) of $((CHUNK_BYTES / 1024)) KiB on $((RAILS - 1)) rails $replay_ms ms (computed)"
+    "$fenced_chunks fenced chunk(s), $fenced_bytes bytes, on $((RAILS - 1)) rails $replay_ms ms (computed)"
 else
   t3=0
   echo "NIC down p99 <= 4/3 x healthy p99 + failover time: FAIL (no result, or the fault/fence times are missing)"

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "r2ccl/runtime/log.h"
 
@@ -242,9 +243,11 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
                     s.awaiting_control.size()));
   if (!closing_)
     log(s.awaiting_replay.empty() ? LogLevel::kInfo : LogLevel::kWarn,
-        "rail {} ({} -> {}) to rank {} is down: {}; fenced epoch {}, {} chunk(s) to replay on {} "
-        "rail(s)",
+        "rail {} ({} -> {}) to rank {} is down: {}; fenced epoch {}, {} chunk(s) ({} bytes) to "
+        "replay on {} rail(s)",
         index, s.nic.name, s.remote.nic, peer_, reason, s.epoch, s.awaiting_replay.size(),
+        std::accumulate(s.awaiting_replay.begin(), s.awaiting_replay.end(), std::uint64_t{0},
+                        [](std::uint64_t n, const InflightChunk& c) { return n + c.length; }),
         scheduler_.usable_count());
   if (notify_peer)
     send_fence_notice(static_cast<std::uint8_t>(FenceType::kFence), index, s.epoch, reason);
