@@ -315,11 +315,10 @@ int run(const Options& o) {
   if (o.op == "sendrecv") {
     made = std::make_unique<SendRecv>(f, *maxb);
   } else {
-    const CollOp op = o.op == "allreduce"       ? CollOp::kAllReduce
-                      : o.op == "allgather"     ? CollOp::kAllGather
-                      : o.op == "reducescatter" ? CollOp::kReduceScatter
-                      : o.op == "broadcast"     ? CollOp::kBroadcast
-                                                : CollOp::kReduce;
+    CollOp op = CollOp::kAllReduce;  // the command line admits only the five names below
+    for (CollOp c : {CollOp::kAllReduce, CollOp::kAllGather, CollOp::kReduceScatter,
+                     CollOp::kBroadcast, CollOp::kReduce})
+      if (r2ccl::coll::coll_op_name(c) == o.op) op = c;
     made = std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb);
   }
   Bench& bench = *made;

@@ -15,12 +15,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string describe(const CollDesc& d, int nranks) {
+std::string describe(const CollDesc& d) {
   std::string s = fmt::format("{}(count {}, {}", coll_op_name(d.op), d.count, type_name(d.type));
   if (d.op == CollOp::kAllReduce || d.op == CollOp::kReduceScatter || d.op == CollOp::kReduce)
     s += fmt::format(", {}", redop_name(d.redop));
   if (d.op == CollOp::kBroadcast || d.op == CollOp::kReduce) s += fmt::format(", root {}", d.root);
-  (void)nranks;
   return s + ")";
 }
 
@@ -94,10 +93,31 @@ struct Registered {
   }
 };
 
-// Waits for every operation (so no transfer still reads or writes a buffer once the call
-// returns) and gives the first error.
-Status wait_all(Fabric& f, const std::vector<OpPtr>& ops) {
+// One transfer of a round: a receive into or a send from [offset, offset+bytes) of a region.
+struct Transfer {
+  bool recv = false;
+  int peer = -1;
+  RegionPtr region;
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+};
+
+// Posts the receives first (their clear-to-sends go out before the data that needs them), then
+// the sends, and waits for every one (so no transfer still reads or writes a buffer once this
+// returns); gives the first error.
+Status post_and_wait(Fabric& f, const std::vector<Transfer>& transfers) {
+  std::vector<OpPtr> ops;
   Status first;
+  for (bool recv : {true, false})
+    for (const auto& t : transfers) {
+      if (t.recv != recv || !first.is_ok()) continue;
+      auto op = recv ? f.irecv(t.peer, t.region, t.offset, t.bytes)
+                     : f.isend(t.peer, t.region, t.offset, t.bytes);
+      if (op)
+        ops.push_back(*op);
+      else
+        first = op.status();
+    }
   for (const auto& op : ops) {
     Status st = f.wait(op);
     if (!st && first.is_ok()) first = std::move(st);
@@ -248,9 +268,9 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(d, rank(), size(), algo));
   last_algo_ = plan.algo;
   const auto t0 = Clock::now();
-  Status st = execute(plan, d, b,
-                      fmt::format("{} ({}) on rank {} of {}", describe(d, size()),
-                                  algo_name(plan.algo), rank(), size()));
+  Status st = execute(
+      plan, d, b,
+      fmt::format("{} ({}) on rank {} of {}", describe(d), algo_name(plan.algo), rank(), size()));
   if (st)
     duration(d.op, plan.algo).observe(std::chrono::duration<double>(Clock::now() - t0).count());
   return st;
@@ -261,45 +281,26 @@ Status Communicator::check_agreement(const CollDesc& d) {
   const Algo algo = choose_algo(d, p, requested_algo_);
   const Bytes mine = encode_header(d, algo, op_seq_++);
   if (p == 1) return Status::ok();
-  const std::size_t total = kHeaderBytes * static_cast<std::size_t>(p);
-  R2CCL_ASSIGN_OR_RETURN(auto region, scratch(total));
-  std::memcpy(scratch_.data() + kHeaderBytes * static_cast<std::size_t>(rank()), mine.data(),
-              kHeaderBytes);
-  std::vector<OpPtr> ops;
-  Status posted;
-  for (int i = 1; i < p && posted; ++i) {
-    const int from = (rank() - i + p) % p;
-    auto op =
-        fabric_->irecv(from, region, kHeaderBytes * static_cast<std::size_t>(from), kHeaderBytes);
-    if (op)
-      ops.push_back(*op);
-    else
-      posted = op.status();
-  }
-  for (int i = 1; i < p && posted; ++i) {
-    auto op = fabric_->isend((rank() + i) % p, region,
-                             kHeaderBytes * static_cast<std::size_t>(rank()), kHeaderBytes);
-    if (op)
-      ops.push_back(*op);
-    else
-      posted = op.status();
-  }
-  Status st = wait_all(*fabric_, ops);
-  if (!posted) st = posted;
-  if (!st)
+  // The headers travel as a direct all-gather of kHeaderBytes bytes, in place.
+  std::vector<std::byte> headers(kHeaderBytes * static_cast<std::size_t>(p));
+  std::byte* own = headers.data() + kHeaderBytes * static_cast<std::size_t>(rank());
+  std::copy(mine.begin(), mine.end(), own);
+  const CollDesc gather{CollOp::kAllGather, kHeaderBytes, DataType::kU8, RedOp::kSum, 0, true};
+  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), p, Algo::kOneShot));
+  if (Status st = execute(plan, gather, {own, headers.data()}, "the exchange"); !st)
     return st.with_context(fmt::format("R2CCL_CHECK exchange before {}", coll_op_name(d.op)));
   std::vector<Header> all;
   for (int i = 0; i < p; ++i)
-    all.push_back(decode_header(scratch_.data() + kHeaderBytes * static_cast<std::size_t>(i)));
+    all.push_back(decode_header(headers.data() + kHeaderBytes * static_cast<std::size_t>(i)));
   for (int i = 1; i < p; ++i) {
     if (all[static_cast<std::size_t>(i)].valid && same(all[0], all[static_cast<std::size_t>(i)]))
       continue;
     const auto& h = all[static_cast<std::size_t>(i)];
     const auto& h0 = all[0];
     std::string theirs =
-        h.valid ? describe(h.d, p) : std::string("something that is not a collective");
-    std::string ours = describe(h0.d, p);
-    if (h.valid && h.algo != h0.algo && describe(h.d, p) == ours) {
+        h.valid ? describe(h.d) : std::string("something that is not a collective");
+    std::string ours = describe(h0.d);
+    if (h.valid && h.algo != h0.algo && describe(h.d) == ours) {
       theirs += fmt::format(" with algorithm {}", algo_name(h.algo));
       ours += fmt::format(" with algorithm {}", algo_name(h0.algo));
     }
@@ -338,24 +339,14 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   const std::size_t elem = type_size(d.type);
   for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
     const auto& phase = plan.phases[ph];
-    std::vector<OpPtr> ops;
-    Status posted;
-    // Receives first, so clear-to-sends go out before the data that needs them.
-    for (int pass = 0; pass < 2 && posted; ++pass) {
-      for (const auto& s : phase.comm) {
-        if (s.bytes == 0 || (pass == 0) != (s.kind == Step::Kind::kRecv)) continue;
-        auto op = s.kind == Step::Kind::kRecv
-                      ? fabric_->irecv(s.peer, region_of(s.dst.buf), s.dst.offset, s.bytes)
-                      : fabric_->isend(s.peer, region_of(s.a.buf), s.a.offset, s.bytes);
-        if (!op) {
-          posted = op.status();
-          break;
-        }
-        ops.push_back(*op);
-      }
+    std::vector<Transfer> transfers;
+    for (const auto& s : phase.comm) {
+      if (s.bytes == 0) continue;
+      const bool recv = s.kind == Step::Kind::kRecv;
+      const Ref& at = recv ? s.dst : s.a;
+      transfers.push_back({recv, s.peer, region_of(at.buf), at.offset, s.bytes});
     }
-    Status st = wait_all(*fabric_, ops);
-    if (!posted) st = posted;
+    Status st = post_and_wait(*fabric_, transfers);
     if (!st)
       return st.with_context(fmt::format("{}, step {} of {}", what, ph + 1, plan.phases.size()));
     for (const auto& s : phase.compute) {
@@ -434,30 +425,13 @@ Status Communicator::group_end() {
 
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
   Registered reg{*fabric_, {}};
-  R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));
-  std::vector<OpPtr> ops;
-  Status posted;
-  for (int pass = 0; pass < 2 && posted; ++pass) {
-    for (const auto& o : list) {
-      if (o.is_send == (pass == 0)) continue;  // receives first
-      auto region = reg.add(o.buf, o.bytes);
-      if (!region) {
-        posted = region.status();
-        break;
-      }
-      const RegionPtr& rp = *region ? *region : empty;
-      auto op = o.is_send ? fabric_->isend(o.peer, rp, 0, o.bytes)
-                          : fabric_->irecv(o.peer, rp, 0, o.bytes);
-      if (!op) {
-        posted = op.status();
-        break;
-      }
-      ops.push_back(*op);
-    }
+  R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
+  std::vector<Transfer> transfers;
+  for (const auto& o : list) {
+    R2CCL_ASSIGN_OR_RETURN(auto region, reg.add(o.buf, o.bytes));
+    transfers.push_back({!o.is_send, o.peer, region ? region : empty, 0, o.bytes});
   }
-  Status st = wait_all(*fabric_, ops);
-  if (!posted) return posted;
-  return st;
+  return post_and_wait(*fabric_, transfers);
 }
 
 // ---- lifecycle

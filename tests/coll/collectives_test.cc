@@ -64,12 +64,6 @@ std::vector<Case> all_cases(int p) {
 double input_value(int r, std::size_t i, RedOp op) {
   return test_value(r, i, 0, op);
 }
-void store(std::byte* buf, std::size_t i, DataType t, double v) {
-  set_element(buf, i, t, v);
-}
-double load(const std::byte* buf, std::size_t i, DataType t) {
-  return get_element(buf, i, t);
-}
 
 constexpr std::size_t kGuard = 64;  // bytes past every output that must stay untouched
 
@@ -80,7 +74,7 @@ std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>&
   const std::size_t e = type_size(k.type), n = k.count;
   auto input = [&](int rank, std::vector<std::byte>& buf, std::size_t elems, std::size_t first) {
     for (std::size_t i = 0; i < elems; ++i)
-      store(buf.data(), i, k.type, input_value(rank, first + i, k.redop));
+      set_element(buf.data(), i, k.type, input_value(rank, first + i, k.redop));
   };
   // Element counts of the send and receive sides.
   const std::size_t send_elems =
@@ -152,33 +146,33 @@ std::uint64_t run_case(Communicator& c, const Case& k, std::vector<std::string>&
   for (std::size_t i = 0; i < recv_elems; ++i) {
     switch (k.op) {
       case CollOp::kAllGather: {
-        store(want.data(), 0, k.type,
-              input_value(static_cast<int>(i / std::max<std::size_t>(n, 1)),
-                          i % std::max<std::size_t>(n, 1), k.redop));
+        set_element(want.data(), 0, k.type,
+                    input_value(static_cast<int>(i / std::max<std::size_t>(n, 1)),
+                                i % std::max<std::size_t>(n, 1), k.redop));
         break;
       }
       case CollOp::kBroadcast:
-        store(want.data(), 0, k.type, input_value(k.root, i, k.redop));
+        set_element(want.data(), 0, k.type, input_value(k.root, i, k.redop));
         break;
       default: {
         const std::size_t first =
             k.op == CollOp::kReduceScatter ? static_cast<std::size_t>(r) * n : 0;
         for (int q = 0; q < p; ++q) {
-          store(tmp.data(), 0, k.type, input_value(q, first + i, k.redop));
-          in[static_cast<std::size_t>(q)] = load(tmp.data(), 0, k.type);
+          set_element(tmp.data(), 0, k.type, input_value(q, first + i, k.redop));
+          in[static_cast<std::size_t>(q)] = get_element(tmp.data(), 0, k.type);
         }
       }
     }
     const std::byte* got = recv + i * e;
     if (reduces(k.op) ? !matches_reduction(got, in, k.type, k.redop)
                       : std::memcmp(got, want.data(), e) != 0) {
-      std::string expected =
-          reduces(k.op) ? "the reduction of" : fmt::format("{}", load(want.data(), 0, k.type));
+      std::string expected = reduces(k.op) ? "the reduction of"
+                                           : fmt::format("{}", get_element(want.data(), 0, k.type));
       if (reduces(k.op))
         for (double x : in)
           expected += fmt::format(" {}", x);
-      return fail(fmt::format("element {}: {} where {} was expected", i, load(got, 0, k.type),
-                              expected)),
+      return fail(fmt::format("element {}: {} where {} was expected", i,
+                              get_element(got, 0, k.type), expected)),
              0;
     }
     for (std::size_t b = 0; b < e; ++b)
