@@ -35,7 +35,17 @@ constexpr ConfigEntry kTable[] = {
      "Comma-separated rails: interface names (`eth1,eth2`) or local IPv4 addresses "
      "(`127.0.0.11,127.0.0.12`), like `NCCL_IB_HCA`. Default: every up interface with an IPv4 "
      "address except loopback and the control interface."},
-    {"R2CCL_PROVIDER", "tcp", "Transport provider: `tcp` (verbs arrives with its own issue)."},
+    {"R2CCL_PROVIDER", "tcp",
+     "Transport provider: `tcp` (sockets, runs anywhere) or `verbs` (RDMA over rdma-core: "
+     "InfiniBand, RoCE; then `R2CCL_NICS` names verbs devices such as `mlx5_0,mlx5_1`)."},
+    {"R2CCL_IB_GID_INDEX", "(by address)",
+     "verbs: GID index on every NIC (like `NCCL_IB_GID_INDEX`). Default: the RoCE v2 GID that "
+     "holds the NIC's IPv4 address, else index 0 (InfiniBand)."},
+    {"R2CCL_IB_TIMEOUT", "14",
+     "verbs: the queue pairs' transport timeout exponent (4.096 µs × 2^n per retry), 1–31."},
+    {"R2CCL_IB_RETRY_CNT", "3",
+     "verbs: transport retries before a queue pair fails, 0–6 (7 means \"forever\" on some NICs "
+     "and is refused). With the defaults a dead path fails in about 0.3 s."},
     {"R2CCL_CHUNK_SIZE", "512K",
      "Largest chunk a message is cut into for striping over the rails, 4K–64M (smaller "
      "messages use smaller chunks, down to 4K, so that each still spans every rail)."},
@@ -320,12 +330,16 @@ Result<Config> parse_config(const EnvLookup& env) {
   }
   if (auto v = get("R2CCL_PROVIDER")) {
     std::string p = trim(*v);
-    if (p == "verbs")
-      return Status(ErrorCode::kConfig,
-                    "R2CCL_PROVIDER='verbs' is not available in this build yet: expected tcp");
-    if (p != "tcp") return bad("R2CCL_PROVIDER", *v, "tcp");
+    if (p != "tcp" && p != "verbs") return bad("R2CCL_PROVIDER", *v, "tcp or verbs");
     c.provider = p;
   }
+  std::optional<int> gid, ib_timeout, retry;
+  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_GID_INDEX", {}, 0, 65535, gid));
+  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_TIMEOUT", {}, 1, 31, ib_timeout));
+  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_RETRY_CNT", {}, 0, 6, retry));
+  c.ib_gid_index = gid.value_or(c.ib_gid_index);
+  c.ib_timeout = ib_timeout.value_or(c.ib_timeout);
+  c.ib_retry_cnt = retry.value_or(c.ib_retry_cnt);
   auto size_var = [&](const char* name, std::size_t min, std::size_t max,
                       std::size_t& out) -> Status {
     auto v = get(name);

@@ -306,10 +306,21 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
     auto a = route_source_address(boot.root.host, boot.root.port);
     if (a) control = *a;  // a host name: rails are then chosen without excluding it
   }
-  R2CCL_ASSIGN_OR_RETURN(auto nics, select_rails(topo, config.nics, control));
-
   f->engine_ = std::make_unique<ProgressEngine>();
-  R2CCL_ASSIGN_OR_RETURN(f->provider_, make_tcp_provider(*f->engine_, nics, boot.token));
+  if (config.provider == "verbs") {
+#ifdef R2CCL_HAVE_VERBS
+    R2CCL_ASSIGN_OR_RETURN(f->provider_,
+                           make_verbs_provider(*f->engine_, topo, config, boot.token));
+#else
+    return Status(ErrorCode::kConfig,
+                  "R2CCL_PROVIDER=verbs: this build has no verbs provider (rdma-core's "
+                  "libibverbs was not found when it was configured)");
+#endif
+  } else {
+    R2CCL_ASSIGN_OR_RETURN(auto tcp_nics, select_rails(topo, config.nics, control));
+    R2CCL_ASSIGN_OR_RETURN(f->provider_, make_tcp_provider(*f->engine_, tcp_nics, boot.token));
+  }
+  const std::vector<RailNic> nics = f->provider_->devices();
   f->registry_ = std::make_unique<MemoryRegistry>(*f->provider_);
   Fabric* self = f.get();
   R2CCL_ASSIGN_OR_RETURN(

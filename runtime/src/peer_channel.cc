@@ -336,7 +336,7 @@ void Channel::readmit(std::uint32_t index) {
 void Channel::on_link(const std::string& ifname, bool running) {
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
-    if (s.nic.name != ifname) continue;
+    if (s.nic.netdev != ifname) continue;
     event(i, running ? "link_up" : "link_down", ifname);
     fail_rail(i, "link down", s.health->on_link(Clock::now(), running), true);
   }

@@ -82,9 +82,9 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       auto s = std::make_unique<Socket>(engine_.io());
       boost::system::error_code ec;
       s->socket.open(udp::v4(), ec);
-      if (!ec && nic.name != nic.address)
-        (void)::setsockopt(s->socket.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.name.c_str(),
-                           static_cast<socklen_t>(nic.name.size()));
+      if (!ec && !nic.netdev.empty())
+        (void)::setsockopt(s->socket.native_handle(), SOL_SOCKET, SO_BINDTODEVICE,
+                           nic.netdev.c_str(), static_cast<socklen_t>(nic.netdev.size()));
       if (!ec) s->socket.bind(udp::endpoint(asio::ip::make_address_v4(nic.address, ec), 0), ec);
       if (ec)
         return {ErrorCode::kNetwork, fmt::format("cannot open the probe socket on {} ({}): {}",

@@ -124,11 +124,11 @@ error_code bind_to_nic(tcp::socket& s, const RailNic& nic) {
   error_code ec;
   s.open(tcp::v4(), ec);
   if (ec) return ec;
-  if (nic.name != nic.address) {
+  if (!nic.netdev.empty()) {
     // SO_BINDTODEVICE keeps traffic on this NIC even when routes would pick another one; it
     // needs CAP_NET_RAW, without which the address binding alone has to do.
-    (void)::setsockopt(s.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.name.c_str(),
-                       static_cast<socklen_t>(nic.name.size()));
+    (void)::setsockopt(s.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.netdev.c_str(),
+                       static_cast<socklen_t>(nic.netdev.size()));
   }
   s.bind(tcp::endpoint(asio::ip::make_address_v4(nic.address), 0), ec);
   return ec;

@@ -149,7 +149,7 @@ Result<std::vector<RailNic>> select_rails(const Topology& topo,
                                           const std::string& control_address) {
   std::vector<RailNic> rails;
   auto to_rail = [](const NetInterface& i) {
-    return RailNic{i.name, i.ipv4, i.numa_node, i.pci_bus_id};
+    return RailNic{i.name, i.ipv4, i.numa_node, i.pci_bus_id, i.name};
   };
   std::vector<std::string> usable;
   for (const auto& i : topo.interfaces)
@@ -172,9 +172,9 @@ Result<std::vector<RailNic>> select_rails(const Topology& topo,
                         fmt::format("R2CCL_NICS: '{}' is not an address of this host", want));
         auto owner = std::find_if(topo.interfaces.begin(), topo.interfaces.end(),
                                   [&](const auto& i) { return i.ipv4 == want; });
-        RailNic r{want, want, -1, ""};
+        RailNic r{want, want, -1, "", ""};
         if (owner != topo.interfaces.end())
-          r = RailNic{want, want, owner->numa_node, owner->pci_bus_id};
+          r = RailNic{want, want, owner->numa_node, owner->pci_bus_id, ""};
         rails.push_back(r);
         continue;
       }

@@ -60,7 +60,7 @@ struct Recorder final : RailEvents {
 };
 
 RailNic nic(const std::string& a) {
-  return RailNic{a, a, -1, ""};
+  return RailNic{a, a, -1, "", ""};
 }
 Token token_of(std::uint8_t b) {
   Token t{};

@@ -9,7 +9,8 @@ namespace {
 TEST(Registry, RegistersOnEveryRailWithDistinctKeys) {
   ProgressEngine engine;
   auto p = make_tcp_provider(
-      engine, {{"127.0.0.41", "127.0.0.41", -1, ""}, {"127.0.0.42", "127.0.0.42", -1, ""}}, {});
+      engine, {{"127.0.0.41", "127.0.0.41", -1, "", ""}, {"127.0.0.42", "127.0.0.42", -1, "", ""}},
+      {});
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   MemoryRegistry reg(**p);
   std::vector<std::byte> a(4096), b(100);
@@ -37,7 +38,7 @@ TEST(Registry, RegistersOnEveryRailWithDistinctKeys) {
 
 TEST(Registry, RefusesANullBuffer) {
   ProgressEngine engine;
-  auto p = make_tcp_provider(engine, {{"127.0.0.43", "127.0.0.43", -1, ""}}, {});
+  auto p = make_tcp_provider(engine, {{"127.0.0.43", "127.0.0.43", -1, "", ""}}, {});
   ASSERT_TRUE(p.is_ok());
   MemoryRegistry reg(**p);
   auto r = reg.register_region(nullptr, 10);

@@ -37,7 +37,12 @@ struct Config {
   std::chrono::milliseconds bootstrap_timeout{30000};
   std::string socket_ifname;      // control-path interface; empty: the one reaching rank 0
   std::vector<std::string> nics;  // rails; empty: every up, addressed, non-control interface
-  std::string provider = "tcp";
+  std::string provider = "tcp";   // tcp | verbs
+  // verbs: GID index (-1: the RoCE v2 GID of the NIC's IPv4 address), transport timeout
+  // exponent and retry count of the queue pairs.
+  int ib_gid_index = -1;
+  int ib_timeout = 14;
+  int ib_retry_cnt = 3;
   std::size_t chunk_size = 512 * 1024;
   std::size_t rail_window = 2 * 1024 * 1024;
   std::chrono::milliseconds timeout{30000};          // deadline of every operation

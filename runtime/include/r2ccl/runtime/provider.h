@@ -1,7 +1,7 @@
 // The transport provider interface (DESIGN.md, Provider): enumerates the NICs it was given,
 // registers memory per NIC (per-device keys), opens rails (one connection between a local NIC
 // and a remote NIC), posts one-sided writes with a 32-bit immediate and small control messages,
-// and reports completions and errors. `tcp` implements it today; `verbs` comes next.
+// and reports completions and errors. `tcp` and `verbs` implement it.
 //
 // Threading: every Rail method and every RailEvents callback runs on the progress engine's loop
 // thread. register_memory/deregister_memory may be called from any thread.
@@ -109,5 +109,11 @@ class Provider {
 Result<std::unique_ptr<Provider>> make_tcp_provider(ProgressEngine& engine,
                                                     std::vector<RailNic> devices,
                                                     const Token& token);
+
+// The verbs provider (rdma-core): the verbs devices R2CCL_NICS names (all of them when empty),
+// one RC queue pair per rail; see verbs_provider.cc. Only in builds with libibverbs
+// (R2CCL_HAVE_VERBS).
+Result<std::unique_ptr<Provider>> make_verbs_provider(ProgressEngine& engine, const Topology& topo,
+                                                      const Config& config, const Token& token);
 
 }  // namespace r2ccl

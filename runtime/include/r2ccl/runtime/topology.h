@@ -35,10 +35,11 @@ Result<std::string> interface_ipv4(const std::string& name);
 
 // A rail's local end: the NIC (or local address) a rail is bound to.
 struct RailNic {
-  std::string name;     // interface name, or the address when R2CCL_NICS gave an address
-  std::string address;  // IPv4 address rails bind to
+  std::string name;     // interface or verbs device name, or the address R2CCL_NICS gave
+  std::string address;  // IPv4 address rails (and their probes) bind to
   int numa_node = -1;
   std::string pci_bus_id;
+  std::string netdev;  // the kernel interface under it (link state, probes); empty: none known
 };
 
 // Chooses the rails. `requested` (R2CCL_NICS) lists interface names or local IPv4 addresses; when

@@ -1,0 +1,451 @@
+// The verbs provider between two real RDMA devices (Soft-RoCE in the test VM, tests/rdma/):
+// R2CCL_TEST_VERBS names them, "rxe_h0n0,rxe_h1n0" (two hosts' NICs on one rail). Without it
+// every test skips, saying so. Plus raw TCP peers that speak (or break) the handshake described
+// at the top of runtime/src/verbs_provider.cc.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider.h"
+
+namespace r2ccl {
+namespace {
+
+using std::chrono::milliseconds;
+
+struct Recorder final : RailEvents {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<std::uint64_t> confirmed;
+  std::vector<std::pair<std::uint64_t, std::string>> refused;
+  std::vector<std::pair<std::uint32_t, std::size_t>> arrived;
+  std::vector<Bytes> control;
+  std::vector<std::string> failed;
+
+  void on_write_confirmed(std::uint64_t c, std::uint64_t) override {
+    push([&] { confirmed.push_back(c); });
+  }
+  void on_write_refused(std::uint64_t c, const Status& why) override {
+    push([&] { refused.emplace_back(c, why.message()); });
+  }
+  void on_write_arrived(std::uint32_t imm, std::size_t n) override {
+    push([&] { arrived.emplace_back(imm, n); });
+  }
+  void on_control(Bytes b) override {
+    push([&] { control.push_back(std::move(b)); });
+  }
+  void on_rail_failed(const Status& why) override {
+    push([&] { failed.push_back(why.message()); });
+  }
+  template <typename F>
+  void push(F f) {
+    {
+      std::lock_guard l(m);
+      f();
+    }
+    cv.notify_all();
+  }
+  template <typename P>
+  bool wait(P pred) {
+    std::unique_lock l(m);
+    return cv.wait_for(l, std::chrono::seconds(20), pred);
+  }
+};
+
+Token token_of(std::uint8_t b) {
+  Token t{};
+  t.fill(b);
+  return t;
+}
+
+std::vector<std::string> test_devices() {
+  std::vector<std::string> out;
+  const char* v = std::getenv("R2CCL_TEST_VERBS");
+  if (v == nullptr) return out;
+  std::string s = v;
+  std::size_t pos = 0;
+  while (pos < s.size()) {
+    auto c = s.find(',', pos);
+    if (c == std::string::npos) c = s.size();
+    out.push_back(s.substr(pos, c - pos));
+    pos = c + 1;
+  }
+  return out;
+}
+
+#define REQUIRE_DEVICES()                                                                     \
+  if (test_devices().size() < 2)                                                              \
+  GTEST_SKIP() << "R2CCL_TEST_VERBS does not name two verbs devices; tests/rdma/run.sh runs " \
+                  "these tests in a VM with Soft-RoCE"
+
+Result<std::unique_ptr<Provider>> make(ProgressEngine& engine, const std::string& dev,
+                                       std::uint8_t token = 7, int gid_index = -1,
+                                       int ib_timeout = 10) {
+  auto topo = discover_topology();
+  if (!topo) return topo.status();
+  Config c;
+  c.nics = {dev};
+  c.ib_gid_index = gid_index;
+  c.ib_timeout = ib_timeout;
+  c.ib_retry_cnt = 3;
+  return make_verbs_provider(engine, *topo, c, token_of(token));
+}
+
+class VerbsProviderTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_DEVICES();
+    const auto devs = test_devices();
+    auto a = make(engine_, devs[0]);
+    ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+    auto b = make(engine_, devs[1]);
+    ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+    a_ = std::move(*a);
+    b_ = std::move(*b);
+    b_->set_accept_handler([this](std::shared_ptr<Rail> r) {
+      std::lock_guard l(m_);
+      r->start(&b_events_);
+      accepted_.push_back(std::move(r));
+      return true;
+    });
+  }
+  void TearDown() override {
+    engine_.call([this] {
+      for (auto& r : accepted_)
+        r->fence();
+      if (rail_a_) rail_a_->fence();
+    });
+  }
+
+  Result<std::shared_ptr<Rail>> open(const Token& token, const Bytes& endpoint) {
+    std::promise<Result<std::shared_ptr<Rail>>> done;
+    RailHello hello{token, 0, 1, 0, 0};
+    a_->connect(0, endpoint, hello, milliseconds(8000),
+                [&](Result<std::shared_ptr<Rail>> r) { done.set_value(std::move(r)); });
+    auto r = done.get_future().get();
+    if (r.is_ok()) engine_.call([&] { (*r)->start(&a_events_); });
+    return r;
+  }
+  Result<std::shared_ptr<Rail>> open() { return open(token_of(7), b_->endpoint(0)); }
+
+  ProgressEngine engine_;
+  std::unique_ptr<Provider> a_, b_;
+  Recorder a_events_, b_events_;
+  std::mutex m_;
+  std::vector<std::shared_ptr<Rail>> accepted_;
+  std::shared_ptr<Rail> rail_a_;
+};
+
+Bytes pattern(std::size_t n, unsigned seed) {
+  Bytes b(n);
+  for (std::size_t i = 0; i < n; ++i)
+    b[i] = static_cast<std::byte>((i * 131 + seed * 7 + (i >> 9)) & 0xff);
+  return b;
+}
+
+TEST_F(VerbsProviderTest, DevicesAreMatchedToTheirInterfaces) {
+  const auto& n = a_->devices().at(0);
+  EXPECT_EQ(n.name, test_devices()[0]);
+  EXPECT_FALSE(n.netdev.empty());
+  EXPECT_FALSE(n.address.empty());
+  EXPECT_EQ(a_->name(), "verbs");
+}
+
+TEST_F(VerbsProviderTest, WritesAndControlMessagesArriveIntactBothWays) {
+  Bytes dst(1 << 20, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  ASSERT_TRUE(key.is_ok()) << key.status().to_string();
+  Bytes src = pattern(300000, 1);
+  auto skey = a_->register_memory(0, src.data(), src.size());
+  ASSERT_TRUE(skey.is_ok());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  EXPECT_NE(rail_a_->describe().find("QPN"), std::string::npos) << rail_a_->describe();
+
+  ASSERT_TRUE(
+      engine_.call([&] {
+               return rail_a_->post_write({src.data() + 5, 200000, *key, 1000, 42, 9});
+             })
+          .is_ok());
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.confirmed.empty(); }));
+  EXPECT_EQ(a_events_.confirmed[0], 9u);
+  ASSERT_TRUE(b_events_.wait([&] { return !b_events_.arrived.empty(); }));
+  EXPECT_EQ(b_events_.arrived[0], std::make_pair(42u, std::size_t{200000}));
+  EXPECT_EQ(std::memcmp(dst.data() + 1000, src.data() + 5, 200000), 0);
+  EXPECT_EQ(dst[999], std::byte{0});
+  EXPECT_EQ(dst[1000 + 200000], std::byte{0});
+
+  // Control: one short message, one of several fragments (with a cookie: confirmed once the
+  // peer's handler ran), and one back the other way.
+  const Bytes small{std::byte{1}, std::byte{2}};
+  const Bytes big = pattern(20000, 3);
+  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(small, 0); }).is_ok());
+  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(big, 77); }).is_ok());
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 2; }));
+  EXPECT_EQ(b_events_.control[0], small);
+  EXPECT_EQ(b_events_.control[1], big);
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == 2; }));
+  EXPECT_EQ(a_events_.confirmed[1], 77u);
+  ASSERT_TRUE(
+      engine_.call([&] { return accepted_.at(0)->post_control(Bytes{std::byte{5}}, 0); }).is_ok());
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.control.size() == 1; }));
+  EXPECT_EQ(a_events_.control[0], Bytes{std::byte{5}});
+  EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
+  EXPECT_TRUE(a_events_.failed.empty());
+  EXPECT_TRUE(b_events_.failed.empty());
+}
+
+TEST_F(VerbsProviderTest, MoreWritesThanTheQueuesHoldAllLand) {
+  constexpr std::size_t kWrites = 1500, kLen = 4096;
+  Bytes dst(kWrites * kLen, std::byte{0});
+  Bytes src = pattern(dst.size(), 5);
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto skey = a_->register_memory(0, src.data(), src.size());
+  ASSERT_TRUE(key.is_ok() && skey.is_ok());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  engine_.call([&] {
+    for (std::size_t i = 0; i < kWrites; ++i)
+      ASSERT_TRUE(rail_a_
+                      ->post_write({src.data() + i * kLen, kLen, *key, i * kLen,
+                                    static_cast<std::uint32_t>(i), 1000 + i})
+                      .is_ok());
+  });
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == kWrites; }))
+      << a_events_.confirmed.size();
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == kWrites; }));
+  EXPECT_EQ(dst, src);
+  for (std::size_t i = 0; i < kWrites; ++i) {
+    EXPECT_EQ(a_events_.confirmed[i], 1000 + i);  // one queue pair: in order
+    EXPECT_EQ(b_events_.arrived[i].first, i);
+  }
+}
+
+TEST_F(VerbsProviderTest, AWriteOutsideTheRegionIsRefusedAsABugAndTheRailFails) {
+  Bytes dst(4096, std::byte{0});
+  Bytes src(100, std::byte{0x5a});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto skey = a_->register_memory(0, src.data(), src.size());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  engine_.call([&] { (void)rail_a_->post_write({src.data(), 100, *key, 4050, 1, 1}); });
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.refused.empty(); }));
+  EXPECT_EQ(a_events_.refused[0].first, 1u);
+  const auto& why = a_events_.refused[0].second;
+  EXPECT_NE(why.find("RDMA write of 100 bytes at offset 4050"), std::string::npos) << why;
+  EXPECT_NE(why.find("a bug, not a NIC fault"), std::string::npos) << why;
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.failed.empty(); }));
+  EXPECT_NE(a_events_.failed[0].find("queue pair in error"), std::string::npos)
+      << a_events_.failed[0];
+  for (auto b : dst)
+    ASSERT_EQ(b, std::byte{0});
+}
+
+TEST_F(VerbsProviderTest, AnUnregisteredSourceIsAClearError) {
+  Bytes dst(4096);
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok());
+  rail_a_ = *r;
+  Bytes src(64);
+  auto st = engine_.call([&] { return rail_a_->post_write({src.data(), 64, *key, 0, 0, 1}); });
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("is not in memory registered on " + test_devices()[0]),
+            std::string::npos)
+      << st.message();
+}
+
+TEST_F(VerbsProviderTest, TheWrongTokenIsRefused) {
+  auto r = open(token_of(8), b_->endpoint(0));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("wrong token"), std::string::npos) << r.status().message();
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
+  EXPECT_TRUE(accepted_.empty());
+}
+
+TEST(VerbsProvider, UnknownDeviceAndMissingGidIndexAreClearErrors) {
+  REQUIRE_DEVICES();
+  ProgressEngine engine;
+  auto r = make(engine, "rxe_bogus");
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), ErrorCode::kConfig);
+  EXPECT_NE(r.status().message().find("no verbs device named 'rxe_bogus' (have: "),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find(test_devices()[0]), std::string::npos);
+  auto g = make(engine, test_devices()[0], 7, 99);
+  ASSERT_FALSE(g.is_ok());
+  EXPECT_NE(g.status().message().find("R2CCL_IB_GID_INDEX=99: " + test_devices()[0] +
+                                      " port 1 has no GID at index 99"),
+            std::string::npos)
+      << g.status().message();
+}
+
+// --- raw TCP peers speaking the handshake ---------------------------------------------------
+
+// u32 magic | u32 length | body, little-endian (ByteWriter).
+Bytes frame(const Bytes& body) {
+  ByteWriter w;
+  w.u32(0x52325642).u32(static_cast<std::uint32_t>(body.size())).raw(body.data(), body.size());
+  return w.take();
+}
+Bytes hello_and_qp(const Token& t, std::uint32_t qpn, const std::string& gid_ipv4) {
+  ByteWriter w;
+  w.raw(t.data(), t.size()).u32(1).u32(0).u32(0).u32(0);
+  std::array<std::uint8_t, 16> gid{};
+  gid[10] = gid[11] = 0xff;
+  in_addr a{};
+  inet_pton(AF_INET, gid_ipv4.c_str(), &a);
+  std::memcpy(&gid[12], &a, 4);
+  w.u32(qpn).u32(0x1234).u16(0).u8(3).raw(gid.data(), gid.size());
+  return w.take();
+}
+
+std::pair<std::string, std::uint16_t> parse_endpoint(const Bytes& ep) {
+  ByteReader r(ep);
+  auto host = r.str(64);
+  return {host, r.u16()};
+}
+
+int tcp_connect(const Bytes& endpoint) {
+  auto [host, port] = parse_endpoint(endpoint);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+Bytes read_all(int fd) {
+  Bytes out;
+  std::array<std::byte, 4096> buf{};
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (int i = 0; i < 100; ++i) {
+    const auto n = ::read(fd, buf.data(), buf.size());
+    if (n <= 0) break;
+    out.insert(out.end(), buf.begin(), buf.begin() + n);
+  }
+  return out;
+}
+
+TEST_F(VerbsProviderTest, APeerThatSendsABadQpnIsRefusedWithTheReason) {
+  const int fd = tcp_connect(b_->endpoint(0));
+  ASSERT_GE(fd, 0);
+  const Bytes f = frame(hello_and_qp(token_of(7), 0, a_->devices()[0].address));
+  ASSERT_EQ(::write(fd, f.data(), f.size()), static_cast<ssize_t>(f.size()));
+  const Bytes reply = read_all(fd);
+  ::close(fd);
+  ASSERT_GT(reply.size(), 9u);
+  ByteReader r(reply);
+  EXPECT_EQ(r.u32(), 0x52325642u);
+  (void)r.u32();
+  EXPECT_EQ(r.u8(), 0u);  // refused
+  const std::string why = r.str(1024);
+  EXPECT_NE(why.find("the peer sent an invalid QPN 0x0"), std::string::npos) << why;
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
+  EXPECT_TRUE(accepted_.empty());
+}
+
+// A fake acceptor that answers every handshake with `qpn` (then stays silent).
+class FakeAcceptor {
+ public:
+  FakeAcceptor(const std::string& address, std::uint32_t qpn, const std::string& gid_ipv4) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    inet_pton(AF_INET, address.c_str(), &sa.sin_addr);
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    socklen_t len = sizeof sa;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len);
+    port_ = ntohs(sa.sin_port);
+    ::listen(fd_, 4);
+    thread_ = std::thread([this, qpn, gid_ipv4] {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      std::array<std::byte, 256> buf{};
+      (void)::read(c, buf.data(), buf.size());
+      ByteWriter w;
+      w.u8(1);
+      const Bytes q = hello_and_qp(token_of(7), qpn, gid_ipv4);
+      w.raw(q.data() + 32, q.size() - 32);  // the QP part only
+      const Bytes f = frame(w.take());
+      (void)::write(c, f.data(), f.size());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      ::close(c);
+    });
+  }
+  ~FakeAcceptor() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  Bytes endpoint(const std::string& address) const {
+    return ByteWriter().str(address).u16(port_).take();
+  }
+
+ private:
+  int fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+TEST_F(VerbsProviderTest, AnAcceptorThatAnswersWithABadQpnFailsTheConnectClearly) {
+  const std::string addr = b_->devices()[0].address;
+  {
+    FakeAcceptor fake(addr, 0x1000000, addr);  // out of range
+    auto r = open(token_of(7), fake.endpoint(addr));
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find("invalid QPN 0x1000000"), std::string::npos)
+        << r.status().message();
+  }
+  {
+    FakeAcceptor fake(addr, 0xabcdef, addr);  // well-formed, but no such queue pair
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = open(token_of(7), fake.endpoint(addr));
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find("did not answer"), std::string::npos)
+        << r.status().message();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(8));  // not a hang
+  }
+}
+
+TEST_F(VerbsProviderTest, APortGoingDownFailsItsRails) {
+  if (std::getenv("RDMA_VM") == nullptr) GTEST_SKIP() << "needs the test VM's rdma-vm-nic";
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  const std::string netdev = a_->devices()[0].netdev;
+  ASSERT_EQ(std::system(("rdma-vm-nic down " + netdev).c_str()), 0);
+  Bytes dst(4096);
+  Bytes src(4096, std::byte{1});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto skey = a_->register_memory(0, src.data(), src.size());
+  engine_.call([&] { (void)rail_a_->post_write({src.data(), 4096, *key, 0, 0, 1}); });
+  const bool failed = a_events_.wait([&] { return !a_events_.failed.empty(); });
+  EXPECT_EQ(std::system(("rdma-vm-nic up " + netdev).c_str()), 0);
+  ASSERT_TRUE(failed);
+  EXPECT_NE(a_events_.failed[0].find(test_devices()[0]), std::string::npos) << a_events_.failed[0];
+  EXPECT_TRUE(a_events_.confirmed.empty());
+}
+
+}  // namespace
+}  // namespace r2ccl
