@@ -49,6 +49,7 @@ struct Options {
   std::string json_path;
   double duration = 0;      // > 0: iterate for this many seconds instead of -n
   bool keep_going = false;  // with --duration: a failed round is reported, not fatal
+  bool oneway = false;      // sendrecv: even ranks send, odd ranks receive
   std::string events_path;  // rail events as JSON lines
   std::string type = "float";
   std::string redop = "sum";
@@ -123,9 +124,12 @@ class Bench {
 };
 
 // Every rank sends to rank+1 and receives from rank-1 over the fabric.
+// With `oneway`, data flows one way per pair: even ranks send to rank+1, odd ranks receive from
+// rank-1 (a link's one-directional rate, as ib_write_bw measures it).
 class SendRecv final : public Bench {
  public:
-  SendRecv(Fabric& f, std::size_t max_bytes) : f_(f), send_(max_bytes), recv_(max_bytes) {}
+  SendRecv(Fabric& f, std::size_t max_bytes, bool oneway)
+      : f_(f), oneway_(oneway), send_(max_bytes), recv_(max_bytes) {}
 
   Status init() override {
     auto s = f_.register_memory(send_.data(), send_.size());
@@ -142,6 +146,12 @@ class SendRecv final : public Bench {
     const int n = f_.nranks();
     const int to = (me + 1) % n;
     const int from = (me - 1 + n) % n;
+    if (oneway_) {
+      auto op = me % 2 == 0 ? f_.isend(to, send_region_, 0, bytes)
+                            : f_.irecv(from, recv_region_, 0, bytes);
+      if (!op) return op.status();
+      return f_.wait(*op);
+    }
     auto rop = f_.irecv(from, recv_region_, 0, bytes);
     if (!rop) return rop.status();
     auto sop = f_.isend(to, send_region_, 0, bytes);
@@ -158,11 +168,13 @@ class SendRecv final : public Bench {
     fill_pattern(send_.data(), bytes, f_.rank(), round);
     std::memset(recv_.data(), 0xEE, bytes);
     R2CCL_RETURN_IF_ERROR(run_once(bytes));
+    if (oneway_ && f_.rank() % 2 == 0) return std::uint64_t{0};  // a sender receives nothing
     return count_wrong(recv_.data(), bytes, from, round);
   }
 
  private:
   Fabric& f_;
+  bool oneway_;
   std::vector<std::byte> send_;
   std::vector<std::byte> recv_;
   r2ccl::RegionPtr send_region_;
@@ -312,8 +324,17 @@ int run(const Options& o) {
   auto metrics = r2ccl::mon::JobMetrics::start(*cfg, f);  // when R2CCL_METRICS_PORT is set
   const bool root = f.rank() == 0;
   std::unique_ptr<Bench> made;
+  if (o.oneway && o.op != "sendrecv") {
+    fmt::print(stderr, "r2ccl-perf: --oneway applies to sendrecv only, not {}\n", o.op);
+    return 2;
+  }
   if (o.op == "sendrecv") {
-    made = std::make_unique<SendRecv>(f, *maxb);
+    if (o.oneway && f.nranks() % 2 != 0) {
+      fmt::print(stderr, "r2ccl-perf: --oneway needs an even number of ranks, not {}\n",
+                 f.nranks());
+      return 2;
+    }
+    made = std::make_unique<SendRecv>(f, *maxb, o.oneway);
   } else {
     CollOp op = CollOp::kAllReduce;  // the command line admits only the five names below
     for (CollOp c : {CollOp::kAllReduce, CollOp::kAllGather, CollOp::kReduceScatter,
@@ -579,6 +600,8 @@ int main(int argc, char** argv) {
                  "run each size for this many seconds instead of -n iterations; with -c 1 every "
                  "iteration is verified")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--oneway", o.oneway,
+               "sendrecv: even ranks send to rank+1, odd ranks receive (one direction per pair)");
   app.add_flag("--keep-going", o.keep_going,
                "with --duration: report a failed round and go on (exit status 2 at the end)");
   app.add_option("--events", o.events_path,

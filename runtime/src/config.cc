@@ -49,8 +49,9 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_CHUNK_SIZE", "512K",
      "Largest chunk a message is cut into for striping over the rails, 4K–64M (smaller "
      "messages use smaller chunks, down to 4K, so that each still spans every rail)."},
-    {"R2CCL_RAIL_WINDOW", "2M",
-     "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G."},
+    {"R2CCL_RAIL_WINDOW", "2M (tcp), 8M (verbs)",
+     "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G. verbs gets more: "
+     "its writes are confirmed by the NIC's acknowledgement, a round trip after the last byte."},
     {"R2CCL_TIMEOUT", "30s",
      "Deadline of every operation: past it, unless data to the peer is still being confirmed "
      "(slow is not dead), the operation fails with an error naming the peer and every rail tried."},
@@ -353,6 +354,7 @@ Result<Config> parse_config(const EnvLookup& env) {
     return Status::ok();
   };
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
+  if (c.provider == "verbs") c.rail_window = 8u << 20;
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window));
 
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_INTERVAL", milliseconds(1), c.probe_interval));

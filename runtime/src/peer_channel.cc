@@ -410,7 +410,9 @@ void Channel::update_degraded() {
     auto& s = *rails_[i];
     s.tel.weight_milli = static_cast<std::uint32_t>(std::lround(1000 * scheduler_.weight(i)));
     if (!s.rail || s.bandwidth == 0) continue;
-    const bool was = s.health->state() == RailState::kDegraded;
+    // The verdict, not the state: a degraded rail that is SUSPECT for a moment is still degraded
+    // (comparing the state logged "degraded" again on every tick).
+    const bool was = s.health->degraded();
     // Hysteresis: degraded below the ratio, recovered above the midpoint to 1.
     const bool now_degraded = was ? s.bandwidth < median * (1 + config_.degraded_ratio) / 2
                                   : s.bandwidth < median * config_.degraded_ratio;

@@ -241,11 +241,16 @@ std::string wc_text(const ibv_wc& wc) {
                      static_cast<int>(wc.status), wc.vendor_err);
 }
 
-// Completion errors that mean the path (or the queue pair) is gone — fail over — as opposed to
-// errors that mean this process or its peer has a bug.
+// Completion errors that mean this process or its peer has a bug (an access outside what was
+// registered or allowed), as opposed to those that mean the path or the queue pair is gone
+// (RETRY_EXC_ERR, LOC_QP_OP_ERR, WR_FLUSH_ERR, RNR_RETRY_EXC_ERR, REM_INV_REQ_ERR, ...), after
+// which the rail fails over and its unconfirmed writes are replayed elsewhere. REM_INV_REQ_ERR
+// stays on the fail-over side: Soft-RoCE reports it for a write whose packets it mis-tracked
+// during retransmission, and a replay is the remedy; a write that is wrong everywhere still
+// ends at the operation's deadline with every rail's reason.
 bool is_bug(ibv_wc_status s) {
-  return s == IBV_WC_REM_ACCESS_ERR || s == IBV_WC_LOC_PROT_ERR || s == IBV_WC_REM_INV_REQ_ERR ||
-         s == IBV_WC_LOC_LEN_ERR || s == IBV_WC_MW_BIND_ERR || s == IBV_WC_LOC_ACCESS_ERR;
+  return s == IBV_WC_REM_ACCESS_ERR || s == IBV_WC_LOC_PROT_ERR || s == IBV_WC_LOC_LEN_ERR ||
+         s == IBV_WC_MW_BIND_ERR || s == IBV_WC_LOC_ACCESS_ERR;
 }
 
 class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
@@ -406,12 +411,22 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   void fence() override {
     if (fenced_) return;
     fenced_ = true;
-    events_ = nullptr;
     if (qp_) {
       ibv_qp_attr a{};
       a.qp_state = IBV_QPS_ERR;
       (void)ibv_modify_qp(qp_.get(), &a, IBV_QP_STATE);
     }
+    // Writes whose arrival is still in the completion queue were acknowledged to the sender,
+    // which will not replay them: report them now (arrivals are idempotent). Nothing can land
+    // after the queue pair is in error, so this is the last of them.
+    if (events_ && cq_) {
+      ibv_wc wc{};
+      while (ibv_poll_cq(cq_.get(), 1, &wc) == 1)
+        if (wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM &&
+            wr_kind(wc.wr_id) == WrKind::kRecv)
+          events_->on_write_arrived(ntohl(wc.imm_data), wc.byte_len);
+    }
+    events_ = nullptr;
     pending_.clear();
     // Resources go once the completion handler (which holds a reference) has let go.
     if (fd_) {
@@ -562,14 +577,12 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     poll();
   }
 
+  // One completion at a time: a handler may fence the rail, and fence() must find every
+  // completion not handled yet still in the queue.
   void poll() {
-    std::array<ibv_wc, 32> wcs{};
-    while (!fenced_) {
-      const int n = ibv_poll_cq(cq_.get(), static_cast<int>(wcs.size()), wcs.data());
-      if (n <= 0) break;
-      for (int i = 0; i < n && !fenced_; ++i)
-        on_completion(wcs[static_cast<std::size_t>(i)]);
-    }
+    ibv_wc wc{};
+    while (!fenced_ && ibv_poll_cq(cq_.get(), 1, &wc) == 1)
+      on_completion(wc);
     flush();
   }
 

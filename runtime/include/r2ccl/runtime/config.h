@@ -44,7 +44,7 @@ struct Config {
   int ib_timeout = 14;
   int ib_retry_cnt = 3;
   std::size_t chunk_size = 512 * 1024;
-  std::size_t rail_window = 2 * 1024 * 1024;
+  std::size_t rail_window = 2 * 1024 * 1024;         // 8M with the verbs provider
   std::chrono::milliseconds timeout{30000};          // deadline of every operation
   std::chrono::milliseconds connect_timeout{10000};  // establishing the rails
   // Rail health (DESIGN.md: UP -> SUSPECT -> DOWN -> PROBING -> UP, plus DEGRADED).

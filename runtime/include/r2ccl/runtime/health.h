@@ -63,6 +63,8 @@ class RailHealth {
   HealthAction tick(TimePoint now, bool unconfirmed, TimePoint last_progress);
   // From the channel's bandwidth comparison; only affects a connected, answering rail.
   void set_degraded(bool degraded);
+  // The channel's last verdict (the state may say SUSPECT meanwhile).
+  bool degraded() const { return degraded_; }
 
   std::uint64_t flaps() const { return flaps_; }
   std::uint64_t failovers() const { return failovers_; }
