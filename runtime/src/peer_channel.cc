@@ -718,11 +718,16 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   const auto seq = next_send_seq_++;
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
   if (length > 0 && length <= kEagerMax) {
-    s.eager = true;
+    // Eager: the data travels inside a reliable control message (kept, and replayed on another
+    // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
+    // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
     ByteWriter w;
     w.u8(static_cast<std::uint8_t>(ControlType::kEager)).u64(seq).u64(length);
     w.raw(s.region->base + offset, length);
     send_control(w.take(), length);
+    early_cts_.erase(seq);  // the receiver's clear-to-send is not needed
+    s.op->complete(Status::ok());
+    return;
   }
   sends_.emplace(seq, std::move(s));
   if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
@@ -799,6 +804,13 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   r.length = length;
   r.deadline = deadline;
   r.arrivals = ArrivalSet(chunk_count(length, cts.chunk));
+  if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
+    // An eager message came first: no clear-to-send (its sender has finished).
+    Bytes data = std::move(it->second);
+    unexpected_.erase(it);
+    finish_eager(op, r.region, offset, length, seq, data);
+    return;
+  }
   ByteWriter w;
   w.u8(static_cast<std::uint8_t>(ControlType::kCts))
       .u64(cts.seq)
@@ -809,12 +821,6 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   send_control(w.take());
   if (length == 0) {
     op->complete(Status::ok());
-    return;
-  }
-  if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
-    Bytes data = std::move(it->second);
-    unexpected_.erase(it);
-    finish_eager(op, r.region, offset, length, seq, data);
     return;
   }
   recv_slots_.emplace(slot, std::move(r));
@@ -870,7 +876,6 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
   if (cts.region.keys.size() < rails_.size() || cts.chunk == 0)
     return finish(
         {ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
-  if (s.eager) return finish(Status::ok());  // the data went ahead; the receiver has the size
   s.started = true;
   s.cts = cts;
   s.nchunks = chunk_count(s.length, cts.chunk);

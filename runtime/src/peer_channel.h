@@ -138,9 +138,6 @@ class Channel {
     std::size_t length = 0;
     Clock::time_point deadline;
     bool started = false;
-    // Small messages go eagerly: the data travels inside a control message at once, and the send
-    // completes when the receiver's clear-to-send confirms the length.
-    bool eager = false;
     Cts cts;
     std::uint32_t nchunks = 0;
     std::uint32_t next_chunk = 0;

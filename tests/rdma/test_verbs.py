@@ -326,6 +326,10 @@ def test_nic_down_mid_transfer(perf, tmp_path):
             replayed |= any(finals[o]["replayed_chunks"] > 0 for o in others)
         if in_flight and down.busy:
             break
+        # Another trial: h0n1 must be up again first (a rail cannot be opened on a downed NIC).
+        subprocess.run(nic_cmd("clear", "h0n1"), stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=30, check=False)
+        time.sleep(2.0)  # carrier and the port back (PORT_ACTIVE) before the next launch
     assert in_flight, "the fault never hit chunks in flight on rail 1\n" + dump(ev)
     assert replayed, "rail 1's unconfirmed chunks were not replayed on another rail\n" + dump(ev)
 

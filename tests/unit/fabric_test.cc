@@ -148,28 +148,41 @@ TEST(Fabric, ThreeRanksRingAndMessagesToSelf) {
   }
 }
 
-TEST(Fabric, SizeMismatchFailsBothSidesWithAClearErrorAndTheFabricStaysUsable) {
+TEST(Fabric, SizeMismatchFailsWithAClearErrorAndTheFabricStaysUsable) {
   auto w = make_world(2);
   ASSERT_EQ(w.ranks.size(), 2u);
-  std::vector<std::byte> buf(1000, std::byte{1}), out(1000);
+  std::vector<std::byte> buf(100000, std::byte{1}), out(100000);
   auto rs = *w.ranks[0]->register_memory(buf.data(), buf.size());
   auto rd = *w.ranks[1]->register_memory(out.data(), out.size());
+  // A small (eager) send is buffered and complete at once, as MPI's: the receiver reports it.
   auto recv = *w.ranks[1]->irecv(0, rd, 0, 200);
   auto send = *w.ranks[0]->isend(1, rs, 0, 100);
-  Status s = w.ranks[0]->wait(send);
+  EXPECT_TRUE(w.ranks[0]->wait(send).is_ok());
   Status r = w.ranks[1]->wait(recv);
+  EXPECT_EQ(r.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(r.message(),
+            "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, "
+            "the receiver posted 200 bytes");
+  // A large send waits for the receiver's clear-to-send: both sides fail.
+  auto recv1 = *w.ranks[1]->irecv(0, rd, 0, 60000);
+  auto send1 = *w.ranks[0]->isend(1, rs, 0, 50000);
+  Status s1 = w.ranks[0]->wait(send1);
+  Status r1 = w.ranks[1]->wait(recv1);
   const std::string want =
-      "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, the "
-      "receiver posted 200 bytes";
-  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(s.message(), want);
-  EXPECT_EQ(r.message(), want);
-  // The next message pair works.
-  auto recv2 = *w.ranks[1]->irecv(0, rd, 0, 1000);
-  auto send2 = *w.ranks[0]->isend(1, rs, 0, 1000);
-  EXPECT_TRUE(w.ranks[0]->wait(send2).is_ok());
-  EXPECT_TRUE(w.ranks[1]->wait(recv2).is_ok());
-  EXPECT_EQ(out, buf);
+      "size mismatch in message #1 between rank 0 and rank 1: the sender sends 50000 bytes, the "
+      "receiver posted 60000 bytes";
+  EXPECT_EQ(s1.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s1.message(), want);
+  EXPECT_EQ(r1.message(), want);
+  // The next message pairs work, small and large.
+  for (std::size_t n : {std::size_t{1000}, buf.size()}) {
+    std::fill(out.begin(), out.end(), std::byte{0});
+    auto recv2 = *w.ranks[1]->irecv(0, rd, 0, n);
+    auto send2 = *w.ranks[0]->isend(1, rs, 0, n);
+    EXPECT_TRUE(w.ranks[0]->wait(send2).is_ok());
+    EXPECT_TRUE(w.ranks[1]->wait(recv2).is_ok());
+    EXPECT_TRUE(std::equal(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(n), buf.begin()));
+  }
 }
 
 TEST(Fabric, BadArgumentsAreRefusedWithTheirReason) {
@@ -196,13 +209,17 @@ TEST(Fabric, BadArgumentsAreRefusedWithTheirReason) {
 TEST(Fabric, ASendWithoutAMatchingReceiveFailsAtTheDeadline) {
   auto w = make_world(2, {{"R2CCL_TIMEOUT", "300ms"}});
   ASSERT_EQ(w.ranks.size(), 2u);
-  std::vector<std::byte> buf(100);
+  std::vector<std::byte> buf(100000);
   auto reg = *w.ranks[0]->register_memory(buf.data(), buf.size());
-  auto op = *w.ranks[0]->isend(1, reg, 0, 100);
+  // A small send is buffered (eager): it completes without the receiver.
+  auto small = *w.ranks[0]->isend(1, reg, 0, 100);
+  EXPECT_TRUE(w.ranks[0]->wait(small).is_ok());
+  // A large one needs the receiver's clear-to-send, and fails at the deadline without it.
+  auto op = *w.ranks[0]->isend(1, reg, 0, 100000);
   Status s = w.ranks[0]->wait(op);
   EXPECT_EQ(s.code(), ErrorCode::kTimeout);
-  EXPECT_NE(s.message().find("send #0 of 100 bytes to rank 1 timed out after 300ms (rank 1 never "
-                             "posted the matching receive)"),
+  EXPECT_NE(s.message().find("send #1 of 100000 bytes to rank 1 timed out after 300ms (rank 1 "
+                             "never posted the matching receive)"),
             std::string::npos)
       << s.message();
   EXPECT_NE(s.message().find("rails tried: 0 (127.0.10.1 -> 127.0.11.1) up"), std::string::npos)
