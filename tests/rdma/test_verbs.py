@@ -345,7 +345,7 @@ def test_fault_detected_and_readmitted(perf, tmp_path, fault, heal):
     verified throughout, the rail failed during the fault and was re-admitted (new queue
     pairs) after the heal."""
     need_nics(2)
-    k, dur = 2, 22
+    k, dur = 2, 26
     ev = str(tmp_path / "ev")
     procs = ranks(duration_args(dur, ev), k)
     # One script, so that the fault lasts 6 s from the moment it is in place, however long the
@@ -383,18 +383,21 @@ def test_fault_detected_and_readmitted(perf, tmp_path, fault, heal):
 def test_flapping_nic_is_held_down(perf, tmp_path):
     """h0n1 goes down and up every 0.3 s for a few seconds: each outage counts as a flap, the
     rail is not re-admitted while it flaps, and is re-admitted once after it settles, after a
-    hold-down that grew with the flaps (bounded by R2CCL_HOLDDOWN_MAX)."""
+    hold-down that grew with the flaps (bounded by R2CCL_HOLDDOWN_MAX).  The flapping uses `ip
+    link` itself (what `rdma-vm-nic down/up` does): rdma-vm-nic takes up to a second per call
+    on a busy emulated guest, and an up period longer than the 2 s hold-down is no flap."""
     need_nics(2)
-    k, dur = 2, 22
+    k, dur = 2, 26
     ev = str(tmp_path / "ev")
     # The monitor starts first and outlives the flap (which is bounded by 8 cycles and 8 s).
     monitor = Proc(argv=["timeout", "14", "ip", "monitor", "link"], name="ip monitor")
-    procs = [monitor] + ranks(duration_args(dur, ev), k, R2CCL_HOLDDOWN="1s", R2CCL_HOLDDOWN_MAX="4s")
+    procs = [monitor] + ranks(duration_args(dur, ev), k, R2CCL_HOLDDOWN="2s", R2CCL_HOLDDOWN_MAX="6s")
     for p in procs[1:]:
         p.delay = 0.2
     flap_sh = ('date +%s%N; end=$((SECONDS + 8)); i=0; '
                'while [ $i -lt 8 ] && [ $SECONDS -lt $end ]; do '
-               'rdma-vm-nic down h0n1 || exit 1; sleep 0.3; rdma-vm-nic up h0n1 || exit 1; sleep 0.3; '
+               'ip link set dev h0n1 down || exit 1; sleep 0.3; ip link set dev h0n1 up || exit 1; '
+               'sleep 0.3; '
                'i=$((i + 1)); done; date +%s%N')
     TOUCHED.add("h0n1")
     flap = Proc(argv=["bash", "-c", flap_sh], delay=3.0, name="flap")
@@ -421,8 +424,8 @@ def test_flapping_nic_is_held_down(perf, tmp_path):
     m = re.search(r"hold-down was (\d+)ms", readmitted[0]["detail"])
     assert m, readmitted[0]
     holddown_ms = int(m.group(1))
-    assert holddown_ms > 1000, f"the hold-down did not grow with the flaps: {readmitted[0]}"
-    assert holddown_ms <= 4000, readmitted[0]  # R2CCL_HOLDDOWN_MAX
+    assert holddown_ms > 2000, f"the hold-down did not grow with the flaps: {readmitted[0]}"
+    assert holddown_ms <= 6000, readmitted[0]  # R2CCL_HOLDDOWN_MAX
     # Not re-admitted before the hold-down ran out (a lower bound, not a timing expectation).
     assert readmitted[0]["wall_ns"] - last_up >= (holddown_ms - 50) * 1_000_000, (last_up, readmitted[0])
     assert finals[bad]["state"] in USABLE, dump(ev)
