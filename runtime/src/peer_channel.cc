@@ -16,7 +16,18 @@ namespace {
 using std::chrono::milliseconds;
 
 // Control messages on the rails: u64 sequence number, u8 type, body.
-enum class ControlType : std::uint8_t { kCts = 1, kAbort = 2, kUser = 3, kEager = 4 };
+// kCts: the receiver's clear-to-send (its region and length). kAbort: the sender refuses a
+// receive (size mismatch). kEager: a small message with its data. kRts: a send that is not eager
+// announces its length, for a receiver that expects an eager message (and so sent no
+// clear-to-send). kAbortSend: the receiver refuses such a send (size mismatch).
+enum class ControlType : std::uint8_t {
+  kCts = 1,
+  kAbort = 2,
+  kUser = 3,
+  kEager = 4,
+  kRts = 5,
+  kAbortSend = 6,
+};
 // Messages up to this size travel eagerly inside a control message (no clear-to-send round trip
 // before the data).
 // Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
@@ -672,6 +683,37 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
     on_eager(seq2, Bytes(message.begin() + 25, message.end()));
     return;
   }
+  if (type == ControlType::kRts) {
+    const auto seq2 = r.u64();
+    const auto length = r.u64();
+    if (!r.finish("request-to-send").is_ok()) {
+      R2CCL_WARN("rank {} sent a malformed request-to-send on rail {}", peer_, rail);
+      return;
+    }
+    auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
+    if (it != recv_slots_.end() && it->second.seq == seq2) {
+      if (!needs_cts(it->second.length)) {
+        auto op = it->second.op;
+        const auto posted = it->second.length;
+        recv_slots_.erase(it);
+        refuse_send(op, seq2, length, posted);
+      }
+      // else: the clear-to-send already went; the sender checks the length against it
+    } else if (seq2 >= next_recv_seq_) {
+      early_rts_[seq2] = length;
+    }
+    return;
+  }
+  if (type == ControlType::kAbortSend) {
+    const auto seq2 = r.u64();
+    std::string why = r.str(4096);
+    if (auto it = sends_.find(seq2); it != sends_.end()) {
+      auto op = it->second.op;
+      drop_send(it);
+      op->complete({ErrorCode::kInvalidArgument, why});
+    }
+    return;
+  }
   if (type == ControlType::kAbort) {
     const auto seq2 = r.u64();
     std::string why = r.str(4096);
@@ -730,6 +772,11 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     return;
   }
   sends_.emplace(seq, std::move(s));
+  {
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(ControlType::kRts)).u64(seq).u64(length);
+    send_control(w.take());
+  }
   if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
     Cts c = it->second;
     early_cts_.erase(it);
@@ -811,6 +858,17 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     finish_eager(op, r.region, offset, length, seq, data);
     return;
   }
+  if (auto it = early_rts_.find(seq); it != early_rts_.end()) {
+    const auto sent = it->second;
+    early_rts_.erase(it);
+    if (!needs_cts(length)) return refuse_send(op, seq, sent, length);
+  }
+  // A receive of eager size waits for the data without a clear-to-send; a sender of another
+  // size announces itself (request-to-send) and is refused.
+  if (!needs_cts(length)) {
+    recv_slots_.emplace(slot, std::move(r));
+    return;
+  }
   ByteWriter w;
   w.u8(static_cast<std::uint8_t>(ControlType::kCts))
       .u64(cts.seq)
@@ -824,6 +882,19 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     return;
   }
   recv_slots_.emplace(slot, std::move(r));
+}
+
+bool Channel::needs_cts(std::size_t length) {
+  return length == 0 || length > kEagerMax;
+}
+
+void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,
+                          std::uint64_t posted) {
+  const std::string why = size_mismatch(seq, peer_, ctx_.me, sent, posted);
+  ByteWriter w;
+  w.u8(static_cast<std::uint8_t>(ControlType::kAbortSend)).u64(seq).str(why);
+  send_control(w.take());
+  op->complete({ErrorCode::kInvalidArgument, why});
 }
 
 void Channel::on_eager(std::uint64_t seq, Bytes data) {

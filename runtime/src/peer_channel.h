@@ -182,6 +182,10 @@ class Channel {
   void start_send(std::uint64_t seq, const Cts& cts);
   // Eager data for receive `seq` (posted or not yet).
   void on_eager(std::uint64_t seq, Bytes data);
+  // Receives of eager size (1..8 KiB) get no clear-to-send: the data comes without one.
+  static bool needs_cts(std::size_t length);
+  // Fails a receive whose sender announced another size, and tells the sender.
+  void refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent, std::uint64_t posted);
   // Completes a posted receive with eager data (or its size mismatch).
   void finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
                     std::size_t length, std::uint64_t seq, const Bytes& data);
@@ -214,6 +218,7 @@ class Channel {
   std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)
   std::map<std::uint64_t, Send> sends_;
   std::map<std::uint64_t, Cts> early_cts_;
+  std::map<std::uint64_t, std::uint64_t> early_rts_;  // announced lengths, receive not posted
   std::deque<std::uint64_t> ready_;  // messages with chunks not yet posted, oldest first
   std::size_t serve_ = 0;            // the one of the oldest few that gets the next chunk
   std::deque<InflightChunk> replay_;

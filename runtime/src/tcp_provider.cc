@@ -45,6 +45,7 @@ constexpr std::size_t kBatchFrames = 64;
 constexpr std::size_t kFragment = 64u << 10;
 constexpr std::uint8_t kMoreFragments = 1;  // WRITE flag: more fragments of this write follow
 constexpr std::size_t kBatchBytes = 256u << 10;
+constexpr std::size_t kReadBatch = 64u << 10;  // bytes asked of one receive call
 
 enum class FrameOp : std::uint8_t {
   kHello = 1,
@@ -162,7 +163,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   void start(RailEvents* events) override {
     events_ = events;
-    read_header();
+    process();
   }
 
   Status post_write(const WriteRequest& w) override {
@@ -255,13 +256,40 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     });
   }
 
-  void read_header() {
-    asio::async_read(socket_, asio::buffer(header_),
-                     [self = shared_from_this()](error_code ec, std::size_t n) {
-                       if (self->closed_) return;
-                       if (ec) return self->fail_read(ec, n, "frame header");
-                       self->on_header();
-                     });
+  // Receiving. Bytes are read in batches into `rbuf_` (one system call usually brings several
+  // small frames: acknowledgements, control messages) and parsed from there; a write's payload
+  // beyond what the batch holds is read straight into its registered region.
+  std::size_t avail() const { return rend_ - rpos_; }
+
+  // Parses every complete frame buffered; returns when more bytes are needed (and are being
+  // read) or when an asynchronous read of a payload's remainder will continue it.
+  void process() {
+    while (!closed_) {
+      if (avail() < kHeaderSize) return fill();
+      std::memcpy(header_.data(), rbuf_.data() + rpos_, kHeaderSize);
+      rpos_ += kHeaderSize;
+      if (!on_header()) return;
+    }
+  }
+
+  // Reads at least one more byte into the buffer, then parses again.
+  void fill() {
+    if (rpos_ == rend_) {
+      rpos_ = rend_ = 0;
+    } else if (rpos_ > 0) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rpos_, avail());
+      rend_ -= rpos_;
+      rpos_ = 0;
+    }
+    const bool in_header = rend_ > 0;
+    socket_.async_read_some(
+        asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+        [self = shared_from_this(), in_header](error_code ec, std::size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
+          self->rend_ += n;
+          self->process();
+        });
   }
 
   void fail_read(const error_code& ec, std::size_t got, const char* what) {
@@ -275,9 +303,14 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
           fmt::format("receive failed on {}: {}", description_, errno_text(ec))});
   }
 
-  void on_header() {
+  // Handles the header in `header_`; true: go on parsing, false: an asynchronous step (or a
+  // failure) took over.
+  bool on_header() {
     auto h = decode(header_);
-    if (!h) return fail(h.status().with_context(fmt::format("rail {}", description_)));
+    if (!h) {
+      fail(h.status().with_context(fmt::format("rail {}", description_)));
+      return false;
+    }
     cur_ = *h;
     switch (cur_.op) {
       case FrameOp::kWrite:
@@ -285,10 +318,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       case FrameOp::kWriteAck:
         if (cur_.length != 0) return malformed("WRITE_ACK with a payload");
         if (events_) events_->on_write_confirmed(cur_.cookie, cur_.offset);
-        return read_header();
+        return true;
       case FrameOp::kWriteNack:
         if (cur_.length > kMaxNackText) return malformed("WRITE_NACK reason too long");
-        return read_payload(cur_.length, [this] {
+        return take_payload(cur_.length, [this] {
           std::string why(reinterpret_cast<const char*>(payload_.data()), payload_.size());
           if (events_)
             events_->on_write_refused(cur_.cookie, Status(ErrorCode::kRemoteRefused, why));
@@ -296,7 +329,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       case FrameOp::kControl:
         if (cur_.length > kMaxControl)
           return malformed(fmt::format("control message of {} bytes", cur_.length));
-        return read_payload(cur_.length, [this] {
+        return take_payload(cur_.length, [this] {
           const auto cookie = cur_.cookie;
           if (events_) events_->on_control(std::move(payload_));
           if (cookie != 0 && !closed_)
@@ -306,27 +339,38 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       case FrameOp::kHello:
         return malformed("handshake frame after the handshake");
     }
-    malformed(fmt::format("unknown frame op {}", static_cast<int>(cur_.op)));
+    return malformed(fmt::format("unknown frame op {}", static_cast<int>(cur_.op)));
   }
 
-  void malformed(const std::string& what) {
+  bool malformed(const std::string& what) {
     fail({ErrorCode::kProtocol, fmt::format("malformed frame on rail {}: {}", description_, what)});
+    return false;
   }
 
+  // Moves `len` payload bytes into `payload_` and runs `then`: from the buffer when they are all
+  // there (true), else the rest by an asynchronous read that continues parsing (false).
   template <typename F>
-  void read_payload(std::size_t len, F&& then) {
-    payload_.assign(len, std::byte{0});
+  bool take_payload(std::size_t len, F&& then) {
+    const std::size_t have = std::min(len, avail());
+    payload_.assign(rbuf_.data() + rpos_, rbuf_.data() + rpos_ + have);
+    rpos_ += have;
+    if (have == len) {
+      then();
+      return true;
+    }
+    payload_.resize(len);
     asio::async_read(
-        socket_, asio::buffer(payload_),
+        socket_, asio::buffer(payload_.data() + have, len - have),
         [self = shared_from_this(), then = std::forward<F>(then)](error_code ec, std::size_t n) {
           if (self->closed_) return;
           if (ec) return self->fail_read(ec, n, "frame payload");
           then();
-          if (!self->closed_) self->read_header();
+          self->process();
         });
+    return false;
   }
 
-  void on_write() {
+  bool on_write() {
     if (fragments_bytes_ == 0) write_started_ = std::chrono::steady_clock::now();
     if (cur_.length > kMaxWrite)
       return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
@@ -364,42 +408,56 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       return drain(refusal);
     }
     const std::size_t len = cur_.length;
-    asio::async_read(socket_, asio::buffer(dest, len),
+    const std::size_t have = std::min(len, avail());
+    std::memcpy(dest, rbuf_.data() + rpos_, have);
+    rpos_ += have;
+    if (have == len) {
+      write_landed();
+      return true;
+    }
+    asio::async_read(socket_, asio::buffer(dest + have, len - have),
                      [self = shared_from_this()](error_code ec, std::size_t n) {
                        if (self->closed_) return;
                        if (ec) return self->fail_read(ec, n, "write payload");
-                       self->fragments_bytes_ += self->cur_.length;
-                       if (self->cur_.flags & kMoreFragments) return self->read_header();
-                       // The whole write has landed: report it and confirm it.
-                       const auto cookie = self->cur_.cookie;
-                       const auto total = self->fragments_bytes_;
-                       self->fragments_bytes_ = 0;
-                       // How long this write took to arrive: from its first byte, or from the
-                       // previous write's last byte when it was already waiting behind it. Sent
-                       // back in the ack's offset field.
-                       const auto done = std::chrono::steady_clock::now();
-                       const auto receive_ns = static_cast<std::uint64_t>(
-                           std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               done - std::max(self->write_started_, self->last_write_done_))
-                               .count());
-                       self->last_write_done_ = done;
-                       if (self->events_) self->events_->on_write_arrived(self->cur_.imm, total);
-                       if (self->closed_) return;
-                       self->queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, receive_ns, 0, cookie},
-                                   nullptr, 0, {}, true);
-                       self->read_header();
+                       self->write_landed();
+                       self->process();
                      });
+    return false;
   }
 
-  // Reads and discards a refused write's payload, then tells the sender why.
-  void drain(std::string refusal) {
+  // A write fragment's payload is in place; after the last one, report and confirm the write.
+  void write_landed() {
+    fragments_bytes_ += cur_.length;
+    if (cur_.flags & kMoreFragments) return;
+    const auto cookie = cur_.cookie;
+    const auto total = fragments_bytes_;
+    fragments_bytes_ = 0;
+    // How long this write took to arrive: from its first byte, or from the previous write's last
+    // byte when it was already waiting behind it. Sent back in the ack's offset field.
+    const auto done = std::chrono::steady_clock::now();
+    const auto receive_ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(
+            done - std::max(write_started_, last_write_done_))
+            .count());
+    last_write_done_ = done;
+    if (events_) events_->on_write_arrived(cur_.imm, total);
+    if (closed_) return;
+    queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, receive_ns, 0, cookie}, nullptr, 0, {}, true);
+  }
+
+  // Discards a refused write's payload (buffered part first), then tells the sender why.
+  bool drain(std::string refusal) {
+    const std::size_t skip = std::min(avail(), cur_.length - drained_);
+    rpos_ += skip;
+    drained_ += skip;
     if (drained_ == cur_.length) {
-      if (refusal.empty()) return read_header();
-      queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr, 0,
-            Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
-                  reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
-            true);
-      return read_header();
+      if (!refusal.empty())
+        queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr,
+              0,
+              Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
+                    reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
+              true);
+      return true;
     }
     scratch_.resize(64 * 1024);
     const std::size_t n = std::min<std::size_t>(scratch_.size(), cur_.length - drained_);
@@ -409,8 +467,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
                        if (self->closed_) return;
                        if (ec) return self->fail_read(ec, got, "write payload");
                        self->drained_ += got;
-                       self->drain(std::move(refusal));
+                       if (self->drain(std::move(refusal))) self->process();
                      });
+    return false;
   }
 
   void fail(const Status& why) {
@@ -443,6 +502,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   bool closed_ = false;
 
   HeaderBytes header_{};
+  std::vector<std::byte> rbuf_ = std::vector<std::byte>(kReadBatch);
+  std::size_t rpos_ = 0;  // unparsed bytes are [rpos_, rend_)
+  std::size_t rend_ = 0;
   FrameHeader cur_;
   Bytes payload_;
   std::vector<std::byte> scratch_;

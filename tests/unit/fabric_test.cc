@@ -174,6 +174,26 @@ TEST(Fabric, SizeMismatchFailsWithAClearErrorAndTheFabricStaysUsable) {
   EXPECT_EQ(s1.code(), ErrorCode::kInvalidArgument);
   EXPECT_EQ(s1.message(), want);
   EXPECT_EQ(r1.message(), want);
+  // A large send to a receive of eager size (which sends no clear-to-send): the send announces
+  // its length and the receiver refuses it, both fail.
+  auto recv3 = *w.ranks[1]->irecv(0, rd, 0, 300);
+  auto send3 = *w.ranks[0]->isend(1, rs, 0, 40000);
+  Status s3 = w.ranks[0]->wait(send3);
+  Status r3 = w.ranks[1]->wait(recv3);
+  const std::string want3 =
+      "size mismatch in message #2 between rank 0 and rank 1: the sender sends 40000 bytes, the "
+      "receiver posted 300 bytes";
+  EXPECT_EQ(s3.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(s3.message(), want3);
+  EXPECT_EQ(r3.message(), want3);
+  // The same when the announcement arrives before the receive is posted.
+  auto send4 = *w.ranks[0]->isend(1, rs, 0, 40000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto recv4 = *w.ranks[1]->irecv(0, rd, 0, 300);
+  EXPECT_EQ(w.ranks[1]->wait(recv4).message(),
+            "size mismatch in message #3 between rank 0 and rank 1: the sender sends 40000 bytes, "
+            "the receiver posted 300 bytes");
+  EXPECT_EQ(w.ranks[0]->wait(send4).code(), ErrorCode::kInvalidArgument);
   // The next message pairs work, small and large.
   for (std::size_t n : {std::size_t{1000}, buf.size()}) {
     std::fill(out.begin(), out.end(), std::byte{0});
