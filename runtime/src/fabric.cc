@@ -2,8 +2,6 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
-
-#include <cstdlib>
 #include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -59,8 +57,7 @@ Status Op::status() const {
 Status Op::wait(milliseconds timeout) {
   // A short spin first (yielding, so the progress thread of this or another rank gets the core):
   // a small message completes within it and the waiter skips a sleep and wake-up.
-  static const auto kSpin = std::chrono::microseconds(
-      std::getenv("R2CCL_TEST_WAIT_SPIN") ? std::atoi(std::getenv("R2CCL_TEST_WAIT_SPIN")) : 50);
+  constexpr auto kSpin = std::chrono::microseconds(50);
   const auto spin_until =
       std::chrono::steady_clock::now() + std::min<Clock::duration>(kSpin, timeout);
   while (!done_flag_.load(std::memory_order_acquire) &&

@@ -625,9 +625,17 @@ void Channel::send_control(Bytes body, std::size_t payload) {
 
 void Channel::flush_control() {
   while (!control_backlog_.empty()) {
+    // Control messages take the first usable rail; eager messages (with data, matched by their
+    // own sequence number, so their order does not matter) go round-robin over the usable
+    // rails, so that small messages use every link.
+    const bool spread = control_backlog_.front().payload > 0;
+    const std::uint32_t n = static_cast<std::uint32_t>(rails_.size());
+    const std::uint32_t first = spread && n > 0 ? eager_rail_++ % n : 0;
     std::optional<std::uint32_t> rail;
-    for (std::uint32_t i = 0; i < rails_.size() && !rail; ++i)
+    for (std::uint32_t k = 0; k < n && !rail; ++k) {
+      const std::uint32_t i = (first + k) % n;
       if (rails_[i]->rail && scheduler_.usable(i)) rail = i;
+    }
     if (!rail) return;  // sent when a rail is usable again
     ControlEntry e = std::move(control_backlog_.front());
     control_backlog_.pop_front();

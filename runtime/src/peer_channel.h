@@ -219,6 +219,7 @@ class Channel {
   std::map<std::uint64_t, Send> sends_;
   std::map<std::uint64_t, Cts> early_cts_;
   std::map<std::uint64_t, std::uint64_t> early_rts_;  // announced lengths, receive not posted
+  std::uint32_t eager_rail_ = 0;     // round-robin of eager messages over the rails
   std::deque<std::uint64_t> ready_;  // messages with chunks not yet posted, oldest first
   std::size_t serve_ = 0;            // the one of the oldest few that gets the next chunk
   std::deque<InflightChunk> replay_;

@@ -1,7 +1,6 @@
 #include "r2ccl/runtime/progress.h"
 
 #include <chrono>
-#include <cstdlib>
 
 #include "r2ccl/runtime/log.h"
 
@@ -23,8 +22,7 @@ ProgressEngine::ProgressEngine()
 // sleep and wake-up per message; spinning for longer starves other ranks on a small machine.
 void ProgressEngine::run_adaptive() {
   using Clock = std::chrono::steady_clock;
-  static const auto kSpin = std::chrono::microseconds(
-      std::getenv("R2CCL_TEST_LOOP_SPIN") ? std::atoi(std::getenv("R2CCL_TEST_LOOP_SPIN")) : 50);
+  constexpr auto kSpin = std::chrono::microseconds(50);
   auto last_work = Clock::now();
   while (!io_.stopped()) {
     if (io_.poll() > 0) {

@@ -282,14 +282,13 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       rpos_ = 0;
     }
     const bool in_header = rend_ > 0;
-    socket_.async_read_some(
-        asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
-        [self = shared_from_this(), in_header](error_code ec, std::size_t n) {
-          if (self->closed_) return;
-          if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
-          self->rend_ += n;
-          self->process();
-        });
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+                            [self = shared_from_this(), in_header](error_code ec, std::size_t n) {
+                              if (self->closed_) return;
+                              if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
+                              self->rend_ += n;
+                              self->process();
+                            });
   }
 
   void fail_read(const error_code& ec, std::size_t got, const char* what) {
@@ -435,10 +434,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     // How long this write took to arrive: from its first byte, or from the previous write's last
     // byte when it was already waiting behind it. Sent back in the ack's offset field.
     const auto done = std::chrono::steady_clock::now();
-    const auto receive_ns = static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(
-            done - std::max(write_started_, last_write_done_))
-            .count());
+    const auto receive_ns =
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       done - std::max(write_started_, last_write_done_))
+                                       .count());
     last_write_done_ = done;
     if (events_) events_->on_write_arrived(cur_.imm, total);
     if (closed_) return;
@@ -452,8 +451,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     drained_ += skip;
     if (drained_ == cur_.length) {
       if (!refusal.empty())
-        queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr,
-              0,
+        queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr, 0,
               Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
                     reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
               true);
