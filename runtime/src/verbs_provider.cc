@@ -737,6 +737,16 @@ class VerbsProvider final : public Provider {
 
   ~VerbsProvider() override {
     engine_.call([this] {
+      // Handshakes still under way end here: their handlers see `done` and touch nothing more.
+      for (auto& w : handshakes_)
+        if (auto hs = w.lock()) {
+          error_code ec;
+          hs->done = true;
+          hs->timer.cancel();
+          hs->socket.close(ec);
+          if (hs->rail) hs->rail->fence();
+        }
+      handshakes_.clear();
       for (auto& d : state_) {
         error_code ec;
         d->acceptor.close(ec);
@@ -974,6 +984,11 @@ class VerbsProvider final : public Provider {
                         d.nic.address)};
   }
 
+  void remember(const std::shared_ptr<Handshake>& hs) {
+    std::erase_if(handshakes_, [](const auto& w) { return w.expired(); });
+    handshakes_.push_back(hs);
+  }
+
   void track(std::size_t device, const std::shared_ptr<VerbsRail>& rail) {
     auto& v = state_[device]->rails;
     std::erase_if(v, [](const auto& w) { return w.expired(); });
@@ -1060,6 +1075,7 @@ class VerbsProvider final : public Provider {
     if (Status st = rail->create(); !st)
       return (*finish)(st.with_context(fmt::format("cannot open {}", what)));
     auto hs = std::make_shared<Handshake>(engine_.io(), tcp::socket(engine_.io()));
+    remember(hs);
     hs->rail = rail;
     auto fail = [hs, finish, what](const std::string& why) {
       if (hs->done) return;
@@ -1129,6 +1145,7 @@ class VerbsProvider final : public Provider {
 
   void on_incoming(std::size_t device, tcp::socket s) {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
+    remember(hs);
     error_code ec;
     auto remote = hs->socket.remote_endpoint(ec);
     const std::string from = fmt::format("{}:{}", remote.address().to_string(), remote.port());
@@ -1196,6 +1213,7 @@ class VerbsProvider final : public Provider {
   Counters counters_;
   std::vector<RailNic> devices_;
   std::vector<std::unique_ptr<DeviceState>> state_;
+  std::vector<std::weak_ptr<Handshake>> handshakes_;  // loop thread
   AcceptHandler accept_handler_;
 };
 
