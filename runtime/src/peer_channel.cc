@@ -845,25 +845,11 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
          fmt::format("more than {} receives from rank {} outstanding", ChunkImm::kSlots, peer_)});
     return;
   }
-  Cts cts;
-  cts.seq = seq;
-  cts.length = length;
-  cts.chunk = chunk_for(length);
-  cts.offset = offset;
-  cts.region = RemoteRegion{region->id, region->length, region->keys};
-  Recv r;
-  r.op = op;
-  r.region = std::move(region);
-  r.seq = seq;
-  r.offset = offset;
-  r.length = length;
-  r.deadline = deadline;
-  r.arrivals = ArrivalSet(chunk_count(length, cts.chunk));
   if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
     // An eager message came first: no clear-to-send (its sender has finished).
     Bytes data = std::move(it->second);
     unexpected_.erase(it);
-    finish_eager(op, r.region, offset, length, seq, data);
+    finish_eager(op, region, offset, length, seq, data);
     return;
   }
   if (auto it = early_rts_.find(seq); it != early_rts_.end()) {
@@ -871,24 +857,27 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     early_rts_.erase(it);
     if (!needs_cts(length)) return refuse_send(op, seq, sent, length);
   }
-  // A receive of eager size waits for the data without a clear-to-send; a sender of another
-  // size announces itself (request-to-send) and is refused.
-  if (!needs_cts(length)) {
-    recv_slots_.emplace(slot, std::move(r));
-    return;
+  const std::uint32_t chunk = chunk_for(length);
+  if (needs_cts(length)) {
+    // A receive of eager size waits for the data without a clear-to-send; a sender of another
+    // size announces itself (request-to-send) and is refused.
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(ControlType::kCts)).u64(seq).u64(length).u32(chunk).u64(offset);
+    RemoteRegion{region->id, region->length, region->keys}.encode(w);
+    send_control(w.take());
+    if (length == 0) {
+      op->complete(Status::ok());
+      return;
+    }
   }
-  ByteWriter w;
-  w.u8(static_cast<std::uint8_t>(ControlType::kCts))
-      .u64(cts.seq)
-      .u64(cts.length)
-      .u32(cts.chunk)
-      .u64(cts.offset);
-  cts.region.encode(w);
-  send_control(w.take());
-  if (length == 0) {
-    op->complete(Status::ok());
-    return;
-  }
+  Recv r;
+  r.op = std::move(op);
+  r.region = std::move(region);
+  r.seq = seq;
+  r.offset = offset;
+  r.length = length;
+  r.deadline = deadline;
+  r.arrivals = ArrivalSet(chunk_count(length, chunk));
   recv_slots_.emplace(slot, std::move(r));
 }
 

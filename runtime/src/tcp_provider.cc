@@ -24,6 +24,7 @@
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/progress.h"
 #include "r2ccl/runtime/provider.h"
+#include "rail_wire.h"
 
 namespace r2ccl {
 namespace {
@@ -37,7 +38,6 @@ constexpr std::size_t kHeaderSize = 40;
 constexpr std::uint64_t kMaxWrite = 256ull << 20;
 constexpr std::uint64_t kMaxControl = 1u << 20;
 constexpr std::uint64_t kMaxNackText = 4096;
-constexpr std::size_t kHelloSize = 16 + 4 * 4;
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
 // A write batch holds at most about one chunk, so an urgent frame (an ack) never waits behind
 // more than the frame being written.
@@ -98,22 +98,11 @@ Result<FrameHeader> decode(const HeaderBytes& b) {
   return h;
 }
 
-Bytes encode_hello(const RailHello& h) {
-  ByteWriter w;
-  w.raw(h.token.data(), h.token.size()).u32(h.src_rank).u32(h.dst_rank).u32(h.rail).u32(h.epoch);
-  return w.take();
-}
-
 // Registered memory of one NIC: key -> region. Shared with that NIC's rails.
 struct KeyTable {
   std::mutex mutex;
   std::unordered_map<std::uint64_t, std::pair<std::byte*, std::size_t>> regions;
   std::mt19937_64 rng{std::random_device{}()};
-};
-
-struct Counters {
-  std::atomic<std::uint64_t> refused_writes{0};
-  std::atomic<std::uint64_t> dropped_connections{0};
 };
 
 std::string errno_text(const error_code& ec) {
@@ -148,7 +137,7 @@ void tune(tcp::socket& s) {
 class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {
  public:
   TcpRail(tcp::socket socket, RailNic nic, std::shared_ptr<KeyTable> keys,
-          std::shared_ptr<Counters> counters, RailHello hello)
+          std::shared_ptr<AtomicProviderCounters> counters, RailHello hello)
       : socket_(std::move(socket)),
         nic_(std::move(nic)),
         keys_(std::move(keys)),
@@ -493,7 +482,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   tcp::socket socket_;
   RailNic nic_;
   std::shared_ptr<KeyTable> keys_;
-  std::shared_ptr<Counters> counters_;
+  std::shared_ptr<AtomicProviderCounters> counters_;
   RailHello hello_;
   std::string description_;
   RailEvents* events_ = nullptr;
@@ -524,7 +513,7 @@ class TcpProvider final : public Provider {
       : engine_(engine),
         devices_(std::move(devices)),
         token_(token),
-        counters_(std::make_shared<Counters>()) {}
+        counters_(std::make_shared<AtomicProviderCounters>()) {}
 
   ~TcpProvider() override {
     engine_.call([this] {
@@ -589,7 +578,7 @@ class TcpProvider final : public Provider {
   }
 
   Bytes endpoint(std::size_t device) const override {
-    return ByteWriter().str(devices_[device].address).u16(state_[device]->port).take();
+    return encode_endpoint(devices_[device].address, state_[device]->port);
   }
 
   void set_accept_handler(AcceptHandler handler) override {
@@ -598,27 +587,17 @@ class TcpProvider final : public Provider {
 
   void connect(std::size_t device, const Bytes& remote, const RailHello& hello,
                std::chrono::milliseconds timeout, ConnectHandler handler) override {
-    ByteReader r(remote);
-    std::string host = r.str(64);
-    const auto port = r.u16();
-    error_code ec;
-    auto addr = asio::ip::make_address_v4(host, ec);
-    if (!r.finish("tcp endpoint").is_ok() || ec || device >= state_.size()) {
-      engine_.post([handler = std::move(handler), host] {
-        handler(Status(ErrorCode::kProtocol,
-                       fmt::format("peer published a malformed tcp endpoint '{}'", host)));
-      });
-      return;
-    }
-    engine_.post([this, device, ep = tcp::endpoint(addr, port), hello, timeout,
+    auto ep = decode_endpoint(remote, name());
+    engine_.post([this, device, ep = std::move(ep), hello, timeout,
                   handler = std::move(handler)]() mutable {
-      start_connect(device, ep, hello, timeout, std::move(handler));
+      if (!ep) return handler(ep.status());
+      if (device >= state_.size())
+        return handler(Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device)));
+      start_connect(device, *ep, hello, timeout, std::move(handler));
     });
   }
 
-  ProviderCounters counters() const override {
-    return {counters_->refused_writes.load(), counters_->dropped_connections.load()};
-  }
+  ProviderCounters counters() const override { return counters_->snapshot(); }
 
  private:
   struct DeviceState {
@@ -667,7 +646,9 @@ class TcpProvider final : public Provider {
       if (hs->done) return;
       if (ec) return fail(ec.message());
       tune(hs->socket);
-      Bytes payload = encode_hello(hello);
+      ByteWriter hw;
+      write_hello(hw, hello);
+      Bytes payload = hw.take();
       HeaderBytes h = encode(FrameHeader{FrameOp::kHello, 0, 0, 0, 0, payload.size(), 0});
       hs->out.assign(h.begin(), h.end());
       hs->out.insert(hs->out.end(), payload.begin(), payload.end());
@@ -741,12 +722,7 @@ class TcpProvider final : public Provider {
                              if (hs->done) return;
                              if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
                              ByteReader r(hs->payload);
-                             RailHello hello;
-                             r.raw(hello.token.data(), hello.token.size());
-                             hello.src_rank = r.u32();
-                             hello.dst_rank = r.u32();
-                             hello.rail = r.u32();
-                             hello.epoch = r.u32();
+                             const RailHello hello = read_hello(r);
                              if (hello.token != token_) return drop("wrong token");
                              if (!accept_handler_) return drop("not accepting rails yet");
                              hs->done = true;
@@ -768,7 +744,7 @@ class TcpProvider final : public Provider {
   ProgressEngine& engine_;
   std::vector<RailNic> devices_;
   Token token_;
-  std::shared_ptr<Counters> counters_;
+  std::shared_ptr<AtomicProviderCounters> counters_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   AcceptHandler accept_handler_;
 };

@@ -44,12 +44,14 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <span>
 #include <unordered_map>
 
 #include "r2ccl/runtime/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/progress.h"
 #include "r2ccl/runtime/provider.h"
+#include "rail_wire.h"
 
 namespace r2ccl {
 namespace {
@@ -220,22 +222,6 @@ struct QpInfo {
   }
 };
 
-Bytes encode_hello(const RailHello& h) {
-  ByteWriter w;
-  w.raw(h.token.data(), h.token.size()).u32(h.src_rank).u32(h.dst_rank).u32(h.rail).u32(h.epoch);
-  return w.take();
-}
-
-RailHello decode_hello(ByteReader& r) {
-  RailHello h;
-  r.raw(h.token.data(), h.token.size());
-  h.src_rank = r.u32();
-  h.dst_rank = r.u32();
-  h.rail = r.u32();
-  h.epoch = r.u32();
-  return h;
-}
-
 std::string wc_text(const ibv_wc& wc) {
   return fmt::format("{} (status {}, vendor error 0x{:x})", ibv_wc_status_str(wc.status),
                      static_cast<int>(wc.status), wc.vendor_err);
@@ -310,7 +296,6 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   // INIT -> RTR -> RTS towards `remote`.
   Status connect_qp(const QpInfo& remote) {
     R2CCL_RETURN_IF_ERROR(remote.validate());
-    remote_ = remote;
     ibv_qp_attr a{};
     a.qp_state = IBV_QPS_RTR;
     a.path_mtu = static_cast<ibv_mtu>(std::min(local_.mtu, remote.mtu));
@@ -350,8 +335,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
 
   // Starts reading completions (before the rail has an owner: READY and its completion).
   void arm() {
-    if (armed_) return;
-    armed_ = true;
+    if (fd_) return;
     fd_.emplace(engine_.io(), channel_->fd);
     (void)ibv_req_notify_cq(cq_.get(), 0);
     wait_for_completions();
@@ -361,8 +345,8 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   void send_ready(std::function<void(Status)> done) {
     ready_done_ = std::move(done);
     ByteWriter w;
-    w.raw(encode_hello(hello_).data(), 32);
-    (void)send_fragment(SlotType::kReady, 0, 0, w.bytes());
+    write_hello(w, hello_);
+    send_fragment(SlotType::kReady, 0, 0, w.bytes());
   }
   // Acceptor: runs when READY arrives.
   void on_ready(std::function<void()> f) { on_ready_ = std::move(f); }
@@ -398,11 +382,8 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     do {
       const std::size_t n = std::min(kSlotPayload, message.size() - off);
       const bool more = off + n < message.size();
-      Bytes frag(message.begin() + static_cast<std::ptrdiff_t>(off),
-                 message.begin() + static_cast<std::ptrdiff_t>(off + n));
-      if (Status st = send_fragment(SlotType::kControl, more ? kMoreFragments : 0, cookie, frag);
-          !st)
-        return st;
+      send_fragment(SlotType::kControl, more ? kMoreFragments : 0, cookie,
+                    std::span<const std::byte>(message).subspan(off, n));
       off += n;
     } while (off < message.size());
     return Status::ok();
@@ -496,7 +477,8 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     return Status::ok();
   }
 
-  Status send_fragment(SlotType type, std::uint8_t flags, std::uint64_t cookie, const Bytes& body) {
+  void send_fragment(SlotType type, std::uint8_t flags, std::uint64_t cookie,
+                     std::span<const std::byte> body) {
     ByteWriter w;
     w.u8(static_cast<std::uint8_t>(type))
         .u8(flags)
@@ -506,7 +488,6 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
         .raw(body.data(), body.size());
     pending_.push_back(Pending{false, {}, {}, w.take()});
     flush();
-    return Status::ok();
   }
 
   // Posts queued work while the send queue and the send slots allow.
@@ -693,7 +674,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   void deliver_control(Bytes msg, std::uint64_t cookie) {
     auto self = shared_from_this();  // the handler may fence this rail
     if (events_) events_->on_control(std::move(msg));
-    if (cookie != 0 && !fenced_) (void)send_fragment(SlotType::kControlAck, 0, cookie, {});
+    if (cookie != 0 && !fenced_) send_fragment(SlotType::kControlAck, 0, cookie, {});
   }
 
   ProgressEngine& engine_;
@@ -702,7 +683,6 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   int retry_cnt_;
   RailHello hello_;
   std::optional<asio::posix::stream_descriptor> fd_;
-  bool armed_ = false;
   ChannelPtr channel_;
   CqPtr cq_;
   QpPtr qp_;
@@ -715,7 +695,6 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   std::uint32_t sq_used_ = 0;
   unsigned unacked_ = 0;
   QpInfo local_;
-  QpInfo remote_;
   std::string describe_;
   RailEvents* events_ = nullptr;
   bool fenced_ = false;
@@ -723,11 +702,6 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   std::vector<std::pair<Bytes, std::uint64_t>> early_;
   std::function<void(Status)> ready_done_;
   std::function<void()> on_ready_;
-};
-
-struct Counters {
-  std::atomic<std::uint64_t> refused_writes{0};
-  std::atomic<std::uint64_t> dropped_connections{0};
 };
 
 class VerbsProvider final : public Provider {
@@ -857,7 +831,7 @@ class VerbsProvider final : public Provider {
   }
 
   Bytes endpoint(std::size_t device) const override {
-    return ByteWriter().str(state_[device]->dev->nic.address).u16(state_[device]->port).take();
+    return encode_endpoint(state_[device]->dev->nic.address, state_[device]->port);
   }
 
   void set_accept_handler(AcceptHandler handler) override {
@@ -866,27 +840,17 @@ class VerbsProvider final : public Provider {
 
   void connect(std::size_t device, const Bytes& remote, const RailHello& hello,
                std::chrono::milliseconds timeout, ConnectHandler handler) override {
-    ByteReader r(remote);
-    std::string host = r.str(64);
-    const auto port = r.u16();
-    error_code ec;
-    auto addr = asio::ip::make_address_v4(host, ec);
-    if (!r.finish("verbs endpoint").is_ok() || ec || device >= state_.size()) {
-      engine_.post([handler = std::move(handler), host] {
-        handler(Status(ErrorCode::kProtocol,
-                       fmt::format("peer published a malformed verbs endpoint '{}'", host)));
-      });
-      return;
-    }
-    engine_.post([this, device, ep = tcp::endpoint(addr, port), hello, timeout,
+    auto ep = decode_endpoint(remote, name());
+    engine_.post([this, device, ep = std::move(ep), hello, timeout,
                   handler = std::move(handler)]() mutable {
-      start_connect(device, ep, hello, timeout, std::move(handler));
+      if (!ep) return handler(ep.status());
+      if (device >= state_.size())
+        return handler(Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device)));
+      start_connect(device, *ep, hello, timeout, std::move(handler));
     });
   }
 
-  ProviderCounters counters() const override {
-    return {counters_.refused_writes.load(), counters_.dropped_connections.load()};
-  }
+  ProviderCounters counters() const override { return counters_.snapshot(); }
 
  private:
   struct DeviceState {
@@ -1091,7 +1055,7 @@ class VerbsProvider final : public Provider {
       if (!ec) fail(fmt::format("no handshake within {}ms", timeout.count()));
     });
     ByteWriter w;
-    w.raw(encode_hello(hello).data(), 32);
+    write_hello(w, hello);
     rail->local().encode(w);
     hs->out = frame(w.take());
     hs->socket.async_connect(ep, [this, hs, fail, finish, device](error_code ec) {
@@ -1167,7 +1131,7 @@ class VerbsProvider final : public Provider {
     read_frame(hs, [this, hs, drop, device](error_code e, bool ok) {
       if (!ok) return drop(fmt::format("malformed or truncated handshake ({})", e.message()));
       ByteReader r(hs->body);
-      const RailHello hello = decode_hello(r);
+      const RailHello hello = read_hello(r);
       const QpInfo peer = QpInfo::decode(r);
       if (!r.finish("verbs handshake").is_ok()) return drop("malformed handshake");
       if (hello.token != token_) return drop("wrong token");
@@ -1210,7 +1174,7 @@ class VerbsProvider final : public Provider {
   ProgressEngine& engine_;
   const Config cfg_;
   Token token_;
-  Counters counters_;
+  AtomicProviderCounters counters_;
   std::vector<RailNic> devices_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   std::vector<std::weak_ptr<Handshake>> handshakes_;  // loop thread

@@ -23,8 +23,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
 
-from r2ccl_testbed import (Proc, describe, free_port, launch_ranks, perf_ranks, read_events,  # noqa: E402
-                           wait_for_binary)
+from r2ccl_testbed import (Proc, describe, free_port, launch_ranks, link_down_transitions, perf_ranks,  # noqa: E402
+                           read_events, wait_for_binary)
 
 IN_VM = bool(os.environ.get("RDMA_VM"))
 pytestmark = pytest.mark.skipif(not IN_VM, reason="needs the Soft-RoCE guest: run it through "
@@ -204,23 +204,6 @@ class BusyTrigger:
 
     def finish(self, timeout=60.0):
         self._thread.join(timeout)
-
-
-def link_down_transitions(monitor_output, dev):
-    """How often `dev` went from running to not running in `ip monitor link` output (as in
-    tests/system/test_failover.py: UP flag and no NO-CARRIER is running)."""
-    pat = re.compile(r"^\d+: " + re.escape(dev) + r"(@\S+)?: <([^>]*)>")
-    running, downs = True, 0
-    for line in monitor_output.splitlines():
-        m = pat.match(line)
-        if not m:
-            continue
-        flags = m.group(2).split(",")
-        now = "UP" in flags and "NO-CARRIER" not in flags
-        if running and not now:
-            downs += 1
-        running = now
-    return downs
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from r2ccl_testbed import (PERF, TESTBED, BusyTrigger, Proc, Testbed, describe, launch_ranks, load_json,
-                           netns_pids_of, perf_ranks, random_port, read_events)
+from r2ccl_testbed import (PERF, TESTBED, BusyTrigger, Proc, Testbed, describe, launch_ranks, link_down_transitions,
+                           load_json, netns_pids_of, perf_ranks, random_port, read_events)
 
 CHECK_LINE = "# Check: every byte verified on every rank"
 PARTIAL_CHECK = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every "
@@ -63,30 +63,6 @@ def dump(ev):
 
 def of(events, nic, kind):
     return [e for e in events if e["nic"] == nic and e["kind"] == kind]
-
-
-def link_down_transitions(monitor_output, dev):
-    """How often `dev` went from running to not running in `ip monitor link` output.
-
-    ip monitor prints every RTM_NEWLINK message, not transitions.  `ip link set DEV down`
-    gives <BROADCAST,MULTICAST> (no UP); `ip link set DEV up` gives first
-    <NO-CARRIER,...,UP,LOWER_UP> state DOWN (admin up, carrier/operstate not yet up) and then
-    <...,UP,LOWER_UP> state UP.  So "down" lines are not flaps: the NO-CARRIER line after an
-    `up` is still the same outage.  Like r2ccl's link watcher (IFF_UP && IFF_RUNNING, reported
-    only when it changes), count running -> not running, running meaning the UP flag and no
-    NO-CARRIER.  The link is running when the monitor starts."""
-    pat = re.compile(r"^\d+: " + re.escape(dev) + r"(@\S+)?: <([^>]*)>")
-    running, downs = True, 0
-    for line in monitor_output.splitlines():
-        m = pat.match(line)
-        if not m:
-            continue
-        flags = m.group(2).split(",")
-        now = "UP" in flags and "NO-CARRIER" not in flags
-        if running and not now:
-            downs += 1
-        running = now
-    return downs
 
 
 # ------------------------------------------------------------------------------ link down

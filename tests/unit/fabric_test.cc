@@ -5,6 +5,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "r2ccl/runtime/fabric.h"
 #include "test_util.h"
@@ -154,46 +155,43 @@ TEST(Fabric, SizeMismatchFailsWithAClearErrorAndTheFabricStaysUsable) {
   std::vector<std::byte> buf(100000, std::byte{1}), out(100000);
   auto rs = *w.ranks[0]->register_memory(buf.data(), buf.size());
   auto rd = *w.ranks[1]->register_memory(out.data(), out.size());
+  // One mismatched pair (message #seq): rank 0 sends `sent` bytes, rank 1 posts `posted`, the
+  // send first when `send_first`. Returns both statuses.
+  std::uint64_t seq = 0;
+  auto pair = [&](std::size_t sent, std::size_t posted, bool send_first) {
+    const std::string want = "size mismatch in message #" + std::to_string(seq++) +
+                             " between rank 0 and rank 1: the sender sends " +
+                             std::to_string(sent) + " bytes, the receiver posted " +
+                             std::to_string(posted) + " bytes";
+    OpPtr send, recv;
+    if (send_first) {
+      send = *w.ranks[0]->isend(1, rs, 0, sent);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      recv = *w.ranks[1]->irecv(0, rd, 0, posted);
+    } else {
+      recv = *w.ranks[1]->irecv(0, rd, 0, posted);
+      send = *w.ranks[0]->isend(1, rs, 0, sent);
+    }
+    Status st = w.ranks[0]->wait(send);
+    Status rt = w.ranks[1]->wait(recv);
+    EXPECT_EQ(rt.code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(rt.message(), want);
+    return std::make_pair(st, want);
+  };
   // A small (eager) send is buffered and complete at once, as MPI's: the receiver reports it.
-  auto recv = *w.ranks[1]->irecv(0, rd, 0, 200);
-  auto send = *w.ranks[0]->isend(1, rs, 0, 100);
-  EXPECT_TRUE(w.ranks[0]->wait(send).is_ok());
-  Status r = w.ranks[1]->wait(recv);
-  EXPECT_EQ(r.code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(r.message(),
-            "size mismatch in message #0 between rank 0 and rank 1: the sender sends 100 bytes, "
-            "the receiver posted 200 bytes");
+  EXPECT_TRUE(pair(100, 200, false).first.is_ok());
   // A large send waits for the receiver's clear-to-send: both sides fail.
-  auto recv1 = *w.ranks[1]->irecv(0, rd, 0, 60000);
-  auto send1 = *w.ranks[0]->isend(1, rs, 0, 50000);
-  Status s1 = w.ranks[0]->wait(send1);
-  Status r1 = w.ranks[1]->wait(recv1);
-  const std::string want =
-      "size mismatch in message #1 between rank 0 and rank 1: the sender sends 50000 bytes, the "
-      "receiver posted 60000 bytes";
-  EXPECT_EQ(s1.code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(s1.message(), want);
-  EXPECT_EQ(r1.message(), want);
   // A large send to a receive of eager size (which sends no clear-to-send): the send announces
-  // its length and the receiver refuses it, both fail.
-  auto recv3 = *w.ranks[1]->irecv(0, rd, 0, 300);
-  auto send3 = *w.ranks[0]->isend(1, rs, 0, 40000);
-  Status s3 = w.ranks[0]->wait(send3);
-  Status r3 = w.ranks[1]->wait(recv3);
-  const std::string want3 =
-      "size mismatch in message #2 between rank 0 and rank 1: the sender sends 40000 bytes, the "
-      "receiver posted 300 bytes";
-  EXPECT_EQ(s3.code(), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(s3.message(), want3);
-  EXPECT_EQ(r3.message(), want3);
-  // The same when the announcement arrives before the receive is posted.
-  auto send4 = *w.ranks[0]->isend(1, rs, 0, 40000);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  auto recv4 = *w.ranks[1]->irecv(0, rd, 0, 300);
-  EXPECT_EQ(w.ranks[1]->wait(recv4).message(),
-            "size mismatch in message #3 between rank 0 and rank 1: the sender sends 40000 bytes, "
-            "the receiver posted 300 bytes");
-  EXPECT_EQ(w.ranks[0]->wait(send4).code(), ErrorCode::kInvalidArgument);
+  // its length and the receiver refuses it, both fail — also when the announcement arrives
+  // before the receive is posted.
+  for (auto [sent, posted, send_first] :
+       {std::tuple{50000, 60000, false}, std::tuple{40000, 300, false},
+        std::tuple{40000, 300, true}}) {
+    auto [st, want] =
+        pair(static_cast<std::size_t>(sent), static_cast<std::size_t>(posted), send_first);
+    EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(st.message(), want);
+  }
   // The next message pairs work, small and large.
   for (std::size_t n : {std::size_t{1000}, buf.size()}) {
     std::fill(out.begin(), out.end(), std::byte{0});

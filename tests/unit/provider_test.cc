@@ -13,59 +13,18 @@
 
 #include "r2ccl/runtime/progress.h"
 #include "r2ccl/runtime/provider.h"
+#include "rail_recorder.h"
 
 namespace r2ccl {
 namespace {
 
 using std::chrono::milliseconds;
 
-struct Recorder final : RailEvents {
-  std::mutex m;
-  std::condition_variable cv;
-  std::vector<std::uint64_t> confirmed;
-  std::vector<std::pair<std::uint64_t, std::string>> refused;
-  std::vector<std::pair<std::uint32_t, std::size_t>> arrived;
-  std::vector<Bytes> control;
-  std::vector<std::string> failed;
-
-  void on_write_confirmed(std::uint64_t c, std::uint64_t) override {
-    push([&] { confirmed.push_back(c); });
-  }
-  void on_write_refused(std::uint64_t c, const Status& why) override {
-    push([&] { refused.emplace_back(c, why.message()); });
-  }
-  void on_write_arrived(std::uint32_t imm, std::size_t n) override {
-    push([&] { arrived.emplace_back(imm, n); });
-  }
-  void on_control(Bytes b) override {
-    push([&] { control.push_back(std::move(b)); });
-  }
-  void on_rail_failed(const Status& why) override {
-    push([&] { failed.push_back(why.message()); });
-  }
-
-  template <typename F>
-  void push(F f) {
-    {
-      std::lock_guard l(m);
-      f();
-    }
-    cv.notify_all();
-  }
-  template <typename P>
-  bool wait(P pred) {
-    std::unique_lock l(m);
-    return cv.wait_for(l, std::chrono::seconds(10), pred);
-  }
-};
+using test::Recorder;
+using test::token_of;
 
 RailNic nic(const std::string& a) {
   return RailNic{a, a, -1, "", ""};
-}
-Token token_of(std::uint8_t b) {
-  Token t{};
-  t.fill(b);
-  return t;
 }
 
 class TcpProviderTest : public testing::Test {
