@@ -268,9 +268,10 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(d, rank(), size(), algo));
   last_algo_ = plan.algo;
   const auto t0 = Clock::now();
-  Status st = execute(
-      plan, d, b,
-      fmt::format("{} ({}) on rank {} of {}", describe(d), algo_name(plan.algo), rank(), size()));
+  Status st = execute(plan, d, b, [&] {
+    return fmt::format("{} ({}) on rank {} of {}", describe(d), algo_name(plan.algo), rank(),
+                       size());
+  });
   if (st)
     duration(d.op, plan.algo).observe(std::chrono::duration<double>(Clock::now() - t0).count());
   return st;
@@ -287,7 +288,9 @@ Status Communicator::check_agreement(const CollDesc& d) {
   std::copy(mine.begin(), mine.end(), own);
   const CollDesc gather{CollOp::kAllGather, kHeaderBytes, DataType::kU8, RedOp::kSum, 0, true};
   R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), p, Algo::kOneShot));
-  if (Status st = execute(plan, gather, {own, headers.data()}, "the exchange"); !st)
+  if (Status st =
+          execute(plan, gather, {own, headers.data()}, [] { return std::string("the exchange"); });
+      !st)
     return st.with_context(fmt::format("R2CCL_CHECK exchange before {}", coll_op_name(d.op)));
   std::vector<Header> all;
   for (int i = 0; i < p; ++i)
@@ -313,28 +316,69 @@ Status Communicator::check_agreement(const CollDesc& d) {
 }
 
 Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers& b,
-                             const std::string& what) {
+                             const std::function<std::string()>& what) {
   const int p = size();
+  const bool root = rank() == d.root;
+  const bool barrier = d.op == CollOp::kBarrier;
+  const auto* send = static_cast<const std::byte*>(b.send);
+  auto* recv = static_cast<std::byte*>(b.recv);
+  const std::size_t sb =
+      !barrier && (d.op != CollOp::kBroadcast || root) && send ? send_bytes(d, p) : 0;
+  const std::size_t rb =
+      !barrier && (d.op != CollOp::kReduce || root) && recv ? recv_bytes(d, p) : 0;
+  // Where each buffer of the plan lives: a region and the buffer's offset in it.
+  struct Bound {
+    RegionPtr region;
+    std::size_t base = 0;
+  } bound[3];  // Buf::kSend, kRecv, kScratch
+  auto& bsend = bound[static_cast<int>(Buf::kSend)];
+  auto& brecv = bound[static_cast<int>(Buf::kRecv)];
+  auto& bscratch = bound[static_cast<int>(Buf::kScratch)];
   Registered reg{*fabric_, {}};
-  RegionPtr send_region, recv_region, scratch_region;
-  if (d.op != CollOp::kBarrier) {
-    const bool root = rank() == d.root;
-    if (d.op != CollOp::kBroadcast || root) {
-      R2CCL_ASSIGN_OR_RETURN(send_region, reg.add(b.send, send_bytes(d, p)));
-    }
-    if (d.op != CollOp::kReduce || root) {
-      R2CCL_ASSIGN_OR_RETURN(recv_region, reg.add(b.recv, recv_bytes(d, p)));
+  // Small operations run in this communicator's own registered memory: the caller's buffers
+  // are copied in and the result copied out, which costs less than registering them (a system
+  // call and pinning under verbs) for each operation.
+  const bool staged = std::max(sb, rb) <= kStageLimit && sb + rb > 0;
+  std::size_t stage_bytes = 0;
+  const std::size_t stage_at = (plan.scratch_bytes + 63) / 64 * 64;
+  const std::byte* span_lo = nullptr;
+  if (staged) {
+    if (d.in_place && sb > 0 && rb > 0) {
+      // The buffers overlap: stage the span they cover, so that they overlap in the copy too.
+      span_lo = std::min<const std::byte*>(send, recv);
+      stage_bytes =
+          static_cast<std::size_t>(std::max<const std::byte*>(send + sb, recv + rb) - span_lo);
+      bsend.base = stage_at + static_cast<std::size_t>(send - span_lo);
+      brecv.base = stage_at + static_cast<std::size_t>(recv - span_lo);
+    } else {
+      bsend.base = stage_at;
+      brecv.base = stage_at + (sb + 63) / 64 * 64;
+      stage_bytes = brecv.base - stage_at + rb;
     }
   }
-  if (plan.scratch_bytes > 0) {
-    R2CCL_ASSIGN_OR_RETURN(scratch_region, scratch(plan.scratch_bytes));
+  if (plan.scratch_bytes > 0 || staged) {
+    R2CCL_ASSIGN_OR_RETURN(bscratch.region, scratch(stage_at + stage_bytes));
   }
-  auto region_of = [&](Buf buf) -> const RegionPtr& {
-    return buf == Buf::kSend ? send_region : buf == Buf::kRecv ? recv_region : scratch_region;
-  };
+  if (staged) {
+    if (sb > 0) bsend.region = bscratch.region;
+    if (rb > 0) brecv.region = bscratch.region;
+    std::byte* base = bscratch.region->base;
+    if (span_lo)
+      std::memcpy(base + stage_at, span_lo, stage_bytes);
+    else if (sb > 0)
+      std::memcpy(base + bsend.base, send, sb);
+  } else {
+    if (sb > 0) {
+      R2CCL_ASSIGN_OR_RETURN(bsend.region, reg.add(send, sb));
+    }
+    if (rb > 0) {
+      R2CCL_ASSIGN_OR_RETURN(brecv.region, reg.add(recv, rb));
+    }
+  }
+  auto at = [&](const Ref& ref) -> const Bound& { return bound[static_cast<int>(ref.buf)]; };
   auto ptr = [&](const Ref& ref) -> std::byte* {
-    const auto& r = region_of(ref.buf);
-    return r ? r->base + ref.offset : nullptr;
+    const auto& bd = at(ref);
+    return bd.region ? bd.region->base + bd.base + ref.offset : nullptr;
   };
   const std::size_t elem = type_size(d.type);
   for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
@@ -342,13 +386,13 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
     std::vector<Transfer> transfers;
     for (const auto& s : phase.comm) {
       if (s.bytes == 0) continue;
-      const bool recv = s.kind == Step::Kind::kRecv;
-      const Ref& at = recv ? s.dst : s.a;
-      transfers.push_back({recv, s.peer, region_of(at.buf), at.offset, s.bytes});
+      const bool is_recv = s.kind == Step::Kind::kRecv;
+      const Ref& ref = is_recv ? s.dst : s.a;
+      transfers.push_back({is_recv, s.peer, at(ref).region, at(ref).base + ref.offset, s.bytes});
     }
     Status st = post_and_wait(*fabric_, transfers);
     if (!st)
-      return st.with_context(fmt::format("{}, step {} of {}", what, ph + 1, plan.phases.size()));
+      return st.with_context(fmt::format("{}, step {} of {}", what(), ph + 1, plan.phases.size()));
     for (const auto& s : phase.compute) {
       if (s.bytes == 0) continue;
       switch (s.kind) {
@@ -367,6 +411,7 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
       }
     }
   }
+  if (staged && rb > 0) std::memcpy(recv, ptr(Ref{Buf::kRecv, 0}), rb);
   return Status::ok();
 }
 

@@ -45,8 +45,7 @@ std::string_view rail_state_name(RailState s) {
 // Op
 
 bool Op::done() const {
-  std::lock_guard lock(mutex_);
-  return done_;
+  return done_flag_.load(std::memory_order_acquire);
 }
 
 Status Op::status() const {
@@ -657,9 +656,14 @@ Status Fabric::wait(const OpPtr& op) {
     if (now >= limit)
       return op->done() ? op->status()
                         : Status(ErrorCode::kTimeout, "operation did not complete by its deadline");
-    Status st = op->wait(std::chrono::duration_cast<milliseconds>(limit - now) + milliseconds(1));
+    // Drive the loop from this thread (no hand-off to the engine's thread per message), or, while
+    // another caller drives it, sleep on the operation and try again now and then.
+    if (!engine_->drive_until([&] { return op->done(); }, limit))
+      (void)op->wait(
+          std::min(std::chrono::duration_cast<milliseconds>(limit - now) + milliseconds(1),
+                   milliseconds(2)));
     if (op->done()) return op->status();
-    (void)st;  // the deadline may have moved: look again
+    // not done: the deadline may have moved, look again
   }
 }
 

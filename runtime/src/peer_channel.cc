@@ -33,6 +33,9 @@ enum class ControlType : std::uint8_t {
 // Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
 // sent whole on one rail already takes longer than the clear-to-send round trip it saves.
 constexpr std::size_t kEagerMax = 8 * 1024;
+// With a single rail there is nothing to stripe over, and the round trip is all that a
+// rendezvous would add: up to this size (Open MPI's TCP eager limit) messages go eagerly.
+constexpr std::size_t kEagerMaxOneRail = 64 * 1024;
 // Chunks go round-robin to at most this many of the oldest messages in flight.
 constexpr std::size_t kServeWindow = 4;
 
@@ -767,7 +770,7 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
-  if (length > 0 && length <= kEagerMax) {
+  if (!needs_cts(length)) {
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
     // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
@@ -881,8 +884,9 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   recv_slots_.emplace(slot, std::move(r));
 }
 
-bool Channel::needs_cts(std::size_t length) {
-  return length == 0 || length > kEagerMax;
+bool Channel::needs_cts(std::size_t length) const {
+  // Both ends have the same number of rails (rail i pairs with rail i), so they agree.
+  return length == 0 || length > (rails_.size() == 1 ? kEagerMaxOneRail : kEagerMax);
 }
 
 void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,

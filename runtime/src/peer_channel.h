@@ -182,8 +182,9 @@ class Channel {
   void start_send(std::uint64_t seq, const Cts& cts);
   // Eager data for receive `seq` (posted or not yet).
   void on_eager(std::uint64_t seq, Bytes data);
-  // Receives of eager size (1..8 KiB) get no clear-to-send: the data comes without one.
-  static bool needs_cts(std::size_t length);
+  // Messages of eager size (1..8 KiB; 1..64 KiB over a single rail) travel inside a control
+  // message, and their receives get no clear-to-send; the others go through a rendezvous.
+  bool needs_cts(std::size_t length) const;
   // Fails a receive whose sender announced another size, and tells the sender.
   void refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent, std::uint64_t posted);
   // Completes a posted receive with eager data (or its size mismatch).

@@ -1,48 +1,150 @@
 #include "r2ccl/runtime/progress.h"
 
-#include <chrono>
-
 #include "r2ccl/runtime/log.h"
 
 namespace r2ccl {
 
-ProgressEngine::ProgressEngine()
-    : work_(boost::asio::make_work_guard(io_)), thread_([this] {
-        try {
-          run_adaptive();
-        } catch (const std::exception& e) {
-          // A handler must never throw; if one does, say so loudly instead of terminating.
-          R2CCL_ERROR("progress engine: handler threw: {}", e.what());
-        }
-      }) {}
+namespace {
+using Clock = ProgressEngine::Clock;
+// After its last handler, the loop's runner keeps polling this long before blocking in epoll:
+// the next event of a message exchange usually follows within microseconds.
+constexpr auto kSpin = std::chrono::microseconds(50);
+// The engine's thread stays parked this long after a caller stopped driving: a caller issuing
+// operation after operation then finds the loop free each time, without waking the thread.
+// Background events (timers, a peer's messages) wait at most this long while nobody drives.
+constexpr auto kLinger = std::chrono::milliseconds(1);
 
-// Runs handlers as they become ready; after the last one, keeps polling (yielding the core
-// between polls) for a short while, because the next event of a message exchange usually
-// follows within microseconds, and only then blocks in epoll. Blocking at once costs a
-// sleep and wake-up per message; spinning for longer starves other ranks on a small machine.
-void ProgressEngine::run_adaptive() {
-  using Clock = std::chrono::steady_clock;
-  constexpr auto kSpin = std::chrono::microseconds(50);
-  auto last_work = Clock::now();
-  while (!io_.stopped()) {
-    if (io_.poll() > 0) {
-      last_work = Clock::now();
-      continue;
-    }
-    if (Clock::now() - last_work < kSpin) {
-      std::this_thread::yield();
-      continue;
-    }
-    io_.run_one();  // blocks until something happens
-    last_work = Clock::now();
+// The engine whose loop this thread runs now, if any.
+thread_local const ProgressEngine* t_running = nullptr;
+
+class RunningHere {
+ public:
+  explicit RunningHere(const ProgressEngine* e) : saved_(t_running) { t_running = e; }
+  ~RunningHere() { t_running = saved_; }
+  RunningHere(const RunningHere&) = delete;
+  RunningHere& operator=(const RunningHere&) = delete;
+
+ private:
+  const ProgressEngine* saved_;
+};
+
+// A handler must never throw; if one does, say so loudly instead of terminating.
+template <typename F>
+void guarded(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    R2CCL_ERROR("progress engine: handler threw: {}", e.what());
   }
 }
+}  // namespace
+
+ProgressEngine::ProgressEngine()
+    : work_(boost::asio::make_work_guard(io_)), thread_([this] { thread_main(); }) {}
 
 ProgressEngine::~ProgressEngine() {
   stop();
 }
 
+bool ProgressEngine::in_loop() const {
+  return t_running == this;
+}
+
+void ProgressEngine::thread_main() {
+  while (!stopping_.load()) {
+    park();
+    if (stopping_.load()) break;
+    std::unique_lock loop(loop_mutex_, std::try_to_lock);
+    if (!loop.owns_lock()) continue;  // a caller drives: park again
+    thread_owns_.store(true);
+    RunningHere here(this);
+    guarded([this] { run_adaptive(); });
+    thread_owns_.store(false);
+  }
+}
+
+void ProgressEngine::park() {
+  std::unique_lock lock(park_mutex_);
+  while (!stopping_.load()) {
+    const auto since = Clock::now() - Clock::time_point(Clock::duration(last_drive_end_.load()));
+    if (drivers_.load() == 0 && since >= kLinger) return;
+    // Timed: a caller that stops driving does not have to wake this thread.
+    park_cv_.wait_for(lock, drivers_.load() > 0 ? Clock::duration(kLinger) : kLinger - since);
+  }
+}
+
+void ProgressEngine::step(Clock::time_point& last_work, Clock::time_point until) {
+  if (io_.poll() > 0) {
+    last_work = Clock::now();
+    return;
+  }
+  if (!idle_.empty()) {
+    auto work = std::move(idle_);
+    idle_.clear();
+    for (auto& fn : work)
+      fn();
+    last_work = Clock::now();
+    return;
+  }
+  if (Clock::now() - last_work < kSpin) {
+    std::this_thread::yield();
+    return;
+  }
+  // Blocks until something happens (a driver posts a no-op to end the engine thread's wait).
+  if (until == Clock::time_point::max())
+    io_.run_one();
+  else
+    io_.run_one_until(until);
+  last_work = Clock::now();
+}
+
+void ProgressEngine::run_adaptive() {
+  auto last_work = Clock::now();
+  while (!io_.stopped() && drivers_.load() == 0)
+    step(last_work, Clock::time_point::max());
+}
+
+bool ProgressEngine::drive_until(const std::function<bool()>& done, Clock::time_point until) {
+  if (in_loop() || stopping_.load()) return false;
+  drivers_.fetch_add(1);
+  struct Leave {
+    ProgressEngine* e;
+    ~Leave() {
+      e->last_drive_end_.store(Clock::now().time_since_epoch().count());
+      e->drivers_.fetch_sub(1);
+    }
+  } leave{this};
+  std::unique_lock loop(loop_mutex_, std::try_to_lock);
+  if (!loop.owns_lock()) {
+    // The engine's thread steps aside once it sees drivers_ (the no-op ends a blocking wait);
+    // another caller may hold the loop for a long wait, so give up if it turns out to be one.
+    post([] {});
+    while (!loop.try_lock()) {
+      if (!thread_owns_.load() || Clock::now() >= until) return false;
+      std::this_thread::yield();
+    }
+  }
+  RunningHere here(this);
+  auto last_work = Clock::now();
+  guarded([&] {
+    while (!done() && !io_.stopped() && Clock::now() < until)
+      step(last_work, until);
+  });
+  return true;
+}
+
+void ProgressEngine::wait_for(const std::function<bool()>& done) {
+  while (!done()) {
+    if (stopping_.load()) return;  // nothing will run it any more
+    if (!drive_until(done, Clock::now() + std::chrono::milliseconds(100)))
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 void ProgressEngine::stop() {
+  stopping_.store(true);
+  { std::lock_guard lock(park_mutex_); }
+  park_cv_.notify_all();
   work_.reset();
   io_.stop();
   if (thread_.joinable()) thread_.join();

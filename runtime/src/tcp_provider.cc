@@ -136,9 +136,10 @@ void tune(tcp::socket& s) {
 
 class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {
  public:
-  TcpRail(tcp::socket socket, RailNic nic, std::shared_ptr<KeyTable> keys,
+  TcpRail(ProgressEngine& engine, tcp::socket socket, RailNic nic, std::shared_ptr<KeyTable> keys,
           std::shared_ptr<AtomicProviderCounters> counters, RailHello hello)
-      : socket_(std::move(socket)),
+      : engine_(engine),
+        socket_(std::move(socket)),
         nic_(std::move(nic)),
         keys_(std::move(keys)),
         counters_(std::move(counters)),
@@ -220,8 +221,27 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     kick();
   }
 
+  // A control message's acknowledgement waits for a frame going the same way and rides in its
+  // write, or goes when the loop next runs out of work: a message exchange then costs one send
+  // per message, not two. Write acknowledgements go at once: they pace the sender and time the
+  // link.
+  void delay_ack(std::uint64_t cookie) {
+    delayed_acks_.push_back(cookie);
+    if (writing_ || ack_flush_due_) return;  // the write's completion or the idle flush sends it
+    ack_flush_due_ = true;
+    engine_.when_idle([self = shared_from_this()] {
+      self->ack_flush_due_ = false;
+      if (!self->closed_ && !self->delayed_acks_.empty()) self->kick();
+    });
+  }
+
   void kick() {
-    if (writing_ || pending_.empty() || closed_) return;
+    if (writing_ || closed_) return;
+    for (const auto cookie : delayed_acks_)
+      pending_.push_front(
+          OutFrame{encode(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}), nullptr, 0, {}});
+    delayed_acks_.clear();
+    if (pending_.empty()) return;
     batch_.clear();
     std::size_t bytes = 0;
     while (!pending_.empty() && batch_.size() < kBatchFrames && bytes < kBatchBytes) {
@@ -320,8 +340,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         return take_payload(cur_.length, [this] {
           const auto cookie = cur_.cookie;
           if (events_) events_->on_control(std::move(payload_));
-          if (cookie != 0 && !closed_)
-            queue(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}, nullptr, 0, {}, true);
+          if (cookie != 0 && !closed_) delay_ack(cookie);
         });
       case FrameOp::kHelloAck:
       case FrameOp::kHello:
@@ -477,8 +496,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     socket_.set_option(asio::socket_base::linger(true, 0), ec);
     socket_.close(ec);
     pending_.clear();
+    delayed_acks_.clear();
   }
 
+  ProgressEngine& engine_;
   tcp::socket socket_;
   RailNic nic_;
   std::shared_ptr<KeyTable> keys_;
@@ -502,6 +523,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   std::optional<std::uint64_t> refused_cookie_;  // its remaining fragments are discarded
 
   std::deque<OutFrame> pending_;
+  std::vector<std::uint64_t> delayed_acks_;  // control acknowledgements not yet queued
+  bool ack_flush_due_ = false;               // an idle flush is registered
   std::vector<OutFrame> batch_;
   std::vector<asio::const_buffer> buffers_;
   bool writing_ = false;
@@ -671,8 +694,9 @@ class TcpProvider final : public Provider {
                     return fail("malformed handshake reply");
                   hs->done = true;
                   hs->timer.cancel();
-                  auto rail = std::make_shared<TcpRail>(std::move(hs->socket), devices_[device],
-                                                        state_[device]->keys, counters_, hello);
+                  auto rail =
+                      std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
+                                                state_[device]->keys, counters_, hello);
                   (*finish)(std::shared_ptr<Rail>(rail));
                 });
           });
@@ -727,9 +751,9 @@ class TcpProvider final : public Provider {
                              if (!accept_handler_) return drop("not accepting rails yet");
                              hs->done = true;
                              hs->timer.cancel();
-                             auto rail =
-                                 std::make_shared<TcpRail>(std::move(hs->socket), devices_[device],
-                                                           state_[device]->keys, counters_, hello);
+                             auto rail = std::make_shared<TcpRail>(
+                                 engine_, std::move(hs->socket), devices_[device],
+                                 state_[device]->keys, counters_, hello);
                              // The handshake reply goes first: the handler may queue frames on the
                              // rail at once.
                              rail->send_hello_ack();

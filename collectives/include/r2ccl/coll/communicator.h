@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,7 +79,11 @@ class Communicator {
   Status validate(const CollDesc& d, const Buffers& b) const;
   Status run(const CollDesc& d, Buffers b);
   Status check_agreement(const CollDesc& d);
-  Status execute(const Plan& plan, const CollDesc& d, const Buffers& b, const std::string& what);
+  // `what` names the operation in an error's context (built only on error).
+  Status execute(const Plan& plan, const CollDesc& d, const Buffers& b,
+                 const std::function<std::string()>& what);
+  // Operations whose buffers are at most this large run in the scratch region (staged).
+  static constexpr std::size_t kStageLimit = 64 * 1024;
   Result<RegionPtr> scratch(std::size_t bytes);
   struct P2p {
     bool is_send;

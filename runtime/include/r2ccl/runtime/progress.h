@@ -1,51 +1,92 @@
-// The progress engine: one event loop thread (Asio's reactor: epoll) that runs every provider
-// and channel handler. After work it polls for at most 50 us (yielding the core), then blocks in
-// the kernel — no long busy polling, which on a small machine would starve the other ranks
+// The progress engine: one event loop (Asio's reactor: epoll) that runs every provider and
+// channel handler, one thread at a time. A thread that waits for an operation drives the loop
+// itself (drive_until) while no other caller does, so a small message costs no hand-off between
+// threads; the engine's own thread runs the loop otherwise, and steps aside (parks) while callers
+// drive and for a short linger after, so that a caller's next operation finds the loop free.
+// Whoever runs the loop polls for at most 50 us after work (yielding the core) and then blocks in
+// the kernel: no long busy polling, which on a small machine would starve the other ranks
 // (DESIGN.md, Progress).
 #pragma once
 
 #include <utility>
 
+#include <atomic>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 namespace r2ccl {
 
 class ProgressEngine {
  public:
+  using Clock = std::chrono::steady_clock;
+
   ProgressEngine();
   ~ProgressEngine();  // stops the loop and joins the thread
   ProgressEngine(const ProgressEngine&) = delete;
   ProgressEngine& operator=(const ProgressEngine&) = delete;
 
   boost::asio::io_context& io() { return io_; }
-  bool in_loop() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Whether the calling thread is the one running the loop now (inside a handler, or driving).
+  bool in_loop() const;
 
   template <typename F>
   void post(F&& f) {
     boost::asio::post(io_, std::forward<F>(f));
   }
-  // Runs f on the loop thread and waits for its result (runs inline when already there).
+  // Runs fn once, on the loop, when it next runs out of ready work (before it spins or blocks):
+  // for work worth batching with whatever else the current burst of handlers produces. Only
+  // from the loop.
+  void when_idle(std::function<void()> fn) { idle_.push_back(std::move(fn)); }
+  // Runs f on the loop and waits for its result (runs inline when already there).
   template <typename F>
   auto call(F&& f) -> decltype(f()) {
     if (in_loop()) return f();
     std::packaged_task<decltype(f())()> task(std::forward<F>(f));
     auto fut = task.get_future();
-    boost::asio::post(io_, [&task] { task(); });
+    std::atomic<bool> ran{false};
+    boost::asio::post(io_, [&task, &ran] {
+      task();
+      ran.store(true, std::memory_order_release);
+    });
+    wait_for([&] { return ran.load(std::memory_order_acquire); });
     return fut.get();
   }
+  // Runs the loop on the calling thread until done() holds or `until` passes, unless another
+  // caller drives it now or the calling thread is already in the loop: then returns false at once
+  // and the caller waits some other way. done() is checked between handlers, on this thread.
+  bool drive_until(const std::function<bool()>& done, Clock::time_point until);
   // Stops the loop; pending handlers are dropped. Called by the destructor.
   void stop();
 
  private:
-  void run_adaptive();
+  // Drives the loop until done(), or sleeps a little while another caller drives it.
+  void wait_for(const std::function<bool()>& done);
+  void thread_main();
+  void park();          // while callers drive, and for the linger after
+  void run_adaptive();  // until a caller wants the loop or the engine stops
+  // One step of whoever runs the loop: runs ready handlers, else the idle work, else spins
+  // (yielding) until kSpin after the last work, else blocks until `until`.
+  void step(Clock::time_point& last_work, Clock::time_point until);
+
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
-  std::thread thread_;
+  std::mutex loop_mutex_;                 // held by whichever thread runs the loop
+  std::atomic<bool> thread_owns_{false};  // the engine's own thread holds loop_mutex_
+  std::atomic<int> drivers_{0};           // callers driving or about to
+  std::atomic<Clock::rep> last_drive_end_{0};
+  std::atomic<bool> stopping_{false};
+  std::vector<std::function<void()>> idle_;  // when_idle's work; touched only on the loop
+  std::mutex park_mutex_;
+  std::condition_variable park_cv_;
+  std::thread thread_;  // last: starts once everything above exists
 };
 
 }  // namespace r2ccl
