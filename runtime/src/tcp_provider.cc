@@ -13,6 +13,7 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <array>
 #include <atomic>
 #include <deque>
 #include <mutex>
@@ -422,13 +423,25 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       write_landed();
       return true;
     }
-    asio::async_read(socket_, asio::buffer(dest + have, len - have),
-                     [self = shared_from_this()](error_code ec, std::size_t n) {
-                       if (self->closed_) return;
-                       if (ec) return self->fail_read(ec, n, "write payload");
-                       self->write_landed();
-                       self->process();
-                     });
+    // The rest goes straight into the region, and the same system call brings the next frame's
+    // header if it is there: a stream of write fragments then costs one receive call each and
+    // no copy through the batch buffer.
+    const std::size_t need = len - have;
+    rpos_ = rend_ = 0;  // the batch buffer is drained (have == avail())
+    const std::array<asio::mutable_buffer, 2> into{asio::buffer(dest + have, need),
+                                                   asio::buffer(rbuf_.data(), kHeaderSize)};
+    asio::async_read(
+        socket_, into,
+        [need](const error_code& ec, std::size_t n) -> std::size_t {
+          return ec || n >= need ? 0 : kReadBatch;
+        },
+        [self = shared_from_this(), need](error_code ec, std::size_t n) {
+          if (self->closed_) return;
+          if (ec && n < need) return self->fail_read(ec, n, "write payload");
+          self->rend_ = n - need;
+          self->write_landed();
+          self->process();
+        });
     return false;
   }
 
