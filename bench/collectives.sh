@@ -9,7 +9,8 @@
 #           messages over them); Gloo gets them as GLOO_SOCKET_IFNAME (one device per interface,
 #           used in turn by successive collectives).
 # loopback: 2 ranks on 127.0.0.1, one interface for everyone.
-# Every implementation runs float32 sum, out of place, -b 8 -e 4M -f 2, and checks every element
+# Every implementation runs float32 sum, out of place, -b 8 -e 4M -f 2 -n 50 -w 5 (fewer timed
+# iterations leave microsecond latencies to chance), and checks every element
 # once per size (-c 1). Targets (issue "collectives"): at >= 1 MiB r2ccl's bus bandwidth >= 1.2x
 # the better baseline; from 8 B to 64 KiB r2ccl's time <= the better baseline's.
 # Exit status: 0 every target PASS, 1 a target FAILed or a run failed, 2 usage, 77 no testbed.
@@ -17,7 +18,7 @@ set -euo pipefail
 
 readonly TB_NAME=collbench
 readonly RANK_TIMEOUT=600
-readonly SIZES=(-b 8 -e 4M -f 2 -n 10 -w 3 -c 1)
+readonly SIZES=(-b 8 -e 4M -f 2 -n 50 -w 5 -c 1)
 
 [[ $# -ge 1 ]] || { echo "usage: bench/collectives.sh BUILD_DIR [testbed|loopback|both]" >&2; exit 2; }
 build=$1
