@@ -121,6 +121,9 @@ class Bench {
   virtual std::string redop() const { return "none"; }
   virtual int root() const { return -1; }
   virtual std::string algo() const { return "p2p"; }
+  // Lines the ranks up before the timed rounds: by default on the bootstrap's control path; a
+  // collective bench uses its own barrier, on the rails (as MPI benchmarks use MPI_Barrier).
+  virtual Status barrier(Fabric& f) { return f.bootstrap().barrier(f.config().timeout); }
 };
 
 // Every rank sends to rank+1 and receives from rank-1 over the fabric.
@@ -211,6 +214,7 @@ class Collective final : public Bench {
   }
   int root() const override { return has_root() ? root_ : -1; }
   std::string algo() const override { return std::string(r2ccl::coll::algo_name(c_.last_algo())); }
+  Status barrier(Fabric&) override { return c_.barrier(); }
 
   Status run_once(std::size_t bytes) override {
     const std::size_t n = count(bytes) / (per_rank() ? p() : 1);  // the call's count argument
@@ -385,7 +389,7 @@ int run(const Options& o) {
     for (int i = 0; i < o.warmup && error.empty(); ++i)
       if (Status st = bench.run_once(bytes); !st) error = st.to_string();
     if (error.empty())
-      if (Status st = f.bootstrap().barrier(f.config().timeout); !st) error = st.to_string();
+      if (Status st = bench.barrier(f); !st) error = st.to_string();
     before = f.rail_snapshot();
     const auto t0 = Clock::now();
     int iters = 0;

@@ -78,16 +78,16 @@ void ProgressEngine::step(Clock::time_point& last_work, Clock::time_point until)
     last_work = Clock::now();
     return;
   }
+  if (Clock::now() - last_work < kSpin) {
+    std::this_thread::yield();
+    return;
+  }
   if (!idle_.empty()) {
     auto work = std::move(idle_);
     idle_.clear();
     for (auto& fn : work)
       fn();
     last_work = Clock::now();
-    return;
-  }
-  if (Clock::now() - last_work < kSpin) {
-    std::this_thread::yield();
     return;
   }
   // Blocks until something happens (a driver posts a no-op to end the engine thread's wait).

@@ -47,6 +47,7 @@ constexpr std::size_t kFragment = 64u << 10;
 constexpr std::uint8_t kMoreFragments = 1;  // WRITE flag: more fragments of this write follow
 constexpr std::size_t kBatchBytes = 256u << 10;
 constexpr std::size_t kReadBatch = 64u << 10;  // bytes asked of one receive call
+constexpr std::size_t kMaxDelayedAcks = 64;    // control acks that wait for company at most
 
 enum class FrameOp : std::uint8_t {
   kHello = 1,
@@ -223,11 +224,13 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
   // A control message's acknowledgement waits for a frame going the same way and rides in its
-  // write, or goes when the loop next runs out of work: a message exchange then costs one send
-  // per message, not two. Write acknowledgements go at once: they pace the sender and time the
+  // write, or goes when the loop has been idle for its spin period (or when many wait): a
+  // message exchange then costs one send per message, not two, also when successive messages
+  // take different rails. Write acknowledgements go at once: they pace the sender and time the
   // link.
   void delay_ack(std::uint64_t cookie) {
     delayed_acks_.push_back(cookie);
+    if (delayed_acks_.size() >= kMaxDelayedAcks && !writing_) return kick();
     if (writing_ || ack_flush_due_) return;  // the write's completion or the idle flush sends it
     ack_flush_due_ = true;
     engine_.when_idle([self = shared_from_this()] {

@@ -41,9 +41,9 @@ class ProgressEngine {
   void post(F&& f) {
     boost::asio::post(io_, std::forward<F>(f));
   }
-  // Runs fn once, on the loop, when it next runs out of ready work (before it spins or blocks):
-  // for work worth batching with whatever else the current burst of handlers produces. Only
-  // from the loop.
+  // Runs fn once, on the loop, when the loop has had nothing to do for the spin period and is
+  // about to block: for work worth batching with whatever the next handlers produce. Only from
+  // the loop.
   void when_idle(std::function<void()> fn) { idle_.push_back(std::move(fn)); }
   // Runs f on the loop and waits for its result (runs inline when already there).
   template <typename F>
@@ -72,8 +72,8 @@ class ProgressEngine {
   void thread_main();
   void park();          // while callers drive, and for the linger after
   void run_adaptive();  // until a caller wants the loop or the engine stops
-  // One step of whoever runs the loop: runs ready handlers, else the idle work, else spins
-  // (yielding) until kSpin after the last work, else blocks until `until`.
+  // One step of whoever runs the loop: runs ready handlers, else spins (yielding) until kSpin
+  // after the last work, else runs the idle work, else blocks until `until`.
   void step(Clock::time_point& last_work, Clock::time_point until);
 
   boost::asio::io_context io_;
