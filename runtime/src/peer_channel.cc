@@ -32,6 +32,14 @@ enum class ControlType : std::uint8_t {
 // before the data).
 // Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
 // sent whole on one rail already takes longer than the clear-to-send round trip it saves.
+// A control message's writer: room for its sequence number first (send_control fills it in, so
+// the message is built once), then its type.
+ByteWriter control_writer(ControlType type) {
+  ByteWriter w;
+  w.u64(0).u8(static_cast<std::uint8_t>(type));
+  return w;
+}
+
 constexpr std::size_t kEagerMax = 8 * 1024;
 // With a single rail there is nothing to stripe over, and the round trip is all that a
 // rendezvous would add: up to this size (Open MPI's TCP eager limit) messages go eagerly.
@@ -79,8 +87,8 @@ void Channel::Sink::on_write_refused(std::uint64_t cookie, const Status& why) {
 void Channel::Sink::on_write_arrived(std::uint32_t imm, std::size_t length) {
   channel->on_arrived(index, imm, length);
 }
-void Channel::Sink::on_control(Bytes message) {
-  channel->deliver_control(index, std::move(message));
+void Channel::Sink::on_control(std::span<const std::byte> message) {
+  channel->deliver_control(index, message);
 }
 void Channel::Sink::on_rail_failed(const Status& why) {
   channel->on_rail_failed(index, why);
@@ -615,13 +623,13 @@ void Channel::shutdown() {
 // ---------------------------------------------------------------------------------------------
 // Control messages on the rails
 
-void Channel::send_control(Bytes body, std::size_t payload) {
+void Channel::send_control(Bytes message, std::size_t payload) {
   ControlEntry e;
   e.seq = next_control_seq_++;
   e.payload = payload;
-  ByteWriter w;
-  w.u64(e.seq).raw(body.data(), body.size());
-  e.message = w.take();
+  for (std::size_t i = 0; i < 8; ++i)  // the sequence number control_writer left room for
+    message[i] = static_cast<std::byte>((e.seq >> (8 * i)) & 0xff);
+  e.message = std::make_shared<const Bytes>(std::move(message));
   control_backlog_.push_back(std::move(e));
   flush_control();
 }
@@ -652,7 +660,7 @@ void Channel::flush_control() {
   }
 }
 
-void Channel::deliver_control(std::uint32_t rail, Bytes message) {
+void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> message) {
   rails_[rail]->health->on_heard(Clock::now());
   ByteReader r(message);
   const auto seq = r.u64();
@@ -691,7 +699,7 @@ void Channel::deliver_control(std::uint32_t rail, Bytes message) {
     }
     rails_[rail]->tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
     rails_[rail]->tel.rx_chunks.fetch_add(1, std::memory_order_relaxed);
-    on_eager(seq2, Bytes(message.begin() + 25, message.end()));
+    on_eager(seq2, message.subspan(25));
     return;
   }
   if (type == ControlType::kRts) {
@@ -774,8 +782,8 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
     // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
-    ByteWriter w;
-    w.u8(static_cast<std::uint8_t>(ControlType::kEager)).u64(seq).u64(length);
+    ByteWriter w = control_writer(ControlType::kEager);
+    w.u64(seq).u64(length);
     w.raw(s.region->base + offset, length);
     send_control(w.take(), length);
     early_cts_.erase(seq);  // the receiver's clear-to-send is not needed
@@ -784,8 +792,8 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   }
   sends_.emplace(seq, std::move(s));
   {
-    ByteWriter w;
-    w.u8(static_cast<std::uint8_t>(ControlType::kRts)).u64(seq).u64(length);
+    ByteWriter w = control_writer(ControlType::kRts);
+    w.u64(seq).u64(length);
     send_control(w.take());
   }
   if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
@@ -832,8 +840,8 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
 }
 
 void Channel::send_user_message(Bytes payload) {
-  ByteWriter w;
-  w.u8(static_cast<std::uint8_t>(ControlType::kUser)).raw(payload.data(), payload.size());
+  ByteWriter w = control_writer(ControlType::kUser);
+  w.raw(payload.data(), payload.size());
   send_control(w.take());
 }
 
@@ -864,8 +872,8 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   if (needs_cts(length)) {
     // A receive of eager size waits for the data without a clear-to-send; a sender of another
     // size announces itself (request-to-send) and is refused.
-    ByteWriter w;
-    w.u8(static_cast<std::uint8_t>(ControlType::kCts)).u64(seq).u64(length).u32(chunk).u64(offset);
+    ByteWriter w = control_writer(ControlType::kCts);
+    w.u64(seq).u64(length).u32(chunk).u64(offset);
     RemoteRegion{region->id, region->length, region->keys}.encode(w);
     send_control(w.take());
     if (length == 0) {
@@ -892,16 +900,17 @@ bool Channel::needs_cts(std::size_t length) const {
 void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,
                           std::uint64_t posted) {
   const std::string why = size_mismatch(seq, peer_, ctx_.me, sent, posted);
-  ByteWriter w;
-  w.u8(static_cast<std::uint8_t>(ControlType::kAbortSend)).u64(seq).str(why);
+  ByteWriter w = control_writer(ControlType::kAbortSend);
+  w.u64(seq).str(why);
   send_control(w.take());
   op->complete({ErrorCode::kInvalidArgument, why});
 }
 
-void Channel::on_eager(std::uint64_t seq, Bytes data) {
+void Channel::on_eager(std::uint64_t seq, std::span<const std::byte> data) {
   auto it = recv_slots_.find(ChunkImm::slot_of(seq));
   if (it == recv_slots_.end() || it->second.seq != seq) {
-    if (seq >= next_recv_seq_) unexpected_.emplace(seq, std::move(data));
+    // Kept until its receive is posted (the only copy besides the one into place).
+    if (seq >= next_recv_seq_) unexpected_.emplace(seq, Bytes(data.begin(), data.end()));
     return;  // else: the receive already ended (failed at its deadline)
   }
   Recv r = std::move(it->second);
@@ -910,7 +919,7 @@ void Channel::on_eager(std::uint64_t seq, Bytes data) {
 }
 
 void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
-                           std::size_t length, std::uint64_t seq, const Bytes& data) {
+                           std::size_t length, std::uint64_t seq, std::span<const std::byte> data) {
   if (data.size() != length) {
     op->complete(
         {ErrorCode::kInvalidArgument, size_mismatch(seq, peer_, ctx_.me, data.size(), length)});
@@ -940,8 +949,8 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
   };
   if (cts.length != s.length) {
     const std::string why = size_mismatch(seq, ctx_.me, peer_, s.length, cts.length);
-    ByteWriter w;
-    w.u8(static_cast<std::uint8_t>(ControlType::kAbort)).u64(seq).str(why);
+    ByteWriter w = control_writer(ControlType::kAbort);
+    w.u64(seq).str(why);
     send_control(w.take());
     return finish({ErrorCode::kInvalidArgument, why});
   }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -87,7 +88,7 @@ class Channel {
     void on_write_confirmed(std::uint64_t cookie, std::uint64_t receive_ns) override;
     void on_write_refused(std::uint64_t cookie, const Status& why) override;
     void on_write_arrived(std::uint32_t imm, std::size_t length) override;
-    void on_control(Bytes message) override;
+    void on_control(std::span<const std::byte> message) override;
     void on_rail_failed(const Status& why) override;
   };
   struct Cts {
@@ -99,7 +100,7 @@ class Channel {
   };
   struct ControlEntry {
     std::uint64_t seq = 0;
-    Bytes message;  // the whole framed control message
+    std::shared_ptr<const Bytes> message;  // the whole framed control message (shared with rails)
     std::uint32_t rail = 0;
     std::size_t payload = 0;  // user data inside (eager messages): counted as rail traffic
   };
@@ -168,9 +169,10 @@ class Channel {
   bool any_usable() const;
 
   // Control messages on the rails (clear-to-send, abort): reliable and idempotent.
-  void send_control(Bytes body, std::size_t payload = 0);
+  // Sends a message built with control_writer (its sequence number is filled in here).
+  void send_control(Bytes message, std::size_t payload = 0);
   void flush_control();
-  void deliver_control(std::uint32_t rail, Bytes message);
+  void deliver_control(std::uint32_t rail, std::span<const std::byte> message);
   void send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
                          const std::string& why);
 
@@ -181,7 +183,7 @@ class Channel {
   std::uint32_t chunk_for(std::size_t length) const;  // chunk size of a message
   void start_send(std::uint64_t seq, const Cts& cts);
   // Eager data for receive `seq` (posted or not yet).
-  void on_eager(std::uint64_t seq, Bytes data);
+  void on_eager(std::uint64_t seq, std::span<const std::byte> data);
   // Messages of eager size (1..8 KiB; 1..64 KiB over a single rail) travel inside a control
   // message, and their receives get no clear-to-send; the others go through a rendezvous.
   bool needs_cts(std::size_t length) const;
@@ -189,7 +191,7 @@ class Channel {
   void refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent, std::uint64_t posted);
   // Completes a posted receive with eager data (or its size mismatch).
   void finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
-                    std::size_t length, std::uint64_t seq, const Bytes& data);
+                    std::size_t length, std::uint64_t seq, std::span<const std::byte> data);
   void pump();
   void drop_send(std::map<std::uint64_t, Send>::iterator it);
   void fail_all(const Status& why);

@@ -179,12 +179,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     return Status::ok();
   }
 
-  Status post_control(Bytes message, std::uint64_t cookie) override {
+  Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
-    if (message.size() > kMaxControl)
+    if (message->size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
-              fmt::format("control message of {} bytes exceeds {}", message.size(), kMaxControl)};
-    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message.size(), cookie};
+              fmt::format("control message of {} bytes exceeds {}", message->size(), kMaxControl)};
+    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message->size(), cookie};
     queue(h, nullptr, 0, std::move(message));
     return Status::ok();
   }
@@ -206,15 +206,15 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     HeaderBytes header;
     const std::byte* payload = nullptr;
     std::size_t length = 0;
-    Bytes owned;  // payload owned by the frame (control, nack text)
+    std::shared_ptr<const Bytes> owned;  // payload kept alive by the frame (control, nack text)
   };
 
-  void queue(const FrameHeader& h, const std::byte* payload, std::size_t len, Bytes owned,
-             bool urgent = false) {
+  void queue(const FrameHeader& h, const std::byte* payload, std::size_t len,
+             std::shared_ptr<const Bytes> owned, bool urgent = false) {
     OutFrame f{encode(h), payload, len, std::move(owned)};
-    if (!f.owned.empty()) {
-      f.payload = f.owned.data();
-      f.length = f.owned.size();
+    if (f.owned) {
+      f.payload = f.owned->data();
+      f.length = f.owned->size();
     }
     if (urgent)
       pending_.push_front(std::move(f));
@@ -341,16 +341,24 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       case FrameOp::kControl:
         if (cur_.length > kMaxControl)
           return malformed(fmt::format("control message of {} bytes", cur_.length));
-        return take_payload(cur_.length, [this] {
-          const auto cookie = cur_.cookie;
-          if (events_) events_->on_control(std::move(payload_));
-          if (cookie != 0 && !closed_) delay_ack(cookie);
-        });
+        if (avail() >= cur_.length) {  // handed over from the batch buffer, not copied
+          const std::span<const std::byte> message(rbuf_.data() + rpos_, cur_.length);
+          rpos_ += cur_.length;
+          on_control(message);
+          return true;
+        }
+        return take_payload(cur_.length, [this] { on_control(payload_); });
       case FrameOp::kHelloAck:
       case FrameOp::kHello:
         return malformed("handshake frame after the handshake");
     }
     return malformed(fmt::format("unknown frame op {}", static_cast<int>(cur_.op)));
+  }
+
+  void on_control(std::span<const std::byte> message) {
+    const auto cookie = cur_.cookie;
+    if (events_) events_->on_control(message);
+    if (cookie != 0 && !closed_) delay_ack(cookie);
   }
 
   bool malformed(const std::string& what) {
@@ -476,8 +484,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (drained_ == cur_.length) {
       if (!refusal.empty())
         queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, refusal.size(), cur_.cookie}, nullptr, 0,
-              Bytes(reinterpret_cast<const std::byte*>(refusal.data()),
-                    reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
+              std::make_shared<const Bytes>(
+                  reinterpret_cast<const std::byte*>(refusal.data()),
+                  reinterpret_cast<const std::byte*>(refusal.data()) + refusal.size()),
               true);
       return true;
     }

@@ -373,7 +373,8 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     return Status::ok();
   }
 
-  Status post_control(Bytes message, std::uint64_t cookie) override {
+  Status post_control(std::shared_ptr<const Bytes> shared, std::uint64_t cookie) override {
+    const Bytes& message = *shared;  // copied into send slots below
     if (fenced_) return {ErrorCode::kUnavailable, "rail is fenced"};
     if (message.size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
@@ -673,7 +674,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
 
   void deliver_control(Bytes msg, std::uint64_t cookie) {
     auto self = shared_from_this();  // the handler may fence this rail
-    if (events_) events_->on_control(std::move(msg));
+    if (events_) events_->on_control(msg);
     if (cookie != 0 && !fenced_) send_fragment(SlotType::kControlAck, 0, cookie, {});
   }
 

@@ -96,11 +96,12 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   EXPECT_EQ(dst[1000 + src.size()], std::byte{0});
 
   // A control message in each direction.
-  ASSERT_TRUE(
-      engine_.call([&] {
-               return rail_a_->post_control(Bytes{std::byte{1}, std::byte{2}}, 77);
-             })
-          .is_ok());
+  ASSERT_TRUE(engine_
+                  .call([&] {
+                    return rail_a_->post_control(
+                        std::make_shared<const Bytes>(Bytes{std::byte{1}, std::byte{2}}), 77);
+                  })
+                  .is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return !b_events_.control.empty(); }));
   EXPECT_EQ(b_events_.control[0], (Bytes{std::byte{1}, std::byte{2}}));
   // With a cookie, the peer confirms it handled the message.
@@ -260,7 +261,12 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
       << b_events_.failed[2];
 
   // The well-behaved rail still works.
-  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(Bytes{std::byte{9}}, 0); }).is_ok());
+  ASSERT_TRUE(engine_
+                  .call([&] {
+                    return rail_a_->post_control(std::make_shared<const Bytes>(Bytes{std::byte{9}}),
+                                                 0);
+                  })
+                  .is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 1; }));
   EXPECT_TRUE(a_events_.failed.empty());
 }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,8 +31,8 @@ struct Recorder final : RailEvents {
   void on_write_arrived(std::uint32_t imm, std::size_t n) override {
     push([&] { arrived.emplace_back(imm, n); });
   }
-  void on_control(Bytes b) override {
-    push([&] { control.push_back(std::move(b)); });
+  void on_control(std::span<const std::byte> b) override {
+    push([&] { control.emplace_back(b.begin(), b.end()); });
   }
   void on_rail_failed(const Status& why) override {
     push([&] { failed.push_back(why.message()); });

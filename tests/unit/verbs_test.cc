@@ -149,15 +149,23 @@ TEST_F(VerbsProviderTest, WritesAndControlMessagesArriveIntactBothWays) {
   // peer's handler ran), and one back the other way.
   const Bytes small{std::byte{1}, std::byte{2}};
   const Bytes big = pattern(20000, 3);
-  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(small, 0); }).is_ok());
-  ASSERT_TRUE(engine_.call([&] { return rail_a_->post_control(big, 77); }).is_ok());
+  ASSERT_TRUE(
+      engine_.call([&] { return rail_a_->post_control(std::make_shared<const Bytes>(small), 0); })
+          .is_ok());
+  ASSERT_TRUE(
+      engine_.call([&] { return rail_a_->post_control(std::make_shared<const Bytes>(big), 77); })
+          .is_ok());
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 2; }));
   EXPECT_EQ(b_events_.control[0], small);
   EXPECT_EQ(b_events_.control[1], big);
   ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == 2; }));
   EXPECT_EQ(a_events_.confirmed[1], 77u);
-  ASSERT_TRUE(
-      engine_.call([&] { return accepted_.at(0)->post_control(Bytes{std::byte{5}}, 0); }).is_ok());
+  ASSERT_TRUE(engine_
+                  .call([&] {
+                    return accepted_.at(0)->post_control(
+                        std::make_shared<const Bytes>(Bytes{std::byte{5}}), 0);
+                  })
+                  .is_ok());
   ASSERT_TRUE(a_events_.wait([&] { return a_events_.control.size() == 1; }));
   EXPECT_EQ(a_events_.control[0], Bytes{std::byte{5}});
   EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);

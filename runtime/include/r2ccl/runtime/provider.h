@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,8 @@ class RailEvents {
   virtual void on_write_refused(std::uint64_t cookie, const Status& why) = 0;
   // A peer's write landed in our memory.
   virtual void on_write_arrived(std::uint32_t imm, std::size_t length) = 0;
-  virtual void on_control(Bytes message) = 0;
+  // A control message (valid for the call only: copy what must outlive it).
+  virtual void on_control(std::span<const std::byte> message) = 0;
   // The rail is closed (peer closed, socket error, malformed frame); no more events follow.
   virtual void on_rail_failed(const Status& why) = 0;
 };
@@ -66,8 +68,8 @@ class Rail {
   // Queues a write; src must stay valid until it is confirmed, refused or the rail fails.
   virtual Status post_write(const WriteRequest& write) = 0;
   // Queues a control message; with a non-zero cookie the peer confirms it (on_write_confirmed)
-  // once its handler has run.
-  virtual Status post_control(Bytes message, std::uint64_t cookie) = 0;
+  // once its handler has run. Shared: the caller keeps it for a replay, and nobody copies it.
+  virtual Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) = 0;
   // Closes the rail now, abortively: data still queued is discarded, not delivered later; no
   // event is delivered afterwards.
   virtual void fence() = 0;
