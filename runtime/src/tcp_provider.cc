@@ -48,6 +48,7 @@ constexpr std::uint8_t kMoreFragments = 1;  // WRITE flag: more fragments of thi
 constexpr std::size_t kBatchBytes = 256u << 10;
 constexpr std::size_t kReadBatch = 64u << 10;  // bytes asked of one receive call
 constexpr std::size_t kMaxDelayedAcks = 64;    // control acks that wait for company at most
+constexpr std::size_t kStreamFrames = 16;  // frames after a write that are read header by header
 
 enum class FrameOp : std::uint8_t {
   kHello = 1,
@@ -281,6 +282,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       if (avail() < kHeaderSize) return fill();
       std::memcpy(header_.data(), rbuf_.data() + rpos_, kHeaderSize);
       rpos_ += kHeaderSize;
+      ++frames_since_write_;
       if (!on_header()) return;
     }
   }
@@ -295,7 +297,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       rpos_ = 0;
     }
     const bool in_header = rend_ > 0;
-    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+    // While writes stream in (other frames, such as acknowledgements, come between them), read
+    // one header at a time, so that each payload is received straight into place rather than
+    // into this buffer and copied; after a run of other frames, read in batches again.
+    const bool streaming = frames_since_write_ < kStreamFrames;
+    const std::size_t want = streaming ? kHeaderSize - rend_ : rbuf_.size() - rend_;
+    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, want),
                             [self = shared_from_this(), in_header](error_code ec, std::size_t n) {
                               if (self->closed_) return;
                               if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
@@ -458,6 +465,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   // A write fragment's payload is in place; after the last one, report and confirm the write.
   void write_landed() {
+    frames_since_write_ = 0;
     fragments_bytes_ += cur_.length;
     if (cur_.flags & kMoreFragments) return;
     const auto cookie = cur_.cookie;
@@ -538,6 +546,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   std::vector<std::byte> rbuf_ = std::vector<std::byte>(kReadBatch);
   std::size_t rpos_ = 0;  // unparsed bytes are [rpos_, rend_)
   std::size_t rend_ = 0;
+  std::size_t frames_since_write_ = kStreamFrames;  // frames parsed since the last write
   FrameHeader cur_;
   Bytes payload_;
   std::vector<std::byte> scratch_;
