@@ -13,6 +13,10 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 // operation after operation then finds the loop free each time, without waking the thread.
 // Background events (timers, a peer's messages) wait at most this long while nobody drives.
 constexpr auto kLinger = std::chrono::milliseconds(1);
+// While callers drive, the parked thread looks again this often (a caller that stops driving
+// does not wake it): rarely, since each wake-up can take a core from a driving caller, yet often
+// enough that background work (probes, whose silence counts after 100 ms) resumes in time.
+constexpr auto kParkedRecheck = std::chrono::milliseconds(20);
 
 // The engine whose loop this thread runs now, if any.
 thread_local const ProgressEngine* t_running = nullptr;
@@ -69,7 +73,8 @@ void ProgressEngine::park() {
     const auto since = Clock::now() - Clock::time_point(Clock::duration(last_drive_end_.load()));
     if (drivers_.load() == 0 && since >= kLinger) return;
     // Timed: a caller that stops driving does not have to wake this thread.
-    park_cv_.wait_for(lock, drivers_.load() > 0 ? Clock::duration(kLinger) : kLinger - since);
+    park_cv_.wait_for(lock,
+                      drivers_.load() > 0 ? Clock::duration(kParkedRecheck) : kLinger - since);
   }
 }
 
