@@ -23,7 +23,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "system"))
 
-from r2ccl_testbed import (Proc, describe, free_port, launch_ranks, link_down_transitions, perf_ranks,  # noqa: E402
+from r2ccl_testbed import (CHECK_LINE, Proc, assert_no_rail_survived,  # noqa: E402
+                           assert_rounds_resumed, describe, free_port, launch_ranks, link_down_transitions, perf_ranks,
                            read_events, wait_for_binary)
 
 IN_VM = bool(os.environ.get("RDMA_VM"))
@@ -35,11 +36,6 @@ VM_NICS = int(os.environ.get("RDMA_VM_NICS", "0") or 0)
 # (R2CCL_NICS=h0n0,... instead of rxe_h0n0,...): a check of this harness itself, and a
 # reference for the verbs runs.  The bad-input tests are verbs-only.
 PROVIDER = os.environ.get("R2CCL_TEST_RDMA_PROVIDER", "verbs")
-CHECK_LINE = "# Check: every byte verified on every rank"
-PARTIAL_CHECK = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every "
-                           r"rank; (\d+) round\(s\) failed$", re.M)
-ROUND_FAILED = re.compile(r"^r2ccl-perf: rank (\d+): round (\d+) failed: (.*)$", re.M)
-ROUNDS_SUMMARY = re.compile(r"^r2ccl-perf: rank (\d+): (\d+) round\(s\) completed, (\d+) failed$", re.M)
 # size count type redop root time algbw busbw #wrong algo
 ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+(\S+)\s*$")
 # A rail in service at the end.  Under emulation a healthy rail's measured rate swings enough to
@@ -432,23 +428,10 @@ def test_all_nics_down_then_one_back(perf, tmp_path):
     for r in (r0, r1):
         assert r.elapsed < dur + 40, r.describe()  # generous: no hang
     for rank, r in ((0, r0), (1, r1)):
-        failures = ROUND_FAILED.findall(r.stderr)
-        assert failures, r.describe()
-        names = [rxe(rank, n) for n in range(k)]
-        assert any("no rail to rank" in why and "survived" in why and all(n in why for n in names)
-                   for _, _, why in failures), r.describe()
+        assert_no_rail_survived(r, [rxe(rank, n) for n in range(k)])
     up_t = wall(res[3])
 
-    m = PARTIAL_CHECK.search(r0.stdout)
-    assert m, describe(res)
-    completed, failed = int(m.group(1)), int(m.group(2))
-    summary = ROUNDS_SUMMARY.search(r0.stderr)
-    assert summary and (int(summary.group(2)), int(summary.group(3))) == (completed, failed), r0.describe()
-    failed_rounds = sorted(int(n) for _, n, _ in ROUND_FAILED.findall(r0.stderr))
-    assert len(failed_rounds) == failed, r0.describe()
-    total = completed + failed
-    assert completed > failed_rounds[0], "no round completed after the outage: " + r0.describe()
-    assert failed_rounds[-1] < total - 1, "the last round failed: " + r0.describe()
+    assert_rounds_resumed(r0, res)
 
     events, finals = read_events(ev, 0)
     back = rxe(0, 1)

@@ -491,6 +491,37 @@ class BusyTrigger:
         self._thread.join(40)
 
 
+# r2ccl-perf's output about rounds (sendrecv --duration with -c 1 and --keep-going).
+CHECK_LINE = "# Check: every byte verified on every rank"
+PARTIAL_CHECK = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every "
+                           r"rank; (\d+) round\(s\) failed$", re.M)
+ROUND_FAILED = re.compile(r"^r2ccl-perf: rank (\d+): round (\d+) failed: (.*)$", re.M)
+ROUNDS_SUMMARY = re.compile(r"^r2ccl-perf: rank (\d+): (\d+) round\(s\) completed, (\d+) failed$", re.M)
+
+
+def assert_no_rail_survived(r, nics):
+    """Some round of rank result `r` failed because no rail to its peer survived, naming every NIC."""
+    failures = ROUND_FAILED.findall(r.stderr)
+    assert failures, r.describe()
+    assert any("no rail to rank" in why and "survived" in why and all(n in why for n in nics)
+               for _, _, why in failures), r.describe()
+
+
+def assert_rounds_resumed(r0, res):
+    """Rank 0's rounds: the verified and failed counts agree with its failures, and rounds
+    completed again after the outage, up to the last one."""
+    m = PARTIAL_CHECK.search(r0.stdout)
+    assert m, describe(res)
+    completed, failed = int(m.group(1)), int(m.group(2))
+    summary = ROUNDS_SUMMARY.search(r0.stderr)
+    assert summary and (int(summary.group(2)), int(summary.group(3))) == (completed, failed), r0.describe()
+    failed_rounds = sorted(int(n) for _, n, _ in ROUND_FAILED.findall(r0.stderr))
+    assert len(failed_rounds) == failed, r0.describe()
+    total = completed + failed
+    assert completed > failed_rounds[0], "no round completed after the outage: " + r0.describe()
+    assert failed_rounds[-1] < total - 1, "the last round failed: " + r0.describe()
+
+
 def link_down_transitions(monitor_output, dev):
     """How often `dev` went from running to not running in `ip monitor link` output.
 

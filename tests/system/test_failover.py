@@ -15,14 +15,10 @@ import time
 
 import pytest
 
-from r2ccl_testbed import (PERF, TESTBED, BusyTrigger, Proc, Testbed, describe, launch_ranks, link_down_transitions,
+from r2ccl_testbed import (CHECK_LINE, PERF, TESTBED, BusyTrigger, Proc, Testbed, assert_no_rail_survived,
+                           assert_rounds_resumed, describe, launch_ranks, link_down_transitions,
                            load_json, netns_pids_of, perf_ranks, random_port, read_events)
 
-CHECK_LINE = "# Check: every byte verified on every rank"
-PARTIAL_CHECK = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every "
-                           r"rank; (\d+) round\(s\) failed$", re.M)
-ROUND_FAILED = re.compile(r"^r2ccl-perf: rank (\d+): round (\d+) failed: (.*)$", re.M)
-ROUNDS_SUMMARY = re.compile(r"^r2ccl-perf: rank (\d+): (\d+) round\(s\) completed, (\d+) failed$", re.M)
 NICS = ["eth1", "eth2", "eth3", "eth4"]
 SLACK_S = 30  # generous bound on start-up, shutdown and one R2CCL_TIMEOUT: catches hangs only
 
@@ -215,23 +211,11 @@ def test_all_nics_down_then_one_back(perf, tmp_path):
     for r in (r0, r1):
         assert r.elapsed < duration + 20, r.describe()  # generous: no hang
     for r in (r0, r1):
-        failures = ROUND_FAILED.findall(r.stderr)
-        assert failures, r.describe()
-        assert any("no rail to rank" in why and "survived" in why and all(n in why for n in NICS)
-                   for _, _, why in failures), r.describe()
+        assert_no_rail_survived(r, NICS)
     up_eth3 = wall(res[3])
 
     # Rank 0's view: rounds completed again once eth3 was re-admitted.
-    m = PARTIAL_CHECK.search(r0.stdout)
-    assert m, describe(res)
-    completed, failed = int(m.group(1)), int(m.group(2))
-    summary = ROUNDS_SUMMARY.search(r0.stderr)
-    assert summary and (int(summary.group(2)), int(summary.group(3))) == (completed, failed), r0.describe()
-    failed_rounds = sorted(int(n) for _, n, _ in ROUND_FAILED.findall(r0.stderr))
-    assert len(failed_rounds) == failed, r0.describe()
-    total = completed + failed
-    assert completed > failed_rounds[0], "no round completed after the outage: " + r0.describe()
-    assert failed_rounds[-1] < total - 1, "the last round failed: " + r0.describe()
+    assert_rounds_resumed(r0, res)
 
     events, finals = read_events(ev, 0)
     readmitted = of(events, "eth3", "readmitted")
