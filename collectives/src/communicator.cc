@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <boost/container/small_vector.hpp>
+
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "r2ccl/coll/reduce.h"
@@ -105,8 +108,11 @@ struct Transfer {
 // Posts the receives first (their clear-to-sends go out before the data that needs them), then
 // the sends, and waits for every one (so no transfer still reads or writes a buffer once this
 // returns); gives the first error.
-Status post_and_wait(Fabric& f, const std::vector<Transfer>& transfers) {
-  std::vector<OpPtr> ops;
+// A round's transfers: a few per peer, kept without allocating for small worlds.
+using Transfers = boost::container::small_vector<Transfer, 8>;
+
+Status post_and_wait(Fabric& f, const Transfers& transfers) {
+  boost::container::small_vector<OpPtr, 8> ops;
   Status first;
   for (bool recv : {true, false})
     for (const auto& t : transfers) {
@@ -264,14 +270,22 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   }
   if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d));
   if (d.count == 0 && d.op != CollOp::kBarrier) return Status::ok();
-  const Algo algo = choose_algo(d, size(), requested_algo_);
-  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(d, rank(), size(), algo));
+  if (!(last_plan_.valid && last_plan_.desc == d && last_plan_.requested == requested_algo_)) {
+    last_plan_.valid = false;
+    R2CCL_ASSIGN_OR_RETURN(last_plan_.plan,
+                           make_plan(d, rank(), size(), choose_algo(d, size(), requested_algo_)));
+    last_plan_.desc = d;
+    last_plan_.requested = requested_algo_;
+    last_plan_.valid = true;
+  }
+  const Plan& plan = last_plan_.plan;
   last_algo_ = plan.algo;
   const auto t0 = Clock::now();
-  Status st = execute(plan, d, b, [&] {
+  auto what = [&] {
     return fmt::format("{} ({}) on rank {} of {}", describe(d), algo_name(plan.algo), rank(),
                        size());
-  });
+  };
+  Status st = execute(plan, d, b, std::ref(what));  // a reference: no allocation per operation
   if (st)
     duration(d.op, plan.algo).observe(std::chrono::duration<double>(Clock::now() - t0).count());
   return st;
@@ -383,7 +397,7 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   const std::size_t elem = type_size(d.type);
   for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
     const auto& phase = plan.phases[ph];
-    std::vector<Transfer> transfers;
+    Transfers transfers;
     for (const auto& s : phase.comm) {
       if (s.bytes == 0) continue;
       const bool is_recv = s.kind == Step::Kind::kRecv;
@@ -471,7 +485,7 @@ Status Communicator::group_end() {
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
   Registered reg{*fabric_, {}};
   R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
-  std::vector<Transfer> transfers;
+  Transfers transfers;
   for (const auto& o : list) {
     R2CCL_ASSIGN_OR_RETURN(auto region, reg.add(o.buf, o.bytes));
     transfers.push_back({!o.is_send, o.peer, region ? region : empty, 0, o.bytes});

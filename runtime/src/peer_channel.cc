@@ -34,8 +34,9 @@ enum class ControlType : std::uint8_t {
 // sent whole on one rail already takes longer than the clear-to-send round trip it saves.
 // A control message's writer: room for its sequence number first (send_control fills it in, so
 // the message is built once), then its type.
-ByteWriter control_writer(ControlType type) {
-  ByteWriter w;
+// `body`: the bytes expected after the type (room is reserved for them).
+ByteWriter control_writer(ControlType type, std::size_t body = 48) {
+  ByteWriter w(9 + body);
   w.u64(0).u8(static_cast<std::uint8_t>(type));
   return w;
 }
@@ -782,7 +783,7 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
     // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
-    ByteWriter w = control_writer(ControlType::kEager);
+    ByteWriter w = control_writer(ControlType::kEager, 16 + length);
     w.u64(seq).u64(length);
     w.raw(s.region->base + offset, length);
     send_control(w.take(), length);

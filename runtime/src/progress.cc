@@ -17,6 +17,8 @@ constexpr auto kLinger = std::chrono::milliseconds(1);
 // does not wake it): rarely, since each wake-up can take a core from a driving caller, yet often
 // enough that background work (probes, whose silence counts after 100 ms) resumes in time.
 constexpr auto kParkedRecheck = std::chrono::milliseconds(20);
+// During a run of handlers the clock is read after this many (for the caller's time limit).
+constexpr unsigned kHandlersPerClockRead = 32;
 
 // The engine whose loop this thread runs now, if any.
 thread_local const ProgressEngine* t_running = nullptr;
@@ -78,35 +80,47 @@ void ProgressEngine::park() {
   }
 }
 
-void ProgressEngine::step(Clock::time_point& last_work, Clock::time_point until) {
-  if (io_.poll() > 0) {
-    last_work = Clock::now();
-    return;
+bool ProgressEngine::step(Spin& spin, Clock::time_point until) {
+  // One handler at a time: the caller's condition is looked at after each, so an operation that
+  // a handler completed ends the wait without another round of the reactor.
+  if (io_.poll_one() > 0) {
+    spin.worked = true;
+    if (++spin.handlers < kHandlersPerClockRead) return true;
   }
-  if (Clock::now() - last_work < kSpin) {
+  const auto now = Clock::now();
+  const bool worked = spin.worked;
+  if (worked) {
+    spin.last_work = now;
+    spin.worked = false;
+    spin.handlers = 0;
+  }
+  if (now >= until) return false;
+  if (worked) return true;
+  if (now - spin.last_work < kSpin) {
     std::this_thread::yield();
-    return;
+    return true;
   }
   if (!idle_.empty()) {
     auto work = std::move(idle_);
     idle_.clear();
     for (auto& fn : work)
       fn();
-    last_work = Clock::now();
-    return;
+    spin.worked = true;
+    return true;
   }
   // Blocks until something happens (a driver posts a no-op to end the engine thread's wait).
   if (until == Clock::time_point::max())
     io_.run_one();
   else
     io_.run_one_until(until);
-  last_work = Clock::now();
+  spin.worked = true;
+  return true;
 }
 
 void ProgressEngine::run_adaptive() {
-  auto last_work = Clock::now();
+  Spin spin;
   while (!io_.stopped() && drivers_.load() == 0)
-    step(last_work, Clock::time_point::max());
+    step(spin, Clock::time_point::max());
 }
 
 bool ProgressEngine::drive_until(const std::function<bool()>& done, Clock::time_point until) {
@@ -130,10 +144,10 @@ bool ProgressEngine::drive_until(const std::function<bool()>& done, Clock::time_
     }
   }
   RunningHere here(this);
-  auto last_work = Clock::now();
+  Spin spin;
   guarded([&] {
-    while (!done() && !io_.stopped() && Clock::now() < until)
-      step(last_work, until);
+    while (!done() && !io_.stopped() && step(spin, until)) {
+    }
   });
   return true;
 }

@@ -71,34 +71,35 @@ struct FrameHeader {
 };
 using HeaderBytes = std::array<std::byte, kHeaderSize>;
 
+// Header layout: magic u16, op u8, flags u8, imm u32, key, offset, length, cookie (u64 each),
+// little-endian.
 HeaderBytes encode(const FrameHeader& h) {
-  ByteWriter w;
-  w.u16(kFrameMagic)
-      .u8(static_cast<std::uint8_t>(h.op))
-      .u8(h.flags)
-      .u32(h.imm)
-      .u64(h.key)
-      .u64(h.offset)
-      .u64(h.length)
-      .u64(h.cookie);
-  HeaderBytes out{};
-  std::memcpy(out.data(), w.bytes().data(), kHeaderSize);
+  HeaderBytes out;
+  std::byte* p = out.data();
+  store_le(p, kFrameMagic);
+  store_le(p + 2, static_cast<std::uint8_t>(h.op));
+  store_le(p + 3, h.flags);
+  store_le(p + 4, h.imm);
+  store_le(p + 8, h.key);
+  store_le(p + 16, h.offset);
+  store_le(p + 24, h.length);
+  store_le(p + 32, h.cookie);
   return out;
 }
 
 Result<FrameHeader> decode(const HeaderBytes& b) {
-  ByteReader r(b);
-  FrameHeader h;
-  const auto magic = r.u16();
-  h.op = static_cast<FrameOp>(r.u8());
-  h.flags = r.u8();
-  h.imm = r.u32();
-  h.key = r.u64();
-  h.offset = r.u64();
-  h.length = r.u64();
-  h.cookie = r.u64();
+  const std::byte* p = b.data();
+  const auto magic = static_cast<std::uint16_t>(load_le(p, 2));
   if (magic != kFrameMagic)
     return Status(ErrorCode::kProtocol, fmt::format("malformed frame: bad magic 0x{:04x}", magic));
+  FrameHeader h;
+  h.op = static_cast<FrameOp>(load_le(p + 2, 1));
+  h.flags = static_cast<std::uint8_t>(load_le(p + 3, 1));
+  h.imm = static_cast<std::uint32_t>(load_le(p + 4, 4));
+  h.key = load_le(p + 8, 8);
+  h.offset = load_le(p + 16, 8);
+  h.length = load_le(p + 24, 8);
+  h.cookie = load_le(p + 32, 8);
   return h;
 }
 
@@ -143,7 +144,8 @@ void tune(tcp::socket& s) {
   // where acknowledgements and control frames go first. Bytes in flight are not limited, so
   // links with a large bandwidth-delay product still fill.
   const int lowat = 64 * 1024;
-  (void)::setsockopt(s.native_handle(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
+  if (!getenv("XNOLOWAT"))
+    (void)::setsockopt(s.native_handle(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
 }
 
 class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {

@@ -106,6 +106,14 @@ class Communicator {
   std::vector<P2p> group_;
   bool aborted_ = false;
   std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
+  // The plan of the last collective: the next one is usually the same operation (a serving
+  // loop, a benchmark), and building a plan costs as much as a small message's round trip.
+  struct LastPlan {
+    bool valid = false;
+    CollDesc desc;
+    Algo requested = Algo::kAuto;
+    Plan plan;
+  } last_plan_;
 };
 
 }  // namespace r2ccl::coll

@@ -71,6 +71,7 @@ struct CollDesc {
   RedOp redop = RedOp::kSum;
   int root = 0;
   bool in_place = false;  // the send data lies where this rank's part of the result goes
+  bool operator==(const CollDesc&) const = default;
 };
 
 // The algorithm `auto` picks for this operation and size.

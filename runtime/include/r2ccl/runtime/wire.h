@@ -2,6 +2,8 @@
 // control). A reader never reads past its buffer: a short or malformed message is an error.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -14,9 +16,25 @@ namespace r2ccl {
 
 using Bytes = std::vector<std::byte>;
 
+// Stores `v` little-endian in the sizeof(T) bytes at `p`.
+template <typename T>
+void store_le(std::byte* p, T v) {
+  for (std::size_t i = 0; i < sizeof(T); ++i)
+    p[i] = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
+}
+// Loads a little-endian value of `n` ≤ 8 bytes from `p`.
+inline std::uint64_t load_le(const std::byte* p, std::size_t n) {
+  std::uint64_t v = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    v |= static_cast<std::uint64_t>(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
 class ByteWriter {
  public:
-  ByteWriter& u8(std::uint8_t v) { return raw(&v, 1); }
+  // `reserve`: the bytes the message is expected to take (it grows past them if need be).
+  explicit ByteWriter(std::size_t reserve = 64) { buf_.reserve(reserve); }
+  ByteWriter& u8(std::uint8_t v) { return le(v); }
   ByteWriter& u16(std::uint16_t v) { return le(v); }
   ByteWriter& u32(std::uint32_t v) { return le(v); }
   ByteWriter& u64(std::uint64_t v) { return le(v); }
@@ -29,20 +47,27 @@ class ByteWriter {
     return raw(b.data(), b.size());
   }
   ByteWriter& raw(const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::byte*>(p);
-    buf_.insert(buf_.end(), b, b + n);
+    if (n == 0) return *this;
+    const std::size_t at = grow(n);
+    std::memcpy(buf_.data() + at, p, n);
     return *this;
   }
   Bytes take() { return std::move(buf_); }
   const Bytes& bytes() const { return buf_; }
 
  private:
+  // Makes room for n more bytes at the end; returns where they start.
+  std::size_t grow(std::size_t n) {
+    const std::size_t at = buf_.size();
+    if (buf_.capacity() - at < n) buf_.reserve(std::max(2 * buf_.capacity(), at + n));
+    buf_.resize(at + n);
+    return at;
+  }
   template <typename T>
   ByteWriter& le(T v) {
-    std::byte b[sizeof(T)];
-    for (std::size_t i = 0; i < sizeof(T); ++i)
-      b[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-    return raw(b, sizeof(T));
+    const std::size_t at = grow(sizeof(T));  // first: growing may move the buffer
+    store_le(buf_.data() + at, v);
+    return *this;
   }
   Bytes buf_;
 };
@@ -96,9 +121,7 @@ class ByteReader {
       ok_ = false;
       return 0;
     }
-    std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      v |= static_cast<std::uint64_t>(std::to_integer<std::uint8_t>(b_[pos_ + i])) << (8 * i);
+    const std::uint64_t v = load_le(b_.data() + pos_, n);
     pos_ += n;
     return v;
   }
