@@ -144,8 +144,7 @@ void tune(tcp::socket& s) {
   // where acknowledgements and control frames go first. Bytes in flight are not limited, so
   // links with a large bandwidth-delay product still fill.
   const int lowat = 64 * 1024;
-  if (!getenv("XNOLOWAT"))
-    (void)::setsockopt(s.native_handle(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
+  (void)::setsockopt(s.native_handle(), IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
 }
 
 class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> {
