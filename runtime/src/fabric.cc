@@ -579,7 +579,7 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(true, op, region->base + offset, length);
     else
@@ -594,7 +594,7 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(false, op, region->base + offset, length);
     else
@@ -616,7 +616,7 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
     channels_[static_cast<std::size_t>(peer)]->post_write(op, region, offset, remote, remote_offset,
                                                           length, deadline);
   });
@@ -647,6 +647,7 @@ void Fabric::set_message_handler(MessageHandler handler) {
 
 Status Fabric::wait(const OpPtr& op) {
   if (!op) return {ErrorCode::kInvalidArgument, "wait: null operation"};
+  if (op->done()) return op->status();
   // The watchdog fails an operation at its deadline; the grace only guards against a stuck
   // progress thread.
   constexpr milliseconds kGrace{1000};

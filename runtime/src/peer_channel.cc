@@ -515,12 +515,15 @@ void Channel::tick(Clock::time_point now) {
       ++it;
       continue;
     }
+    const std::string progress =
+        r.arrivals.chunks() > 0
+            ? fmt::format("{} of {} chunks arrived", r.arrivals.count(), r.arrivals.chunks())
+            : std::string("its eager message did not arrive");
     Status why(ErrorCode::kTimeout,
-               fmt::format("{}receive #{} of {} bytes from rank {} timed out after {}ms ({} of {} "
-                           "chunks arrived); "
+               fmt::format("{}receive #{} of {} bytes from rank {} timed out after {}ms ({}); "
                            "rails tried: {}",
-                           prefix, r.seq, r.length, peer_, config_.timeout.count(),
-                           r.arrivals.count(), r.arrivals.chunks(), rail_summary()));
+                           prefix, r.seq, r.length, peer_, config_.timeout.count(), progress,
+                           rail_summary()));
     r.op->complete(why);
     it = recv_slots_.erase(it);
     if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);
@@ -667,9 +670,13 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
   const auto seq = r.u64();
   if (!r.ok()) return;
   // Idempotent: a message replayed after a failover is handled once.
-  if (seq < control_seen_below_ || control_seen_.count(seq) != 0) return;
-  control_seen_.insert(seq);
-  while (control_seen_.count(control_seen_below_) != 0)
+  if (seq < control_seen_below_) return;
+  if (seq == control_seen_below_) {
+    ++control_seen_below_;  // in order, the usual case: nothing to remember
+  } else if (!control_seen_.insert(seq).second) {
+    return;
+  }
+  while (!control_seen_.empty() && control_seen_.count(control_seen_below_) != 0)
     control_seen_.erase(control_seen_below_++);
 
   const auto type = static_cast<ControlType>(r.u8());
@@ -889,7 +896,7 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   r.offset = offset;
   r.length = length;
   r.deadline = deadline;
-  r.arrivals = ArrivalSet(chunk_count(length, chunk));
+  if (needs_cts(length)) r.arrivals = ArrivalSet(chunk_count(length, chunk));  // eager: one piece
   recv_slots_.emplace(slot, std::move(r));
 }
 

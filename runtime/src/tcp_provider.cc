@@ -252,12 +252,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   void kick() {
     if (writing_ || closed_) return;
-    for (const auto cookie : delayed_acks_)
-      pending_.push_front(
+    if (pending_.empty() && delayed_acks_.empty()) return;
+    batch_.clear();
+    for (const auto cookie : delayed_acks_)  // first, as urgent frames go
+      batch_.push_back(
           OutFrame{encode(FrameHeader{FrameOp::kWriteAck, 0, 0, 0, 0, 0, cookie}), nullptr, 0, {}});
     delayed_acks_.clear();
-    if (pending_.empty()) return;
-    batch_.clear();
     std::size_t bytes = 0;
     while (!pending_.empty() && batch_.size() < kBatchFrames && bytes < kBatchBytes) {
       bytes += kHeaderSize + pending_.front().length;

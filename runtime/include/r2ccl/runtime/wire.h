@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -19,14 +20,22 @@ using Bytes = std::vector<std::byte>;
 // Stores `v` little-endian in the sizeof(T) bytes at `p`.
 template <typename T>
 void store_le(std::byte* p, T v) {
-  for (std::size_t i = 0; i < sizeof(T); ++i)
-    p[i] = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(p, &v, sizeof(T));
+  } else {
+    for (std::size_t i = 0; i < sizeof(T); ++i)
+      p[i] = static_cast<std::byte>((static_cast<std::uint64_t>(v) >> (8 * i)) & 0xff);
+  }
 }
 // Loads a little-endian value of `n` ≤ 8 bytes from `p`.
 inline std::uint64_t load_le(const std::byte* p, std::size_t n) {
   std::uint64_t v = 0;
-  for (std::size_t i = 0; i < n; ++i)
-    v |= static_cast<std::uint64_t>(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&v, p, n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      v |= static_cast<std::uint64_t>(std::to_integer<std::uint8_t>(p[i])) << (8 * i);
+  }
   return v;
 }
 
