@@ -101,6 +101,8 @@ def parse_args(argv):
                    help="timed iterations per size (default 20)")
     p.add_argument("-w", dest="warmup", type=int_in(0, 1000000), default=5,
                    help="untimed iterations per size (default 5)")
+    p.add_argument("-W", dest="settle", type=int_in(0, 1000000), default=0,
+                   help="untimed all-reduces of the smallest size before the first (default 0)")
     p.add_argument("-c", dest="check", type=int_in(0, 1), default=1,
                    help="check every element on every rank (default 1)")
     p.add_argument("--chunks", type=int_in(1, 64), default=1,
@@ -159,6 +161,8 @@ def main(argv):
         for h in handles:
             h.wait()
 
+    for _ in range(args.settle):  # lets the processes settle onto cores
+        allreduce(work[:max(1, args.min_bytes // FLOAT_BYTES)])
     total_wrong = 0
     for nbytes in sizes(args):
         count = max(1, nbytes // FLOAT_BYTES)

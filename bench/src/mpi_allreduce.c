@@ -4,7 +4,7 @@
  * netns testbed or on loopback; bench/gloo_allreduce.py is the Gloo side and prints the same
  * lines).  Float32 sum, out of place, conventions of nccl-tests:
  *
- *   mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1]
+ *   mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W SETTLE] [-c 0|1]
  *
  * Sizes are bytes with an optional K, M or G suffix (powers of 1024) and are rounded down to
  * whole float32 elements (at least one).  For each size, MIN, MIN*FACTOR, ... up to MAX: WARMUP
@@ -42,6 +42,7 @@ struct options {
   int64_t factor;
   int iters;
   int warmup;
+  int settle;
   int check;
 };
 
@@ -81,12 +82,14 @@ static int parse_int(const char *s, long lo, long hi, long *out) {
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1]\n"
+          "usage: mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W SETTLE]\n"
+          "                     [-c 0|1]\n"
           "  -b MIN     smallest size in bytes, K/M/G suffixes (default 8)\n"
           "  -e MAX     largest size in bytes (default 4M)\n"
           "  -f FACTOR  size multiplier between steps, >= 2 (default 2)\n"
           "  -n ITERS   timed iterations per size (default 20)\n"
           "  -w WARMUP  untimed iterations per size (default 5)\n"
+          "  -W SETTLE  untimed all-reduces of the smallest size before the first (default 0)\n"
           "  -c 0|1     check every element on every rank (default 1)\n");
 }
 
@@ -97,11 +100,12 @@ static int parse_options(int argc, char **argv, int rank, struct options *o) {
   o->factor = 2;
   o->iters = 20;
   o->warmup = 5;
+  o->settle = 0;
   o->check = 1;
   int c;
   long v;
   opterr = 0;
-  while ((c = getopt(argc, argv, "b:e:f:n:w:c:h")) != -1) {
+  while ((c = getopt(argc, argv, "b:e:f:n:w:W:c:h")) != -1) {
     const char *bad = NULL;
     switch (c) {
       case 'b': if (parse_size(optarg, &o->min_bytes) != 0) bad = "-b: a size such as 8, 64K, 4M"; break;
@@ -109,6 +113,7 @@ static int parse_options(int argc, char **argv, int rank, struct options *o) {
       case 'f': if (parse_int(optarg, 2, 1024, &v) != 0) bad = "-f: an integer 2..1024"; else o->factor = v; break;
       case 'n': if (parse_int(optarg, 1, 1000000, &v) != 0) bad = "-n: an integer 1..1000000"; else o->iters = (int)v; break;
       case 'w': if (parse_int(optarg, 0, 1000000, &v) != 0) bad = "-w: an integer 0..1000000"; else o->warmup = (int)v; break;
+      case 'W': if (parse_int(optarg, 0, 1000000, &v) != 0) bad = "-W: an integer 0..1000000"; else o->settle = (int)v; break;
       case 'c': if (parse_int(optarg, 0, 1, &v) != 0) bad = "-c: 0 or 1"; else o->check = (int)v; break;
       case 'h': if (rank == 0) usage(stdout); return 1;
       default: bad = "unknown option or missing value"; break;
@@ -187,6 +192,9 @@ int main(int argc, char **argv) {
     expected[k] = (float)sum;
   }
 
+  for (int it = 0; it < o.settle; it++) { /* lets the processes settle onto cores */
+    MPI_Allreduce(send, recv, (int)elements_for(o.min_bytes), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  }
   int64_t total_wrong = 0;
   /* The size grows by a factor >= 2 up to at most 4 GiB, so the loop is bounded (<= 33 steps). */
   for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {

@@ -44,6 +44,7 @@ struct Options {
   double step_factor = 2;
   int iters = 20;
   int warmup = 5;
+  int settle = 0;  // untimed operations of the smallest size before the first row
   int check = 0;
   bool rails = false;
   std::string json_path;
@@ -300,11 +301,12 @@ int run(const Options& o) {
   r2ccl::set_log_level(cfg->log_level);
   auto minb = r2ccl::parse_size(o.min_bytes);
   auto maxb = r2ccl::parse_size(o.max_bytes);
-  if (!minb || !maxb || *minb > *maxb || o.step_factor <= 1 || o.iters < 1 || o.warmup < 0) {
+  if (!minb || !maxb || *minb > *maxb || o.step_factor <= 1 || o.iters < 1 || o.warmup < 0 ||
+      o.settle < 0) {
     fmt::print(stderr,
-               "r2ccl-perf: bad sizes: -b {} -e {} -f {} -n {} -w {} (need -b <= -e, -f > 1, -n >= "
-               "1, -w >= 0)\n",
-               o.min_bytes, o.max_bytes, o.step_factor, o.iters, o.warmup);
+               "r2ccl-perf: bad sizes: -b {} -e {} -f {} -n {} -w {} -W {} (need -b <= -e, -f > 1, "
+               "-n >= 1, -w >= 0, -W >= 0)\n",
+               o.min_bytes, o.max_bytes, o.step_factor, o.iters, o.warmup, o.settle);
     return 2;
   }
   auto type = r2ccl::coll::parse_type(o.type);
@@ -382,7 +384,13 @@ int run(const Options& o) {
   std::vector<r2ccl::RailSnapshot> before, after;
   std::vector<r2ccl::RailEvent> events;  // as of the end of the timed work (not the peer's exit)
   double last_seconds = 0;
-  for (std::size_t requested = *minb; requested <= *maxb;) {
+  for (int i = 0; i < o.settle && exit_code == 0; ++i)
+    if (Status st = bench.run_once(bench.round_bytes(*minb)); !st) {
+      fmt::print(stderr, "r2ccl-perf: rank {}: settling before the first size failed: {}\n",
+                 f.rank(), st.to_string());
+      exit_code = 1;
+    }
+  for (std::size_t requested = *minb; requested <= *maxb && exit_code == 0;) {
     const std::size_t bytes = bench.round_bytes(requested);
     std::string error;
     std::uint64_t wrong = 0;
@@ -597,6 +605,9 @@ int main(int argc, char** argv) {
   app.add_option("-f,--stepfactor", o.step_factor, "multiply the size by this between rows");
   app.add_option("-n,--iters", o.iters, "timed iterations per size");
   app.add_option("-w,--warmup_iters", o.warmup, "warm-up iterations per size");
+  app.add_option("-W,--settle", o.settle,
+                 "untimed operations of the smallest size before the first (they let the "
+                 "processes settle onto cores)");
   app.add_option("-c,--check", o.check, "1: check every byte on every rank");
   app.add_flag("--rails", o.rails, "print per-rail bytes and throughput");
   app.add_option("--json", o.json_path, "write the results as JSON (rank 0)");

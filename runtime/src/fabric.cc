@@ -262,6 +262,7 @@ struct PublishedRail {
 Fabric::Fabric() = default;
 
 Fabric::~Fabric() {
+  if (engine_ && !engine_->in_loop()) drain();
   if (bootstrap_) bootstrap_->set_handlers(nullptr, nullptr);
   if (link_watcher_) link_watcher_->stop();
   if (prober_) prober_->stop();
@@ -284,6 +285,24 @@ Fabric::~Fabric() {
   engine_.reset();
   channels_.clear();
   bootstrap_.reset();
+}
+
+void Fabric::drain() {
+  // An eager send is complete once queued, so a rank may destroy its fabric while its last
+  // messages are still on the way: they reach the peer first (or give up with the rails, or
+  // after kDrainLimit), and the peer does not see this rank leave before its data.
+  constexpr milliseconds kDrainLimit{2000};
+  const auto until = Clock::now() + std::min<Clock::duration>(config_.timeout, kDrainLimit);
+  auto settled = [this] {
+    for (const auto& c : channels_)
+      if (c && !c->settled()) return false;
+    return true;
+  };
+  while (Clock::now() < until) {
+    if (engine_->drive_until(settled, until)) return;  // drove until settled or out of time
+    if (engine_->call(settled)) return;                // another thread drives: look now and then
+    std::this_thread::sleep_for(milliseconds(1));
+  }
 }
 
 Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const BootstrapOptions& boot) {

@@ -614,6 +614,10 @@ void Channel::telemetry_views(std::vector<RailTelemetryView>& out) const {
     out.push_back({peer_, i, rails_[i]->nic.name, rails_[i]->remote.nic, &rails_[i]->tel});
 }
 
+bool Channel::settled() const {
+  return closing_ || !any_usable() || (control_backlog_.empty() && control_inflight_.empty());
+}
+
 void Channel::shutdown() {
   closing_ = true;
   for (auto& s : rails_)

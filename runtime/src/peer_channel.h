@@ -80,6 +80,9 @@ class Channel {
   void snapshot(std::vector<RailSnapshot>& out) const;
   void telemetry_views(std::vector<RailTelemetryView>& out) const;
   void shutdown();
+  // Nothing sent to the peer waits any more: every control message (eager data included) is
+  // confirmed, or no rail is left that could deliver it.
+  bool settled() const;
 
  private:
   struct Sink final : RailEvents {

@@ -263,7 +263,8 @@ TEST(Communicator, SplitByColorAndKey) {
       EXPECT_EQ(s.rank(), r == 2 ? 0 : 1);
     }
     std::vector<std::int64_t> v{r + 1, 10 * (r + 1)}, out(2);
-    ASSERT_TRUE(s.all_reduce(v.data(), out.data(), 2, DataType::kI64, RedOp::kSum).is_ok());
+    const Status st = s.all_reduce(v.data(), out.data(), 2, DataType::kI64, RedOp::kSum);
+    ASSERT_TRUE(st.is_ok()) << "rank " << r << ": " << st.to_string();
     if (r % 2 == 0) {
       EXPECT_EQ(out, (std::vector<std::int64_t>{4, 40}));
     } else {

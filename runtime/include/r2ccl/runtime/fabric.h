@@ -67,6 +67,7 @@ class ProgressEngine;
 class Fabric {
  public:
   static Result<std::unique_ptr<Fabric>> create(const Config& config, const BootstrapOptions& boot);
+  // Waits (a bounded time) until the messages already sent are confirmed, then closes.
   ~Fabric();
   Fabric(const Fabric&) = delete;
   Fabric& operator=(const Fabric&) = delete;
@@ -127,6 +128,7 @@ class Fabric {
   Fabric();
   Status connect_all(const std::vector<Bytes>& infos);
   void arm_watchdog();
+  void drain();  // the destructor's wait for messages already sent
   Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                     const char* what) const;
   void record_async_error(const Status& st);
