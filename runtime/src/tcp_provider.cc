@@ -314,13 +314,28 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     // into this buffer and copied; after a run of other frames, read in batches again.
     const bool streaming = frames_since_write_ < kStreamFrames;
     const std::size_t want = streaming ? kHeaderSize - rend_ : rbuf_.size() - rend_;
-    socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, want),
-                            [self = shared_from_this(), in_header](error_code ec, std::size_t n) {
-                              if (self->closed_) return;
-                              if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
-                              self->rend_ += n;
-                              self->process();
-                            });
+    if (rend_ == 0 && read_dry_) {
+      // The last receive took all there was: asking again now would most likely find nothing,
+      // one system call spent between the operation this batch completed and its caller. Ask
+      // from the loop's next round instead, by when the caller has usually moved on.
+      engine_.post([self = shared_from_this(), want] {
+        if (!self->closed_) self->read_header(want, false);
+      });
+      return;
+    }
+    read_header(want, in_header);
+  }
+
+  void read_header(std::size_t want, bool in_header) {
+    socket_.async_read_some(
+        asio::buffer(rbuf_.data() + rend_, want),
+        [self = shared_from_this(), in_header, want](error_code ec, std::size_t n) {
+          if (self->closed_) return;
+          if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
+          self->read_dry_ = n < want;
+          self->rend_ += n;
+          self->process();
+        });
   }
 
   void fail_read(const error_code& ec, std::size_t got, const char* what) {
@@ -559,6 +574,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   std::size_t rpos_ = 0;  // unparsed bytes are [rpos_, rend_)
   std::size_t rend_ = 0;
   std::size_t frames_since_write_ = kStreamFrames;  // frames parsed since the last write
+  bool read_dry_ = false;  // the last batch read got less than it asked for
   FrameHeader cur_;
   Bytes payload_;
   std::vector<std::byte> scratch_;
