@@ -6,14 +6,12 @@ namespace r2ccl {
 
 namespace {
 using Clock = ProgressEngine::Clock;
-// After its last handler, the engine's own thread keeps polling this long before blocking in
-// epoll: the next event of a message exchange usually follows within microseconds.
+// After its last handler, the loop's runner keeps polling this long before blocking in epoll:
+// the next event of a message exchange usually follows within microseconds. (Callers that
+// polled for 5 ms kept two unpinned ranks on separate cores, but in the emulated Soft-RoCE
+// guest the polling took CPU from the NIC's kernel work: both-ways throughput fell by a third,
+// and a rail failed with no fault injected. Not worth it.)
 constexpr auto kSpin = std::chrono::microseconds(50);
-// A caller waiting for its operation polls longer (it has nothing else to do, and yields the
-// core to anyone who has): a rank that sleeps in epoll is woken by its peer's message onto the
-// peer's core, and two ranks sharing a core then took twice as long per small operation until
-// the scheduler moved one away (seen with two unpinned ranks on two cores).
-constexpr auto kDriverSpin = std::chrono::milliseconds(5);
 // The engine's thread stays parked this long after a caller stopped driving: a caller issuing
 // operation after operation then finds the loop free each time, without waking the thread.
 // Background events (timers, a peer's messages) wait at most this long while nobody drives.
@@ -101,7 +99,7 @@ bool ProgressEngine::step(Spin& spin, Clock::time_point until) {
   }
   if (now >= until) return false;
   if (worked) return true;
-  if (now - spin.last_work < spin.period) {
+  if (now - spin.last_work < kSpin) {
     std::this_thread::yield();
     return true;
   }
@@ -124,7 +122,6 @@ bool ProgressEngine::step(Spin& spin, Clock::time_point until) {
 
 void ProgressEngine::run_adaptive() {
   Spin spin;
-  spin.period = kSpin;
   while (!io_.stopped() && drivers_.load() == 0)
     step(spin, Clock::time_point::max());
 }
@@ -151,7 +148,6 @@ bool ProgressEngine::drive_until(const std::function<bool()>& done, Clock::time_
   }
   RunningHere here(this);
   Spin spin;
-  spin.period = kDriverSpin;
   guarded([&] {
     while (!done() && !io_.stopped() && step(spin, until)) {
     }

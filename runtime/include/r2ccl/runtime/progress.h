@@ -89,13 +89,12 @@ class ProgressEngine {
   // (and now and then during a long run of handlers), since reading it costs about as much as
   // handling a small message.
   struct Spin {
-    Clock::duration period{};  // how long to poll after the last work before blocking
     Clock::time_point last_work{};
     bool worked = true;     // handlers ran since the clock was last read
     unsigned handlers = 0;  // handlers run since then
   };
-  // One step of whoever runs the loop: runs a ready handler, else spins (yielding) until
-  // spin.period after the last work, else runs the idle work, else blocks until `until`. False once
+  // One step of whoever runs the loop: runs a ready handler, else spins (yielding) until kSpin
+  // after the last work, else runs the idle work, else blocks until `until`. False once
   // `until` has passed.
   bool step(Spin& spin, Clock::time_point until);
   template <typename F>
