@@ -598,7 +598,7 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, length, peer, deadline] {
+  engine_->post([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(true, op, region->base + offset, length);
     else
@@ -613,7 +613,7 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, length, peer, deadline] {
+  engine_->post([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(false, op, region->base + offset, length);
     else
@@ -635,7 +635,7 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
+  engine_->post([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
     channels_[static_cast<std::size_t>(peer)]->post_write(op, region, offset, remote, remote_offset,
                                                           length, deadline);
   });

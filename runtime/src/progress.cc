@@ -155,19 +155,6 @@ bool ProgressEngine::drive_until(const std::function<bool()>& done, Clock::time_
   return true;
 }
 
-bool ProgressEngine::run_here(void (*fn)(void*), void* ctx) {
-  if (queued_submits_.load(std::memory_order_acquire) != 0) return false;
-  if (in_loop()) {
-    guarded([&] { fn(ctx); });
-    return true;
-  }
-  std::unique_lock loop(loop_mutex_, std::try_to_lock);
-  if (!loop.owns_lock()) return false;
-  RunningHere here(this);
-  guarded([&] { fn(ctx); });
-  return true;
-}
-
 void ProgressEngine::wait_for(const std::function<bool()>& done) {
   while (!done()) {
     if (stopping_.load()) return;  // nothing will run it any more

@@ -20,7 +20,6 @@
 #include <future>
 #include <mutex>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 namespace r2ccl {
@@ -41,18 +40,6 @@ class ProgressEngine {
   template <typename F>
   void post(F&& f) {
     boost::asio::post(io_, std::forward<F>(f));
-  }
-  // Runs f on the loop: right here when the loop is free (or this thread runs it) and no earlier
-  // submission still waits in its queue, else posted. So a caller's operation reaches the
-  // channel and the socket without a hand-off, and submissions still run in the order made.
-  template <typename F>
-  void submit(F&& f) {
-    if (run_here(&invoke<std::remove_reference_t<F>>, &f)) return;
-    queued_submits_.fetch_add(1, std::memory_order_acq_rel);
-    post([this, fn = std::forward<F>(f)]() mutable {
-      queued_submits_.fetch_sub(1, std::memory_order_acq_rel);
-      fn();
-    });
   }
   // Runs fn once, on the loop, when the loop has had nothing to do for the spin period and is
   // about to block: for work worth batching with whatever the next handlers produce. Only from
@@ -97,19 +84,12 @@ class ProgressEngine {
   // after the last work, else runs the idle work, else blocks until `until`. False once
   // `until` has passed.
   bool step(Spin& spin, Clock::time_point until);
-  template <typename F>
-  static void invoke(void* f) {
-    (*static_cast<F*>(f))();
-  }
-  // submit's fast path: runs fn(ctx) on this thread if it may take the loop now; false if not.
-  bool run_here(void (*fn)(void*), void* ctx);
 
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
   std::mutex loop_mutex_;                 // held by whichever thread runs the loop
   std::atomic<bool> thread_owns_{false};  // the engine's own thread holds loop_mutex_
   std::atomic<int> drivers_{0};           // callers driving or about to
-  std::atomic<int> queued_submits_{0};    // submissions posted and not run yet
   std::atomic<Clock::rep> last_drive_end_{0};
   std::atomic<bool> stopping_{false};
   std::vector<std::function<void()>> idle_;  // when_idle's work; touched only on the loop
