@@ -28,19 +28,18 @@ enum class ControlType : std::uint8_t {
   kRts = 5,
   kAbortSend = 6,
 };
-// Messages up to this size travel eagerly inside a control message (no clear-to-send round trip
-// before the data).
-// Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
-// sent whole on one rail already takes longer than the clear-to-send round trip it saves.
 // A control message's writer: room for its sequence number first (send_control fills it in, so
-// the message is built once), then its type.
-// `body`: the bytes expected after the type (room is reserved for them).
+// the message is built once), then its type; `body` bytes are reserved for what follows.
 ByteWriter control_writer(ControlType type, std::size_t body = 48) {
   ByteWriter w(9 + body);
   w.u64(0).u8(static_cast<std::uint8_t>(type));
   return w;
 }
 
+// Messages up to this size travel eagerly inside a control message (no clear-to-send round trip
+// before the data).
+// Above it, messages are striped over the rails in chunks: on shaped links a 16 KiB message
+// sent whole on one rail already takes longer than the clear-to-send round trip it saves.
 constexpr std::size_t kEagerMax = 8 * 1024;
 // With a single rail there is nothing to stripe over, and the round trip is all that a
 // rendezvous would add: up to this size (Open MPI's TCP eager limit) messages go eagerly.
@@ -635,8 +634,7 @@ void Channel::send_control(Bytes message, std::size_t payload) {
   ControlEntry e;
   e.seq = next_control_seq_++;
   e.payload = payload;
-  for (std::size_t i = 0; i < 8; ++i)  // the sequence number control_writer left room for
-    message[i] = static_cast<std::byte>((e.seq >> (8 * i)) & 0xff);
+  store_le(message.data(), e.seq);  // where control_writer left room for it
   e.message = std::make_shared<const Bytes>(std::move(message));
   control_backlog_.push_back(std::move(e));
   flush_control();

@@ -318,8 +318,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       // The last receive took all there was: asking again now would most likely find nothing,
       // one system call spent between the operation this batch completed and its caller. Ask
       // from the loop's next round instead, by when the caller has usually moved on.
-      engine_.post([self = shared_from_this(), want] {
-        if (!self->closed_) self->read_header(want, false);
+      engine_.post([self = shared_from_this(), want, in_header] {
+        if (!self->closed_) self->read_header(want, in_header);
       });
       return;
     }
