@@ -54,8 +54,19 @@ std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint
       "receiver posted {} bytes",
       seq, sender, receiver, sent, posted);
 }
-// Fence notices on the control path: u8 type, u32 rail, u32 epoch, reason.
-enum class FenceType : std::uint8_t { kFence = 1, kFenceAck = 2 };
+// Messages on the control path, each u8 type, u32 rail, u32 epoch, then:
+// kFence / kFenceAck: the reason (a string). The sender of either has fenced its end of the rail.
+// kReplayQuery: u64 query id, u32 count, count x (u64 message, u32 chunk index): the chunks of
+//   two-sided messages that a fenced rail left unconfirmed, asked about before they are replayed.
+// kReplayAnswer: u64 query id, u32 count, count x u8 (1: the chunk is still wanted).
+enum class FenceType : std::uint8_t {
+  kFence = 1,
+  kFenceAck = 2,
+  kReplayQuery = 3,
+  kReplayAnswer = 4,
+};
+// A query names at most this many chunks (more go in further queries).
+constexpr std::size_t kQueryChunks = 4096;
 
 constexpr std::uint64_t kControlCookieBit = 1ull << 63;
 
@@ -291,8 +302,14 @@ void Channel::on_control_path(Bytes message) {
   const auto type = static_cast<FenceType>(r.u8());
   const auto index = r.u32();
   const auto epoch = r.u32();
+  if (!r.ok() || index >= rails_.size()) {
+    R2CCL_WARN("malformed control-path message from rank {}", peer_);
+    return;
+  }
+  if (type == FenceType::kReplayQuery) return answer_replay_query(index, epoch, r);
+  if (type == FenceType::kReplayAnswer) return on_replay_answer(index, r);
   std::string why = r.str(4096);
-  if (!r.finish("fence notice").is_ok() || index >= rails_.size()) {
+  if (!r.finish("fence notice").is_ok()) {
     R2CCL_WARN("malformed control-path message from rank {}", peer_);
     return;
   }
@@ -315,21 +332,130 @@ void Channel::on_control_path(Bytes message) {
   }
 }
 
+// Reconcile, then replay. A chunk that a fenced rail left unconfirmed may have landed, its
+// confirmation lost with the rail; the receiver may then have completed that receive and
+// released (or reused) its memory. So the chunks of two-sided messages are not replayed blindly:
+// the peer, whose end of the rail is fenced too (no write of it can land any more), says which of
+// them it still lacks, and only those are replayed; the others count as confirmed. One-sided
+// writes are replayed at once: their target memory stays registered until their sender reports
+// them done.
 void Channel::maybe_replay(std::uint32_t index) {
   auto& s = *rails_[index];
   if (s.rail || s.peer_fenced_epoch != s.epoch) return;
   if (s.awaiting_replay.empty() && s.awaiting_control.empty()) return;
+  std::vector<InflightChunk> ask;
+  std::size_t direct = 0;
+  for (auto& c : s.awaiting_replay) {
+    if (c.message & ChunkImm::kOneSidedBit) {
+      replay_.push_back(c);
+      ++direct;
+    } else {
+      ask.push_back(c);
+    }
+  }
   event(index, "replay_started",
-        fmt::format("{} chunk(s), {} control message(s)", s.awaiting_replay.size(),
-                    s.awaiting_control.size()));
-  for (auto& c : s.awaiting_replay)
-    replay_.push_back(c);
-  s.replay_confirm_pending = !s.awaiting_replay.empty();
+        fmt::format("{} chunk(s), {} control message(s); {} chunk(s) asked about first",
+                    s.awaiting_replay.size(), s.awaiting_control.size(), ask.size()));
+  s.replay_confirm_pending = direct > 0;
   s.awaiting_replay.clear();
   for (auto& c : s.awaiting_control)
     control_backlog_.push_front(std::move(c));
   s.awaiting_control.clear();
+  for (std::size_t from = 0; from < ask.size(); from += kQueryChunks)
+    send_replay_query(
+        index, std::vector<InflightChunk>(ask.begin() + static_cast<std::ptrdiff_t>(from),
+                                          ask.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                            ask.size(), from + kQueryChunks))));
   flush_control();
+  pump();
+}
+
+void Channel::send_replay_query(std::uint32_t index, std::vector<InflightChunk> chunks) {
+  const std::uint64_t id = next_query_id_++;
+  ByteWriter w(21 + chunks.size() * 12);
+  w.u8(static_cast<std::uint8_t>(FenceType::kReplayQuery))
+      .u32(index)
+      .u32(rails_[index]->epoch)
+      .u64(id)
+      .u32(static_cast<std::uint32_t>(chunks.size()));
+  for (const auto& c : chunks)
+    w.u64(c.message).u32(c.index);
+  const Status st = ctx_.bootstrap != nullptr ? ctx_.bootstrap->send_to(peer_, w.bytes())
+                                              : Status(ErrorCode::kUnavailable, "no control path");
+  if (!st) {
+    // The peer acknowledged the fence on this path a moment ago; without it now, nothing can be
+    // asked, and a chunk that is not replayed would fail its send at the deadline.
+    R2CCL_WARN("cannot ask rank {} which chunks of rail {} to replay ({}): replaying all {}", peer_,
+               index, st.message(), chunks.size());
+    replay_.insert(replay_.end(), chunks.begin(), chunks.end());
+    rails_[index]->replay_confirm_pending = true;
+    return;
+  }
+  replay_queries_.emplace(id, ReplayQuery{index, std::move(chunks)});
+}
+
+void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, ByteReader& r) {
+  const std::uint64_t id = r.u64();
+  const std::uint32_t n = r.u32();
+  if (!r.ok() || n > kQueryChunks) {
+    R2CCL_WARN("malformed replay query from rank {}", peer_);
+    return;
+  }
+  ByteWriter w(21 + n);
+  w.u8(static_cast<std::uint8_t>(FenceType::kReplayAnswer)).u32(index).u32(epoch).u64(id).u32(n);
+  std::uint32_t wanted = 0;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const std::uint64_t message = r.u64();
+    const std::uint32_t chunk = r.u32();
+    // Wanted only by the receive it was written for, while that receive lacks it. A receive that
+    // completed or failed wants nothing more (its memory may be released or in use again).
+    const auto it = recv_slots_.find(ChunkImm::slot_of(message));
+    const bool want = it != recv_slots_.end() && it->second.seq == message &&
+                      chunk < it->second.arrivals.chunks() && !it->second.arrivals.contains(chunk);
+    wanted += want ? 1 : 0;
+    w.u8(want ? 1 : 0);
+  }
+  if (!r.finish("replay query").is_ok()) {
+    R2CCL_WARN("malformed replay query from rank {}", peer_);
+    return;
+  }
+  R2CCL_DEBUG("rank {} asked about {} chunk(s) of rail {}: {} still wanted", peer_, n, index,
+              wanted);
+  if (Status st = ctx_.bootstrap->send_to(peer_, w.bytes()); !st)
+    R2CCL_INFO("cannot answer rank {}'s replay query: {}", peer_, st.message());
+}
+
+void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
+  const std::uint64_t id = r.u64();
+  const std::uint32_t n = r.u32();
+  auto q = replay_queries_.find(id);
+  if (!r.ok() || q == replay_queries_.end() || q->second.rail != index ||
+      q->second.chunks.size() != n) {
+    R2CCL_WARN("unexpected replay answer from rank {} (query {})", peer_, id);
+    return;
+  }
+  auto chunks = std::move(q->second.chunks);
+  replay_queries_.erase(q);
+  std::vector<bool> want(n);
+  for (std::uint32_t i = 0; i < n; ++i)
+    want[i] = r.u8() != 0;
+  if (!r.finish("replay answer").is_ok()) {
+    R2CCL_WARN("malformed replay answer from rank {}", peer_);
+    return;
+  }
+  std::size_t replayed = 0;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (want[i]) {
+      replay_.push_back(chunks[i]);
+      ++replayed;
+    } else {
+      chunk_done(chunks[i].message);  // nothing, for a message that has failed since
+    }
+  }
+  if (replayed > 0) rails_[index]->replay_confirm_pending = true;
+  event(index, "replay_reconciled",
+        fmt::format("{} chunk(s) had arrived (their confirmation was lost), {} to replay",
+                    n - replayed, replayed));
   pump();
 }
 
@@ -397,37 +523,53 @@ void Channel::measure_bandwidth(Clock::time_point now) {
       s.busy_time += now - *s.busy_since;
       s.busy_since = now;
     }
+    // From the confirmations: bytes over the time the rail had data in flight, over enough busy
+    // time that one chunk more or less does not swing it.
+    double confirmed = 0;
+    if (s.busy_time >= milliseconds(300) && s.busy_bytes > 0) {
+      confirmed =
+          static_cast<double>(s.busy_bytes) / std::chrono::duration<double>(s.busy_time).count();
+      s.confirm_bandwidth =
+          s.confirm_bandwidth == 0 ? confirmed : 0.7 * s.confirm_bandwidth + 0.3 * confirmed;
+      s.busy_time = std::chrono::nanoseconds(0);
+      s.busy_bytes = 0;
+    }
     double sample = 0;
     if (s.receive_time >= milliseconds(50) && s.receive_bytes > 0) {
       // The receiver timed the arrivals: the link's rate, whatever the confirmations' delay.
       sample = static_cast<double>(s.receive_bytes) /
                std::chrono::duration<double>(s.receive_time).count();
-    } else if (s.receive_bytes == 0 && s.busy_time >= milliseconds(300) && s.busy_bytes > 0) {
-      // Confirmations come a chunk at a time: measure over enough busy time that one chunk more
-      // or less does not swing the estimate.
-      sample =
-          static_cast<double>(s.busy_bytes) / std::chrono::duration<double>(s.busy_time).count();
+      s.receive_time = std::chrono::nanoseconds(0);
+      s.receive_bytes = 0;
+    } else if (s.receive_bytes == 0 && confirmed > 0) {
+      sample = confirmed;
     } else {
       continue;
     }
-    s.receive_time = std::chrono::nanoseconds(0);
-    s.receive_bytes = 0;
     R2CCL_TRACE("rail {} to rank {}: measured {:.2f} MB/s", i, peer_, sample / 1e6);
     s.bandwidth = s.bandwidth == 0 ? sample : 0.7 * s.bandwidth + 0.3 * sample;
-    s.busy_time = std::chrono::nanoseconds(0);
-    s.busy_bytes = 0;
     scheduler_.set_bandwidth(i, s.bandwidth);
     s.tel.bandwidth_bps = static_cast<std::uint64_t>(s.bandwidth);
   }
 }
 
+// A rail is degraded when it is well under its peers by both measures: the receiver's timing
+// (the link's rate while the receiver keeps up) and the confirmations (bytes per busy second).
+// The receiver's timing alone misleads when it falls behind: data that waited in its socket
+// buffer is read at memory speed, so whichever rails it caught up on look fast and the others
+// slow. The confirmations see that as a delay common to every rail.
 void Channel::update_degraded() {
-  std::vector<double> bws;
-  for (const auto& s : rails_)
-    if (s->rail && s->bandwidth > 0) bws.push_back(s->bandwidth);
-  if (bws.size() < 2) return;
-  std::sort(bws.begin(), bws.end());
-  const double median = bws[bws.size() / 2];
+  const auto median_of = [&](double RailSlot::*field) {
+    std::vector<double> v;
+    for (const auto& s : rails_)
+      if (s->rail && (*s).*field > 0) v.push_back((*s).*field);
+    std::sort(v.begin(), v.end());
+    return v.size() < 2 ? 0.0 : v[v.size() / 2];
+  };
+  const double median = median_of(&RailSlot::bandwidth);
+  const double confirm_median = median_of(&RailSlot::confirm_bandwidth);
+  if (median == 0) return;
+  const double ratio = config_.degraded_ratio;
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
     s.tel.weight_milli = static_cast<std::uint32_t>(std::lround(1000 * scheduler_.weight(i)));
@@ -435,17 +577,24 @@ void Channel::update_degraded() {
     // The verdict, not the state: a degraded rail that is SUSPECT for a moment is still degraded
     // (comparing the state logged "degraded" again on every tick).
     const bool was = s.health->degraded();
-    // Hysteresis: degraded below the ratio, recovered above the midpoint to 1.
-    const bool now_degraded = was ? s.bandwidth < median * (1 + config_.degraded_ratio) / 2
-                                  : s.bandwidth < median * config_.degraded_ratio;
+    // Hysteresis: degraded below the ratio by both measures, recovered above the midpoint to 1
+    // by either.
+    const bool confirmed_slow = confirm_median > 0 && s.confirm_bandwidth > 0 &&
+                                s.confirm_bandwidth < confirm_median * ratio;
+    const bool confirmed_fine = confirm_median > 0 && s.confirm_bandwidth > 0 &&
+                                s.confirm_bandwidth >= confirm_median * (1 + ratio) / 2;
+    const bool now_degraded = was ? !(s.bandwidth >= median * (1 + ratio) / 2 || confirmed_fine)
+                                  : s.bandwidth < median * ratio && confirmed_slow;
     if (now_degraded == was) continue;
     s.health->set_degraded(now_degraded);
     update_usable(i);
     event(i, now_degraded ? "degraded" : "recovered",
           fmt::format("{:.1f} MB/s vs median {:.1f} MB/s", s.bandwidth / 1e6, median / 1e6));
-    R2CCL_INFO("rail {} ({}) to rank {} is {} ({:.1f} MB/s, median {:.1f} MB/s)", i, s.nic.name,
-               peer_, now_degraded ? "degraded" : "no longer degraded", s.bandwidth / 1e6,
-               median / 1e6);
+    R2CCL_INFO(
+        "rail {} ({}) to rank {} is {} ({:.1f} MB/s, median {:.1f} MB/s; confirmed {:.1f} "
+        "MB/s, median {:.1f} MB/s)",
+        i, s.nic.name, peer_, now_degraded ? "degraded" : "no longer degraded", s.bandwidth / 1e6,
+        median / 1e6, s.confirm_bandwidth / 1e6, confirm_median / 1e6);
   }
 }
 
@@ -570,6 +719,7 @@ void Channel::fail_all(const Status& why) {
   ready_.clear();
   serve_ = 0;
   replay_.clear();
+  replay_queries_.clear();
   for (auto& [seq, s] : sends) {
     for (const auto& c : ledger_.take_message(seq))
       scheduler_.release(c.rail, c.length);
@@ -1103,14 +1253,18 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
       event(i, "first_replay_confirmed", fmt::format("on rail {} ({})", rail, s.nic.name));
     }
   }
-  if (auto it = sends_.find(c->message); it != sends_.end()) {
+  chunk_done(c->message);
+  pump();
+}
+
+void Channel::chunk_done(std::uint64_t message) {
+  if (auto it = sends_.find(message); it != sends_.end()) {
     if (++it->second.confirmed == it->second.nchunks) {
       auto op = it->second.op;
       sends_.erase(it);
       op->complete(Status::ok());
     }
   }
-  pump();
 }
 
 void Channel::on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why) {

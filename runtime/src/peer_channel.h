@@ -20,6 +20,7 @@
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/provider.h"
 #include "r2ccl/runtime/telemetry.h"
+#include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {
 
@@ -131,8 +132,9 @@ class Channel {
     // Or, better, from the receiver's own timing when the provider reports it.
     std::chrono::nanoseconds receive_time{0};
     std::uint64_t receive_bytes = 0;
-    double bandwidth = 0;  // measured bytes/s (EWMA); 0 until measured
-    int idle_periods = 0;  // measurement periods without work while other rails had some
+    double bandwidth = 0;          // measured bytes/s (EWMA); 0 until measured
+    double confirm_bandwidth = 0;  // from confirmations only (EWMA); 0 until measured
+    int idle_periods = 0;          // measurement periods without work while other rails had some
     RailTelemetry tel;
   };
   struct Send {
@@ -163,6 +165,9 @@ class Channel {
                  bool notify_peer);
   void fence(std::uint32_t index, const std::string& reason, bool notify_peer);
   void maybe_replay(std::uint32_t index);
+  void send_replay_query(std::uint32_t index, std::vector<InflightChunk> chunks);
+  void answer_replay_query(std::uint32_t index, std::uint32_t epoch, ByteReader& r);
+  void on_replay_answer(std::uint32_t index, ByteReader& r);
   void readmit(std::uint32_t index);
   void update_usable(std::uint32_t index);
   void measure_bandwidth(Clock::time_point now);
@@ -199,6 +204,7 @@ class Channel {
   void drop_send(std::map<std::uint64_t, Send>::iterator it);
   void fail_all(const Status& why);
   void on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64_t receive_ns);
+  void chunk_done(std::uint64_t message);  // a chunk of send `message` is delivered
   void on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why);
   void on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length);
   void on_rail_failed(std::uint32_t rail, const Status& why);
@@ -229,6 +235,13 @@ class Channel {
   std::deque<std::uint64_t> ready_;  // messages with chunks not yet posted, oldest first
   std::size_t serve_ = 0;            // the one of the oldest few that gets the next chunk
   std::deque<InflightChunk> replay_;
+  // Chunks of fenced rails waiting for the peer to say which it still lacks, by query id.
+  struct ReplayQuery {
+    std::uint32_t rail = 0;
+    std::vector<InflightChunk> chunks;
+  };
+  std::map<std::uint64_t, ReplayQuery> replay_queries_;
+  std::uint64_t next_query_id_ = 1;
 
   std::uint64_t next_recv_seq_ = 0;
   std::map<std::uint64_t, Bytes> unexpected_;  // eager data whose receive is not posted yet

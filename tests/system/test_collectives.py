@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from r2ccl_testbed import BusyTrigger, Proc, Testbed, describe, launch_ranks, perf_ranks, random_port, read_events
+from r2ccl_testbed import (TESTBED, BusyTrigger, Proc, Testbed, describe, launch_ranks, perf_ranks, random_port,
+                           read_events)
 
 CHECK_LINE = "# Check: every byte verified on every rank"
 PARTIAL = re.compile(r"^# Check: every byte of the (\d+) completed round\(s\) verified on every rank; "
@@ -52,7 +53,35 @@ def test_collective_survives_nic_down(perf, tmp_path, op, dtype, redop):
     failed = [e for e in events if e["nic"] == "eth2" and e["kind"] == "failed"]
     assert failed, f"rank 1 reported no failure of eth2: {events}"
     assert all(f["state"] == "down" for n, f in finals.items() if n == "eth2"), finals
-    assert all(f["state"] == "up" for n, f in finals.items() if n != "eth2"), finals
+    assert all(f["state"] == "up" for n, f in finals.items() if n != "eth2"), (
+        {n: f["state"] for n, f in finals.items()}, [e for e in events if e["nic"] != "eth2"])
+
+
+def test_collective_survives_lost_acknowledgements(perf, tmp_path):
+    """Host 1's eth2 drops what arrives but not what it sends: its chunks land on the peers while
+    every acknowledgement is lost.  A chunk that landed must not be written again once the rail
+    is fenced (its receive may have completed and its memory been released or reused): every
+    result must be right, and no write refused (test_failover checks what is replayed)."""
+    ev = str(tmp_path / "ev")
+    seconds = 5
+    args = ["allreduce", "-b", "3M", "-e", "3M", "-w", "0", "-c", "1", "-r", "0",
+            "--duration", str(seconds), "--events", ev]
+    with Testbed(hosts=3, nics=4, rate="100mbit") as tb:
+        hole = BusyTrigger(tb.ns(1), "eth2", [str(TESTBED), "blackhole", tb.name, "1", "eth2", "in"],
+                           delay=1.5, max_wait=3.0).start()
+        try:
+            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+            procs = perf_ranks(3, boot, args, hosts=[0, 1, 2])
+            res = launch_ranks(procs, testbed=tb, timeout=seconds + SLACK_S)
+        finally:
+            hole.finish()
+    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert hole.result is not None and hole.result.returncode == 0, hole.result
+    assert hole.busy, "eth2 of host 1 never carried data before the fault"
+    events, _ = read_events(ev, 1)
+    assert [e for e in events if e["nic"] == "eth2" and e["kind"] == "failed"], events
+    assert not any("not registered" in r.stderr for r in res), describe(res)
 
 
 def test_collective_mismatch_is_named_with_check(perf, tmp_path):

@@ -149,6 +149,32 @@ def test_black_hole_detected_and_readmitted(perf, tmp_path):
     assert not any(e["kind"] == "link_down" for r in (0, 1) for e in read_events(ev, r)[0])
 
 
+RECONCILED = re.compile(r"^(\d+) chunk\(s\) had arrived \(their confirmation was lost\), (\d+) to replay$")
+
+
+def test_landed_chunks_whose_acks_were_lost_are_not_replayed(perf, tmp_path):
+    """Host 0's eth2 drops what arrives, not what it sends: rank 0's chunks land on rank 1 but
+    their acknowledgements are lost.  Fenced, the rail's unconfirmed chunks are first asked about:
+    rank 1 names those it lacks, only they are replayed, the ones that landed count as delivered,
+    and every byte is right."""
+    ev = str(tmp_path / "ev")
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        procs = ranks(tb, duration_args(5, ev, size="1M") + ["--oneway"])
+        hole = BusyTrigger(tb.ns(0), "eth2", [str(TESTBED), "blackhole", tb.name, "0", "eth2", "in"],
+                           delay=1.5, max_wait=3.0).start()
+        try:
+            res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
+        finally:
+            hole.finish()
+    assert_verified(res)
+    assert hole.result is not None and hole.result.returncode == 0, hole.result
+    assert hole.busy, "eth2 of host 0 never carried data before the fault"
+    events, _ = read_events(ev, 0)
+    answers = [RECONCILED.match(e["detail"]) for e in of(events, "eth2", "replay_reconciled")]
+    assert answers and all(answers), dump(ev)
+    assert sum(int(m.group(1)) for m in answers) > 0, dump(ev)
+
+
 # ----------------------------------------------------------------------------------- flap
 
 
