@@ -71,7 +71,8 @@ constexpr ConfigEntry kTable[] = {
      "Consecutive good probes (at least) a failed rail needs before re-admission, 1–1000."},
     {"R2CCL_DEGRADED_RATIO", "0.5",
      "A rail whose measured bandwidth is below this fraction of the median of its peers' is "
-     "DEGRADED (kept in use at a lower weight), 0.01–0.99."},
+     "DEGRADED (kept in use at a lower weight), 0.01–0.99. Both measures must agree: the "
+     "receiver's timing of the arrivals and the sender's confirmed bytes per busy second."},
     {"R2CCL_METRICS_PORT", "(off)",
      "Serve this job's rail metrics for Prometheus at `/metrics`; rank r listens on this port + r. "
      "A port in use gives a warning and the job runs on without metrics."},
