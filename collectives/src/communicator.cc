@@ -272,8 +272,7 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   if (d.count == 0 && d.op != CollOp::kBarrier) return Status::ok();
   if (!(last_plan_.valid && last_plan_.desc == d && last_plan_.requested == requested_algo_)) {
     last_plan_.valid = false;
-    R2CCL_ASSIGN_OR_RETURN(last_plan_.plan,
-                           make_plan(d, rank(), size(), choose_algo(d, size(), requested_algo_)));
+    R2CCL_ASSIGN_OR_RETURN(last_plan_.plan, make_plan(d, rank(), size(), auto_algo(d)));
     last_plan_.desc = d;
     last_plan_.requested = requested_algo_;
     last_plan_.valid = true;
@@ -291,9 +290,14 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   return st;
 }
 
+Algo Communicator::auto_algo(const CollDesc& d) const {
+  const std::size_t eager = size() == 2 ? fabric_->eager_limit(1 - rank()) : 0;
+  return choose_algo(d, size(), requested_algo_, eager);
+}
+
 Status Communicator::check_agreement(const CollDesc& d) {
   const int p = size();
-  const Algo algo = choose_algo(d, p, requested_algo_);
+  const Algo algo = auto_algo(d);
   const Bytes mine = encode_header(d, algo, op_seq_++);
   if (p == 1) return Status::ok();
   // The headers travel as a direct all-gather of kHeaderBytes bytes, in place.

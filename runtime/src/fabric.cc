@@ -568,6 +568,11 @@ std::size_t Fabric::rails_to(int peer) const {
   return channels_[static_cast<std::size_t>(peer)]->nrails();
 }
 
+std::size_t Fabric::eager_limit(int peer) const {
+  if (peer < 0 || peer >= nranks() || !channels_[static_cast<std::size_t>(peer)]) return 0;
+  return channels_[static_cast<std::size_t>(peer)]->eager_limit();
+}
+
 Result<RegionPtr> Fabric::register_memory(void* base, std::size_t length) {
   return registry_->register_region(base, length);
 }

@@ -1052,9 +1052,13 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   recv_slots_.emplace(slot, std::move(r));
 }
 
-bool Channel::needs_cts(std::size_t length) const {
+std::size_t Channel::eager_limit() const {
   // Both ends have the same number of rails (rail i pairs with rail i), so they agree.
-  return length == 0 || length > (rails_.size() == 1 ? kEagerMaxOneRail : kEagerMax);
+  return rails_.size() == 1 ? kEagerMaxOneRail : kEagerMax;
+}
+
+bool Channel::needs_cts(std::size_t length) const {
+  return length == 0 || length > eager_limit();
 }
 
 void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,

@@ -49,6 +49,8 @@ class Channel {
   Channel(ChannelContext ctx, int peer, std::vector<RailNic> local, std::vector<RemoteRail> remote);
 
   std::size_t nrails() const { return rails_.size(); }
+  // The largest message sent eagerly (inside a control message, no clear-to-send first).
+  std::size_t eager_limit() const;
   int peer() const { return peer_; }
   const RailNic& nic(std::size_t rail) const { return rails_[rail]->nic; }
 

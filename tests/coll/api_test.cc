@@ -126,6 +126,24 @@ TEST(Plans, AutoPicksDirectForSmallAndRingForLarge) {
             "unknown algorithm 'tree': expected auto, ring, oneshot or twoshot");
 }
 
+// Two ranks: one-shot where it takes fewer rounds and handshakes than the ring's two halves.
+TEST(Plans, TwoRanksWeighRoundsAndHandshakes) {
+  const auto allreduce = [](std::size_t bytes) {
+    return CollDesc{CollOp::kAllReduce, bytes / 4, DataType::kF32, RedOp::kSum, 0, false};
+  };
+  constexpr std::size_t kOneRail = 64 << 10, kRails = 8 << 10;
+  EXPECT_EQ(choose_algo(allreduce(64 << 10), 2, Algo::kAuto, kOneRail), Algo::kOneShot);   // 1 : 2
+  EXPECT_EQ(choose_algo(allreduce(128 << 10), 2, Algo::kAuto, kOneRail), Algo::kRing);     // 2 : 2
+  EXPECT_EQ(choose_algo(allreduce(256 << 10), 2, Algo::kAuto, kOneRail), Algo::kOneShot);  // 2 : 4
+  EXPECT_EQ(choose_algo(allreduce(512 << 10), 2, Algo::kAuto, kOneRail), Algo::kRing);  // too large
+  EXPECT_EQ(choose_algo(allreduce(64 << 10), 2, Algo::kAuto, kRails), Algo::kOneShot);  // 2 : 4
+  EXPECT_EQ(choose_algo(allreduce(256 << 10), 2, Algo::kAuto, 0), Algo::kRing);  // limit unknown
+  EXPECT_EQ(choose_algo(allreduce(256 << 10), 4, Algo::kAuto, kOneRail), Algo::kRing);  // 4 ranks
+  EXPECT_EQ(choose_algo(allreduce(256 << 10), 2, Algo::kRing, kOneRail), Algo::kRing);  // asked for
+  const CollDesc gather{CollOp::kAllGather, 64 << 10, DataType::kF32, RedOp::kSum, 0, false};
+  EXPECT_EQ(choose_algo(gather, 2, Algo::kAuto, kOneRail), Algo::kRing);  // all-reduce only
+}
+
 TEST(Communicator, BadInputIsRefusedWithTheReasonAndTheCommunicatorStaysUsable) {
   auto comms = test::make_comms(3);
   ASSERT_EQ(comms.size(), 3u);
@@ -296,7 +314,7 @@ TEST(Communicator, DurationsArePublishedPerOperationAndAlgorithm) {
   auto comms = test::make_comms(2);
   ASSERT_EQ(comms.size(), 2u);
   test::on_all(comms, [](int, Communicator& c) {
-    std::vector<float> a(1 << 16, 1.0f), b(1 << 16);
+    std::vector<float> a(1 << 18, 1.0f), b(1 << 18);  // 1 MiB: the ring, also for two ranks
     ASSERT_TRUE(c.all_reduce(a.data(), b.data(), 4, DataType::kF32, RedOp::kSum).is_ok());
     ASSERT_TRUE(c.all_reduce(a.data(), b.data(), a.size(), DataType::kF32, RedOp::kSum).is_ok());
     std::map<std::string, std::uint64_t> seen;

@@ -79,6 +79,8 @@ class Communicator {
   Status validate(const CollDesc& d, const Buffers& b) const;
   Status run(const CollDesc& d, Buffers b);
   Status check_agreement(const CollDesc& d);
+  // The algorithm for `d` (R2CCL_ALGO's, or auto's choice for this size and transport).
+  Algo auto_algo(const CollDesc& d) const;
   // `what` names the operation in an error's context (built only on error).
   Status execute(const Plan& plan, const CollDesc& d, const Buffers& b,
                  const std::function<std::string()>& what);

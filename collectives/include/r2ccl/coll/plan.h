@@ -74,8 +74,10 @@ struct CollDesc {
   bool operator==(const CollDesc&) const = default;
 };
 
-// The algorithm `auto` picks for this operation and size.
-Algo choose_algo(const CollDesc& d, int nranks, Algo requested);
+// The algorithm `auto` picks for this operation and size. `eager_bytes`: with two ranks, the
+// largest message that goes between them without a handshake (the transport's eager limit), or 0
+// when not known. Every rank must pass the same value (two ranks share their one channel's).
+Algo choose_algo(const CollDesc& d, int nranks, Algo requested, std::size_t eager_bytes = 0);
 // The plan of rank `rank` of `nranks`. Every rank's plan pairs with every other's: the n-th send
 // from a to b in plan order meets the n-th receive at b from a.
 Result<Plan> make_plan(const CollDesc& d, int rank, int nranks, Algo algo);
@@ -89,5 +91,9 @@ std::size_t recv_bytes(const CollDesc& d, int nranks);
 // 2(p-1) rounds; at 64 KiB the ring is 30% faster on loopback and 5% slower on the shaped
 // testbed).
 inline constexpr std::size_t kDirectThreshold = 32 * 1024;
+// With two ranks, all-reduces up to this many bytes may take one-shot above kDirectThreshold too
+// (see choose_algo). At 512 KiB one-shot was still 0.6-0.8x the ring's time on loopback but 1.1x
+// on the shaped testbed; from 1 MiB the ring was as fast or faster on both.
+inline constexpr std::size_t kTwoRankDirectMax = 256 * 1024;
 
 }  // namespace r2ccl::coll

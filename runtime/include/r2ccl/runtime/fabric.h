@@ -79,6 +79,8 @@ class Fabric {
   // This rank's rails (local NICs), in rail order.
   const std::vector<RailNic>& nics() const;
   std::size_t rails_to(int peer) const;
+  // The largest message to `peer` that is sent eagerly (no clear-to-send first); 0 for itself.
+  std::size_t eager_limit(int peer) const;
 
   Result<RegionPtr> register_memory(void* base, std::size_t length);
   Status deregister_memory(const RegionPtr& region);
