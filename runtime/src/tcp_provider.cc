@@ -160,6 +160,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         counters_(std::move(counters)),
         hello_(hello) {
     error_code ec;
+    socket_.non_blocking(true, ec);  // read_ready's receive must not block the loop
     auto l = socket_.local_endpoint(ec);
     auto r = socket_.remote_endpoint(ec);
     description_ = fmt::format("{} {}:{} -> {}:{}", nic_.name, l.address().to_string(), l.port(),
@@ -244,7 +245,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   void delay_ack(std::uint64_t cookie) {
     delayed_acks_.push_back(cookie);
     if (delayed_acks_.size() >= kMaxDelayedAcks && !writing_) return kick();
-    if (writing_ || ack_flush_due_) return;  // the write's completion or the idle flush sends it
+    flush_acks_when_idle();
+  }
+
+  // The delayed acknowledgements go with the next frame, or when the loop is idle.
+  void flush_acks_when_idle() {
+    if (ack_flush_due_ || delayed_acks_.empty()) return;
     ack_flush_due_ = true;
     engine_.when_idle([self = shared_from_this()] {
       self->ack_flush_due_ = false;
@@ -280,6 +286,11 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
             return self->fail(
                 {ErrorCode::kNetwork,
                  fmt::format("send failed on {}: {}", self->description_, errno_text(ec))});
+          // Acknowledgements that came while this write was under way wait for company too: sent
+          // alone now, they cost a send here and a receive at the peer for every message of an
+          // exchange whose answer crossed this write.
+          if (self->pending_.empty() && self->delayed_acks_.size() < kMaxDelayedAcks)
+            return self->flush_acks_when_idle();
           self->kick();
         });
   }
@@ -317,15 +328,29 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     const bool streaming = frames_since_write_ < kStreamFrames;
     const std::size_t want = streaming ? kHeaderSize - rend_ : rbuf_.size() - rend_;
     if (rend_ == 0 && read_dry_) {
-      // The last receive took all there was: asking again now would most likely find nothing,
-      // one system call spent between the operation this batch completed and its caller. Ask
-      // from the loop's next round instead, by when the caller has usually moved on.
-      engine_.post([self = shared_from_this(), want, in_header] {
-        if (!self->closed_) self->read_header(want, in_header);
+      // The last receive took all there was: wait until the socket is readable, then receive.
+      // (Asio's reads first try at once: a system call that finds nothing, once for every
+      // message of an exchange.) No readiness is missed: the wait is queued before the loop
+      // polls again, and the poll reports data that comes in meanwhile.
+      socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this(), want](error_code ec) {
+        if (self->closed_) return;
+        if (ec) return self->fail_read(ec, 0, "frame header");
+        self->read_ready(want);
       });
       return;
     }
     read_header(want, in_header);
+  }
+
+  // The socket is readable and the batch buffer empty: receive without blocking.
+  void read_ready(std::size_t want) {
+    error_code ec;
+    const std::size_t n = socket_.read_some(asio::buffer(rbuf_.data(), want), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) return fill();  // not yet
+    if (ec) return fail_read(ec, 0, "frame header");
+    read_dry_ = n < want;
+    rend_ = n;
+    process();
   }
 
   void read_header(std::size_t want, bool in_header) {
