@@ -422,7 +422,7 @@ Algo choose_algo(const CollDesc& d, int nranks, Algo requested, std::size_t eage
   // handshake more (its clear-to-send): one-shot wins where it takes fewer of them. Measured on
   // loopback (one rail, 64 KiB eager), one-shot against the ring: 64 KiB 0.6x the time (1 round
   // against 2), 128 KiB 1.3x (2 against 2: the ring's eager halves win), 256 KiB 0.6-0.8x (2
-  // against 4); on the testbed (four rails, 8 KiB eager) 32-256 KiB 0.95x.
+  // against 4); on the testbed (four rails, 8 KiB eager) 32-256 KiB 0.95x, 1 MiB 0.7-0.95x.
   if (nranks == 2 && d.op == CollOp::kAllReduce && eager_bytes > 0 && n <= kTwoRankDirectMax) {
     const auto cost = [&](std::size_t message, int rounds) {
       return rounds * (message > eager_bytes ? 2 : 1);

@@ -135,7 +135,8 @@ TEST(Plans, TwoRanksWeighRoundsAndHandshakes) {
   EXPECT_EQ(choose_algo(allreduce(64 << 10), 2, Algo::kAuto, kOneRail), Algo::kOneShot);   // 1 : 2
   EXPECT_EQ(choose_algo(allreduce(128 << 10), 2, Algo::kAuto, kOneRail), Algo::kRing);     // 2 : 2
   EXPECT_EQ(choose_algo(allreduce(256 << 10), 2, Algo::kAuto, kOneRail), Algo::kOneShot);  // 2 : 4
-  EXPECT_EQ(choose_algo(allreduce(512 << 10), 2, Algo::kAuto, kOneRail), Algo::kRing);  // too large
+  EXPECT_EQ(choose_algo(allreduce(1 << 20), 2, Algo::kAuto, kOneRail), Algo::kOneShot);
+  EXPECT_EQ(choose_algo(allreduce(2 << 20), 2, Algo::kAuto, kOneRail), Algo::kRing);    // too large
   EXPECT_EQ(choose_algo(allreduce(64 << 10), 2, Algo::kAuto, kRails), Algo::kOneShot);  // 2 : 4
   EXPECT_EQ(choose_algo(allreduce(256 << 10), 2, Algo::kAuto, 0), Algo::kRing);  // limit unknown
   EXPECT_EQ(choose_algo(allreduce(256 << 10), 4, Algo::kAuto, kOneRail), Algo::kRing);  // 4 ranks
@@ -314,7 +315,7 @@ TEST(Communicator, DurationsArePublishedPerOperationAndAlgorithm) {
   auto comms = test::make_comms(2);
   ASSERT_EQ(comms.size(), 2u);
   test::on_all(comms, [](int, Communicator& c) {
-    std::vector<float> a(1 << 18, 1.0f), b(1 << 18);  // 1 MiB: the ring, also for two ranks
+    std::vector<float> a(1 << 19, 1.0f), b(1 << 19);  // 2 MiB: the ring, also for two ranks
     ASSERT_TRUE(c.all_reduce(a.data(), b.data(), 4, DataType::kF32, RedOp::kSum).is_ok());
     ASSERT_TRUE(c.all_reduce(a.data(), b.data(), a.size(), DataType::kF32, RedOp::kSum).is_ok());
     std::map<std::string, std::uint64_t> seen;

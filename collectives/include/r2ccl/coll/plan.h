@@ -92,8 +92,8 @@ std::size_t recv_bytes(const CollDesc& d, int nranks);
 // testbed).
 inline constexpr std::size_t kDirectThreshold = 32 * 1024;
 // With two ranks, all-reduces up to this many bytes may take one-shot above kDirectThreshold too
-// (see choose_algo). At 512 KiB one-shot was still 0.6-0.8x the ring's time on loopback but 1.1x
-// on the shaped testbed; from 1 MiB the ring was as fast or faster on both.
-inline constexpr std::size_t kTwoRankDirectMax = 256 * 1024;
+// (see choose_algo). At 1 MiB one-shot took 0.7-0.95x the ring's time on the shaped testbed and
+// about the same on loopback; at 2 MiB the two were alike on both.
+inline constexpr std::size_t kTwoRankDirectMax = 1024 * 1024;
 
 }  // namespace r2ccl::coll
