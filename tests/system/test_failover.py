@@ -21,6 +21,8 @@ from r2ccl_testbed import (CHECK_LINE, PERF, TESTBED, BusyTrigger, Proc, Testbed
 
 NICS = ["eth1", "eth2", "eth3", "eth4"]
 SLACK_S = 30  # generous bound on start-up, shutdown and one R2CCL_TIMEOUT: catches hangs only
+# A replay_reconciled event: what the peer said of the chunks a fenced rail left unconfirmed.
+RECONCILED = re.compile(r"^(\d+) chunk\(s\) had arrived \(their confirmation was lost\), (\d+) to replay$")
 
 
 def duration_args(seconds, events, size="16M", keep_going=False):
@@ -93,8 +95,13 @@ def test_nic_down_mid_transfer(perf, tmp_path, host):
             assert finals["eth2"]["state"] == "down", finals
             assert all(finals[n]["state"] == "up" for n in NICS if n != "eth2"), finals
             in_flight |= any("; 0 chunk(s)" not in e["detail"] for e in failed)
-            replayed |= bool(of(events, "eth2", "replay_started"))
-            replayed |= any(finals[n]["replayed_chunks"] > 0 for n in NICS if n != "eth2")
+            # eth2's unconfirmed chunks were asked about; exactly those the peer lacked were
+            # re-posted on the other rails.
+            answers = [RECONCILED.match(e["detail"]) for e in of(events, "eth2", "replay_reconciled")]
+            assert all(answers), dump(ev)
+            wanted = sum(int(m.group(2)) for m in answers)
+            assert sum(finals[n]["replayed_chunks"] for n in NICS if n != "eth2") == wanted, dump(ev)
+            replayed |= wanted > 0
         if in_flight:
             break
     assert in_flight, "in three trials the fault never hit chunks in flight on eth2\n" + dump(ev)
@@ -147,9 +154,6 @@ def test_black_hole_detected_and_readmitted(perf, tmp_path):
     # The link stayed up: only silence can have revealed it (directly or via the peer's notice).
     assert any("no probe reply" in e["detail"] or "black hole" in e["detail"] for e in all_failed), all_failed
     assert not any(e["kind"] == "link_down" for r in (0, 1) for e in read_events(ev, r)[0])
-
-
-RECONCILED = re.compile(r"^(\d+) chunk\(s\) had arrived \(their confirmation was lost\), (\d+) to replay$")
 
 
 def test_landed_chunks_whose_acks_were_lost_are_not_replayed(perf, tmp_path):
