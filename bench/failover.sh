@@ -15,10 +15,11 @@
 # before its next fault four trials later.  Events are only written when a run ends, so the
 # trials are matched to them afterwards, by NIC and time window:
 #   detection  first "failed" event for that NIC on either rank, minus the injection time;
-#   recovery   first "replay_started" (its unconfirmed chunks handed to surviving rails) or,
-#              if the rail had nothing in flight, the "failed" time;
+#   recovery   first "replay_reconciled" (the peer said which of the rail's unconfirmed chunks
+#              it lacks, and those went to the surviving rails), else "replay_started" (only
+#              control messages to resend), else, if the rail had nothing in flight, "failed";
 #   confirmed  first "first_replay_confirmed" (a replayed chunk confirmed on another rail),
-#              or the "failed" time when there was nothing to replay.
+#              else the recovery time (nothing needed replaying).
 # Prints a Markdown table (p50/p99 in ms, nearest rank) and the targets:
 #   link down: traffic on other rails within 50 ms (p99 recovery);
 #   black hole: detected within 300 ms (p99 detection).
@@ -187,11 +188,13 @@ for kind, label in (("linkdown", "link down"), ("blackhole", "black hole")):
             missed += 1
             continue
         started, confirmed = first("replay_started"), first("first_replay_confirmed")
+        reconciled = first("replay_reconciled")
         replays += started is not None
         readmitted += first("readmitted") is not None
+        recovered = next(x for x in (reconciled, started, failed) if x is not None)
         det.append((failed - t) / 1e6)
-        rec.append(((started if started is not None else failed) - t) / 1e6)
-        conf.append(((confirmed if confirmed is not None else failed) - t) / 1e6)
+        rec.append((recovered - t) / 1e6)
+        conf.append(((confirmed if confirmed is not None else recovered) - t) / 1e6)
     n = len(trials)
     rows.append(f"| {label} | {n} | {pct(det, 50):.1f} | {pct(det, 99):.1f} | {pct(rec, 50):.1f} | "
                 f"{pct(rec, 99):.1f} | {pct(conf, 50):.1f} | {pct(conf, 99):.1f} |")

@@ -170,6 +170,11 @@ class BootstrapRoot {
     auto session = std::make_shared<Session>(io_);
     acceptor_.async_accept(session->socket, [this, session](boost::system::error_code ec) {
       if (ec) return;  // acceptor closed
+      // The relay's messages are small and come in bursts (a fence notice, then the replay
+      // query): without this, Nagle held each second one until the first was acknowledged, up
+      // to the peer's delayed-ack time (40 ms).
+      boost::system::error_code nd;
+      session->socket.set_option(tcp::no_delay(true), nd);
       session->peer = endpoint_text(session->socket);
       sessions_.push_back(session);
       read(session);
