@@ -197,14 +197,15 @@ def test_metrics_port_past_65535_job_runs_without_metrics(perf):
 
 def test_collective_durations_are_exported_per_op_and_algorithm(perf):
     """A running all-reduce job publishes r2ccl_collective_duration_seconds{op,algo}: one series
-    per algorithm it ran (one-shot for 4 KiB, ring for 1 MiB), counts growing while it runs."""
+    per algorithm it ran (one-shot for 4 KiB, ring for 4 MiB: two ranks take one-shot up to
+    1 MiB), counts growing while it runs."""
     import re
     import threading
     import urllib.request
     port = two_free_ports()
     result = {}
     job = threading.Thread(target=lambda: result.setdefault("res", loopback_job(
-        port, ("allreduce", "-b", "4K", "-e", "1M", "-f", "256", "--duration", "3", "-c", "1"))))
+        port, ("allreduce", "-b", "4K", "-e", "4M", "-f", "1024", "--duration", "3", "-c", "1"))))
     job.start()
     pat = re.compile(r'^r2ccl_collective_duration_seconds_count\{(?=[^}]*op="allreduce")'
                      r'(?=[^}]*algo="(\w+)")[^}]*\} (\d+)', re.M)
