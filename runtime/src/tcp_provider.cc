@@ -345,11 +345,16 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   // The socket is readable and the batch buffer empty: receive without blocking.
   void read_ready(std::size_t want) {
     error_code ec;
-    const std::size_t n = socket_.read_some(asio::buffer(rbuf_.data(), want), ec);
+    const std::size_t n = socket_.read_some(asio::buffer(rbuf_.data() + rend_, want), ec);
     if (ec == asio::error::would_block || ec == asio::error::try_again) return fill();  // not yet
-    if (ec) return fail_read(ec, 0, "frame header");
+    received(ec, n, want, false);
+  }
+
+  // A receive into the batch buffer returned `n` of the `want` bytes asked: parse them.
+  void received(const error_code& ec, std::size_t n, std::size_t want, bool in_header) {
+    if (ec) return fail_read(ec, in_header ? 1 : 0, "frame header");
     read_dry_ = n < want;
-    rend_ = n;
+    rend_ += n;
     process();
   }
 
@@ -357,11 +362,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     socket_.async_read_some(
         asio::buffer(rbuf_.data() + rend_, want),
         [self = shared_from_this(), in_header, want](error_code ec, std::size_t n) {
-          if (self->closed_) return;
-          if (ec) return self->fail_read(ec, in_header ? 1 : 0, "frame header");
-          self->read_dry_ = n < want;
-          self->rend_ += n;
-          self->process();
+          if (!self->closed_) self->received(ec, n, want, in_header);
         });
   }
 

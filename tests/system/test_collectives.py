@@ -22,6 +22,30 @@ ROUNDS = re.compile(r"^r2ccl-perf: rank 0: (\d+) round\(s\) completed, (\d+) fai
 SLACK_S = 40
 
 
+def run_with_fault(args, fault):
+    """Three ranks on 3 hosts x 4 NICs at 100 Mbit/s run `args` (with ``--duration 5``); once eth2
+    of host 1 carries data, fault(tb) gives the command that breaks it.  Checks that every rank
+    finished with every byte verified, the fault ran on a busy link, and rank 1 reported eth2
+    failed; returns the ranks' results and rank 1's (events, finals)."""
+    ev = args[args.index("--events") + 1]
+    with Testbed(hosts=3, nics=4, rate="100mbit") as tb:
+        trigger = BusyTrigger(tb.ns(1), "eth2", fault(tb), delay=1.5, max_wait=3.0).start()
+        try:
+            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+            procs = perf_ranks(3, boot, args, hosts=[0, 1, 2])
+            res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
+        finally:
+            trigger.finish()
+    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert trigger.result is not None and trigger.result.returncode == 0, trigger.result
+    assert trigger.busy, "eth2 of host 1 never carried data before the fault"
+    events, finals = read_events(ev, 1)
+    failed = [e for e in events if e["nic"] == "eth2" and e["kind"] == "failed"]
+    assert failed, f"rank 1 reported no failure of eth2: {events}"
+    return res, (events, finals)
+
+
 @pytest.mark.parametrize("op,dtype,redop", [
     ("allreduce", "float", "sum"),
     ("allreduce", "bfloat16", "avg"),
@@ -31,27 +55,9 @@ SLACK_S = 40
     ("reduce", "double", "prod"),
 ])
 def test_collective_survives_nic_down(perf, tmp_path, op, dtype, redop):
-    ev = str(tmp_path / "ev")
-    seconds = 5
     args = [op, "-b", "3M", "-e", "3M", "-w", "0", "-c", "1", "-d", dtype, "-o", redop, "-r", "0",
-            "--duration", str(seconds), "--events", ev]
-    with Testbed(hosts=3, nics=4, rate="100mbit") as tb:
-        ns = tb.ns(1)
-        down = BusyTrigger(ns, "eth2", ["ip", "-n", ns, "link", "set", "eth2", "down"], delay=1.5,
-                           max_wait=3.0).start()
-        try:
-            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
-            procs = perf_ranks(3, boot, args, hosts=[0, 1, 2])
-            res = launch_ranks(procs, testbed=tb, timeout=seconds + SLACK_S)
-        finally:
-            down.finish()
-    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
-    assert CHECK_LINE in res[0].stdout, describe(res)
-    assert down.result is not None and down.result.returncode == 0, down.result
-    assert down.busy, "eth2 of host 1 never carried data before the fault"
-    events, finals = read_events(ev, 1)
-    failed = [e for e in events if e["nic"] == "eth2" and e["kind"] == "failed"]
-    assert failed, f"rank 1 reported no failure of eth2: {events}"
+            "--duration", "5", "--events", str(tmp_path / "ev")]
+    _, (events, finals) = run_with_fault(args, lambda tb: ["ip", "-n", tb.ns(1), "link", "set", "eth2", "down"])
     assert all(f["state"] == "down" for n, f in finals.items() if n == "eth2"), finals
     assert all(f["state"] == "up" for n, f in finals.items() if n != "eth2"), (
         {n: f["state"] for n, f in finals.items()}, [e for e in events if e["nic"] != "eth2"])
@@ -62,25 +68,9 @@ def test_collective_survives_lost_acknowledgements(perf, tmp_path):
     every acknowledgement is lost.  A chunk that landed must not be written again once the rail
     is fenced (its receive may have completed and its memory been released or reused): every
     result must be right, and no write refused (test_failover checks what is replayed)."""
-    ev = str(tmp_path / "ev")
-    seconds = 5
     args = ["allreduce", "-b", "3M", "-e", "3M", "-w", "0", "-c", "1", "-r", "0",
-            "--duration", str(seconds), "--events", ev]
-    with Testbed(hosts=3, nics=4, rate="100mbit") as tb:
-        hole = BusyTrigger(tb.ns(1), "eth2", [str(TESTBED), "blackhole", tb.name, "1", "eth2", "in"],
-                           delay=1.5, max_wait=3.0).start()
-        try:
-            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
-            procs = perf_ranks(3, boot, args, hosts=[0, 1, 2])
-            res = launch_ranks(procs, testbed=tb, timeout=seconds + SLACK_S)
-        finally:
-            hole.finish()
-    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
-    assert CHECK_LINE in res[0].stdout, describe(res)
-    assert hole.result is not None and hole.result.returncode == 0, hole.result
-    assert hole.busy, "eth2 of host 1 never carried data before the fault"
-    events, _ = read_events(ev, 1)
-    assert [e for e in events if e["nic"] == "eth2" and e["kind"] == "failed"], events
+            "--duration", "5", "--events", str(tmp_path / "ev")]
+    res, _ = run_with_fault(args, lambda tb: [str(TESTBED), "blackhole", tb.name, "1", "eth2", "in"])
     assert not any("not registered" in r.stderr for r in res), describe(res)
 
 
