@@ -339,19 +339,14 @@ void Channel::on_control_path(Bytes message) {
 // them it still lacks, and only those are replayed; the others count as confirmed. One-sided
 // writes are replayed at once: their target memory stays registered until their sender reports
 // them done.
-// Over verbs the chunks are still replayed at once, as before: with the query, rails in the
-// Soft-RoCE guest went on to fail with "remote invalid request" after re-admission (in every
-// run of tests/rdma's fault test with it, in none without; cause not found). Until that is
-// understood, verbs keeps the replay race this step closes.
 void Channel::maybe_replay(std::uint32_t index) {
   auto& s = *rails_[index];
   if (s.rail || s.peer_fenced_epoch != s.epoch) return;
   if (s.awaiting_replay.empty() && s.awaiting_control.empty()) return;
-  const bool reconcile = ctx_.provider != nullptr && ctx_.provider->name() == "tcp";
   std::vector<InflightChunk> ask;
   std::size_t direct = 0;
   for (auto& c : s.awaiting_replay) {
-    if (!reconcile || (c.message & ChunkImm::kOneSidedBit)) {
+    if (c.message & ChunkImm::kOneSidedBit) {
       replay_.push_back(c);
       ++direct;
     } else {
