@@ -55,7 +55,7 @@ VM_ENV = {
     "R2CCL_PROBE_TIMEOUT": "2s",
     "R2CCL_STALL_TIMEOUT": "5s",
     # 268 ms transport timer (default 14: 67 ms).  Under TCG an acknowledgement is often later
-    # than 67 ms, and each spurious retransmission risks a race in rxe 6.1 between its requester
+    # than 67 ms, and each spurious retransmission risks (as we read rxe 6.1) a race between its requester
     # (req_retry reads the completer's PSN) and completer (complete_wqe moves that PSN past the
     # WQE before retiring it): the WQE is resent empty, every later PSN shifts, and the responder
     # NAKs the next write with "remote invalid request" (ERR_LENGTH).  With 16, retransmissions
