@@ -79,10 +79,10 @@ std::uint64_t count_wrong(const std::byte* p, std::size_t n, int src, std::uint6
 struct Gathered {
   double max_seconds = 0;
   std::uint64_t wrong = 0;
-  std::string error;
+  std::string error;  // every failed rank's error, one per line
 };
 
-// Agrees on results across ranks over the control path: max time, total wrong, first error.
+// Agrees on results across ranks over the control path: max time, total wrong, every error.
 Result<Gathered> gather(Fabric& f, double seconds, std::uint64_t wrong, const std::string& error) {
   r2ccl::ByteWriter w;
   std::uint64_t bits;
@@ -99,7 +99,8 @@ Result<Gathered> gather(Fabric& f, double seconds, std::uint64_t wrong, const st
     g.max_seconds = std::max(g.max_seconds, s);
     g.wrong += rd.u64();
     std::string e = rd.str();
-    if (g.error.empty() && !e.empty()) g.error = fmt::format("rank {}: {}", r, e);
+    // Every failed rank's own error: a rank that waits on another names only the symptom.
+    if (!e.empty()) g.error += fmt::format("{}rank {}: {}", g.error.empty() ? "" : "\n  ", r, e);
   }
   return g;
 }
