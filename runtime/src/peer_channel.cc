@@ -139,7 +139,15 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
     if (epoch <= s.epoch) return false;  // a duplicate or stale connection
     // The peer re-established the rail, so it has fenced the old connection: so do we.
     fence(index, "replaced by a new connection from the peer", false);
+  }
+  if (epoch > s.epoch) {
+    // A connection of a newer epoch proves that the peer's end of every older one is closed (the
+    // lower rank re-connects only with its end fenced; the higher rank fences its end before it
+    // takes the new one). What the old epoch left unconfirmed is dealt with now, under the old
+    // epoch: once the new one is in place, the peer's confirmation of the old fence would be
+    // ignored as stale, and the chunks would wait for it forever.
     s.peer_fenced_epoch = s.epoch;
+    maybe_replay(index);
   }
   s.epoch = epoch;
   s.tel.epoch = epoch;
