@@ -116,8 +116,10 @@ HealthAction RailHealth::tick(TimePoint now, bool unconfirmed, TimePoint last_pr
     return HealthAction::kNone;
   }
   if (state_ == RailState::kProbing) {
-    if (silence >= config_.probe_timeout / 2 || !link_up_) {
-      // Probes stopped answering again before re-admission: a flap.
+    if (silence >= config_.probe_timeout || !link_up_) {
+      // Probes stopped answering again before re-admission: a flap. The same silence as for a
+      // rail in use: a shorter one is as likely a busy CPU as a link, and would count flaps
+      // that no link made.
       go_down(now, "probes stopped answering while probing", last_heard_);
       return HealthAction::kNone;
     }

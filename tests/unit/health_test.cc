@@ -88,6 +88,23 @@ TEST_F(Health, ReadmittedOnlyAfterGoodProbesOverTheHoldDown) {
   EXPECT_EQ(h.state(), RailState::kUp);
 }
 
+TEST_F(Health, WhileProbingOnlyAProbeTimeoutOfSilenceIsAFlap) {
+  h.on_connected(at(0ms));
+  EXPECT_EQ(h.on_link(at(100ms), false), HealthAction::kFence);
+  EXPECT_EQ(h.on_link(at(300ms), true), HealthAction::kNone);
+  h.on_probe_reply(at(320ms), 50us);
+  ASSERT_EQ(h.state(), RailState::kProbing);
+  // Replies pause for 150 ms (the probe timeout is 200 ms): a busy moment, not a flap.
+  EXPECT_EQ(h.tick(at(470ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.state(), RailState::kProbing);
+  EXPECT_EQ(h.flaps(), 1u);
+  // 200 ms without a reply: the rail is down again, one more flap.
+  EXPECT_EQ(h.tick(at(520ms), false, at(0ms)), HealthAction::kNone);
+  EXPECT_EQ(h.state(), RailState::kDown);
+  EXPECT_EQ(h.flaps(), 2u);
+  EXPECT_NE(h.last_error().find("probes stopped answering"), std::string::npos);
+}
+
 TEST_F(Health, EachFlapDoublesTheHoldDownUpToTheCapAndStabilityHalvesIt) {
   h.on_connected(at(0ms));
   auto t = 0ms;
