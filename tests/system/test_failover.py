@@ -285,8 +285,8 @@ def test_quarter_rate_nic_is_degraded(perf, tmp_path):
 def test_peer_killed_fails_fast(perf, tmp_path, keep_going):
     """SIGKILL of rank 1 mid-transfer, default R2CCL_TIMEOUT (30 s): rank 0 does not wait
     for the deadline; the control path tells it rank 1 is gone.  -c 0: every round is a
-    transfer with no verification phase, so the kill always lands in a transfer (during a
-    verification rank 0 would next learn of it from its vote all-gather instead)."""
+    transfer with no verification phase, so the kill lands in a transfer or, when rank 0 has
+    finished its part of a round first, in the per-round vote all-gather on the control path."""
     killed = {}
     args = ["sendrecv", "-b", "16M", "-e", "16M", "-w", "0", "-c", "0", "--duration", "20"]
     if keep_going:
@@ -315,4 +315,6 @@ def test_peer_killed_fails_fast(perf, tmp_path, keep_going):
     assert r0.returncode == 2, describe(res)
     assert r0.t_end - killed["t"] < 10, f"rank 0 took {r0.t_end - killed['t']:.1f}s\n" + describe(res)
     assert "rank 1" in r0.stderr, describe(res)
-    assert "rank 1 is gone" in r0.stderr, describe(res)
+    # Killed during a data transfer, the channel names it ("rank 1 is gone: ..."); killed while
+    # rank 0 waits in the per-round vote on the control path, the control path does.
+    assert re.search(r"rank 1 is gone|rank 1 \([\d.:]+\) left the control path", r0.stderr), describe(res)
