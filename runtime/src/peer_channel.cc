@@ -625,6 +625,10 @@ void Channel::tick(Clock::time_point now) {
     measure_bandwidth(now);
     update_degraded();
   }
+  // Control messages queued while no rail was usable (every rail SUSPECT for a moment, say, on a
+  // busy machine) go out once one is again: a rail that comes back from SUSPECT does not call
+  // for them itself.
+  flush_control();
   pump();
 
   // Deadlines.
