@@ -23,17 +23,18 @@ SLACK_S = 40
 
 
 def run_with_fault(args, fault):
-    """Three ranks on 3 hosts x 4 NICs at 100 Mbit/s run `args` (with ``--duration 5``); once eth2
-    of host 1 carries data, fault(tb) gives the command that breaks it.  Checks that every rank
-    finished with every byte verified, the fault ran on a busy link, and rank 1 reported eth2
-    failed; returns the ranks' results and rank 1's (events, finals)."""
+    """Three ranks on 3 hosts x 4 NICs at 100 Mbit/s run `args` (with ``--duration`` and
+    ``--events``); once eth2 of host 1 carries data, fault(tb) gives the command that breaks it.
+    Checks that every rank finished with every byte verified, the fault ran on a busy link, and
+    rank 1 reported eth2 failed; returns the ranks' results and rank 1's (events, finals)."""
     ev = args[args.index("--events") + 1]
+    seconds = float(args[args.index("--duration") + 1])
     with Testbed(hosts=3, nics=4, rate="100mbit") as tb:
         trigger = BusyTrigger(tb.ns(1), "eth2", fault(tb), delay=1.5, max_wait=3.0).start()
         try:
             boot = f"{tb.mgmt_addr(0)}:{random_port()}"
             procs = perf_ranks(3, boot, args, hosts=[0, 1, 2])
-            res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
+            res = launch_ranks(procs, testbed=tb, timeout=seconds + SLACK_S)
         finally:
             trigger.finish()
     assert [r.returncode for r in res] == [0, 0, 0], describe(res)

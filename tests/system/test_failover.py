@@ -234,7 +234,7 @@ def test_rail_back_before_the_peer_confirmed_its_fence(perf, tmp_path):
     proves the old one is closed at both ends, so the old epoch's unconfirmed chunks are replayed
     then; they must not wait for that acknowledgement (which comes for an epoch no longer
     current).  Every byte verified; up to three trials for the ordering to happen."""
-    delay_s = 3.0
+    delay_s, seconds, timeout_s = 3.0, 8, 10
     seen = False
     ev = ""
     for trial in range(3):
@@ -250,9 +250,9 @@ def test_rail_back_before_the_peer_confirmed_its_fence(perf, tmp_path):
                      f"sleep {delay_s} && {nft} delete table inet late"]
             trigger = BusyTrigger(ns0, "eth2", fault, delay=1.5, max_wait=3.0).start()
             try:
-                res = launch_ranks(ranks(tb, duration_args(8, ev), R2CCL_HOLDDOWN="0ms",
-                                         R2CCL_READMIT_PROBES="1", R2CCL_TIMEOUT="10s"),
-                                   testbed=tb, timeout=8 + 10 + SLACK_S)
+                res = launch_ranks(ranks(tb, duration_args(seconds, ev), R2CCL_HOLDDOWN="0ms",
+                                         R2CCL_READMIT_PROBES="1", R2CCL_TIMEOUT=f"{timeout_s}s"),
+                                   testbed=tb, timeout=seconds + timeout_s + SLACK_S)
             finally:
                 trigger.finish()
         assert_verified(res)
