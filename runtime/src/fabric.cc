@@ -603,7 +603,7 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(true, op, region->base + offset, length);
     else
@@ -618,7 +618,7 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(false, op, region->base + offset, length);
     else
@@ -640,7 +640,7 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->post([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
+  engine_->submit([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
     channels_[static_cast<std::size_t>(peer)]->post_write(op, region, offset, remote, remote_offset,
                                                           length, deadline);
   });
@@ -659,7 +659,7 @@ Status Fabric::send_message(int peer, Bytes payload, bool control_path) {
     w.u8(kUserOnControlPath).raw(payload.data(), payload.size());
     return bootstrap_->send_to(peer, w.bytes());
   }
-  engine_->post([this, peer, payload = std::move(payload)]() mutable {
+  engine_->submit([this, peer, payload = std::move(payload)]() mutable {
     channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(payload));
   });
   return Status::ok();

@@ -55,6 +55,16 @@ ProgressEngine::~ProgressEngine() {
   stop();
 }
 
+const ProgressEngine* ProgressEngine::enter_loop(const ProgressEngine* e) {
+  const ProgressEngine* saved = t_running;
+  t_running = e;
+  return saved;
+}
+
+void ProgressEngine::handler_threw(const std::exception& e) {
+  R2CCL_ERROR("progress engine: handler threw: {}", e.what());
+}
+
 bool ProgressEngine::in_loop() const {
   return t_running == this;
 }

@@ -330,12 +330,17 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (rend_ == 0 && read_dry_) {
       // The last receive took all there was: wait until the socket is readable, then receive.
       // (Asio's reads first try at once: a system call that finds nothing, once for every
-      // message of an exchange.) No readiness is missed: the wait is queued before the loop
-      // polls again, and the poll reports data that comes in meanwhile.
-      socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this(), want](error_code ec) {
+      // message of an exchange.) Queueing the wait is a system call too (it re-arms the socket
+      // in epoll), so a handler of its own does it: after whatever the frames just parsed
+      // completed, off the path from a message's arrival to the answer. No readiness is missed:
+      // re-arming reports data that came in meanwhile.
+      engine_.post([self = shared_from_this(), want] {
         if (self->closed_) return;
-        if (ec) return self->fail_read(ec, 0, "frame header");
-        self->read_ready(want);
+        self->socket_.async_wait(tcp::socket::wait_read, [self, want](error_code ec) {
+          if (self->closed_) return;
+          if (ec) return self->fail_read(ec, 0, "frame header");
+          self->read_ready(want);
+        });
       });
       return;
     }

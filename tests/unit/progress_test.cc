@@ -7,6 +7,7 @@
 #include <atomic>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -166,6 +167,68 @@ TEST(Progress, EngineThreadTakesOverAfterTheCallerStopsDriving) {
   });
   ASSERT_TRUE(eventually([&] { return later.load(); }));
   EXPECT_TRUE(on_engine_thread.load());
+}
+
+TEST(Progress, SubmitRunsAtOnceOnTheCallerWhenTheLoopIsFree) {
+  ProgressEngine e;
+  // Let the engine's thread settle into its park (nobody has driven yet, so it may hold the loop
+  // for a moment at start).
+  bool warm = false;
+  e.post([&] { warm = true; });
+  ASSERT_TRUE(e.drive_until([&] { return warm; }, Clock::now() + 5s));
+  bool ran = false;
+  bool in_loop = false;
+  std::thread::id on;
+  e.submit([&] {
+    ran = true;
+    in_loop = e.in_loop();
+    on = std::this_thread::get_id();
+  });
+  ASSERT_TRUE(ran);  // before submit returned
+  EXPECT_TRUE(in_loop);
+  EXPECT_EQ(on, std::this_thread::get_id());
+  EXPECT_FALSE(e.in_loop());  // and the caller left the loop again
+}
+
+TEST(Progress, SubmittedWorkNeverOvertakesWorkSubmittedEarlier) {
+  ProgressEngine e;
+  // Another thread holds the loop without running handlers (its done() blocks, and is called
+  // with the loop held): the first submission has to queue, and is still queued when the holder
+  // lets go of the loop.
+  std::atomic<bool> holding{false};
+  std::atomic<bool> release{false};
+  std::thread holder([&] {
+    e.drive_until(
+        [&] {
+          holding = true;
+          const auto end = Clock::now() + 10s;
+          while (!release.load() && Clock::now() < end)
+            std::this_thread::sleep_for(100us);
+          return true;
+        },
+        Clock::now() + 10s);
+  });
+  ASSERT_TRUE(eventually([&] { return holding.load(); }));
+  std::vector<int> order;
+  std::mutex m;
+  auto record = [&](int i) {
+    std::lock_guard lock(m);
+    order.push_back(i);
+  };
+  e.submit([&] { record(1); });  // the loop is held: queued
+  release = true;
+  holder.join();
+  // The loop is free now, but the first submission may not have run yet: the second must not run
+  // before it, inline or not.
+  e.submit([&] { record(2); });
+  for (int i = 3; i <= 50; ++i)
+    e.submit([&, i] { record(i); });
+  ASSERT_TRUE(eventually([&] {
+    std::lock_guard lock(m);
+    return order.size() == 50;
+  }));
+  for (int i = 0; i < 50; ++i)
+    EXPECT_EQ(order[static_cast<std::size_t>(i)], i + 1);
 }
 
 }  // namespace

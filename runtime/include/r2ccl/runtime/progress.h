@@ -16,6 +16,7 @@
 #include <boost/asio/post.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -41,6 +42,33 @@ class ProgressEngine {
   void post(F&& f) {
     boost::asio::post(io_, std::forward<F>(f));
   }
+  // Runs f on the loop: at once on the calling thread when the loop is free (no other thread
+  // runs it) and no work submitted earlier still waits in its queue, else queued like post().
+  // Work handed in through submit() thus runs in the order it was submitted, and an operation
+  // that a caller posts before driving the loop starts at once, not after the reactor's next
+  // poll (a system call on a small message's critical path).
+  template <typename F>
+  void submit(F&& f) {
+    if (submitted_.load(std::memory_order_acquire) == 0 && !in_loop() && !stopping_.load()) {
+      std::unique_lock loop(loop_mutex_, std::try_to_lock);
+      if (loop.owns_lock() && submitted_.load(std::memory_order_acquire) == 0) {
+        const ProgressEngine* saved = enter_loop(this);
+        try {
+          f();
+        } catch (const std::exception& e) {
+          handler_threw(e);
+        }
+        enter_loop(saved);
+        return;
+      }
+    }
+    submitted_.fetch_add(1, std::memory_order_acq_rel);
+    post([this, f = std::forward<F>(f)]() mutable {
+      submitted_.fetch_sub(1, std::memory_order_acq_rel);
+      f();
+    });
+  }
+
   // Runs fn once, on the loop, when the loop has had nothing to do for the spin period and is
   // about to block: for work worth batching with whatever the next handlers produce. Only from
   // the loop.
@@ -67,6 +95,10 @@ class ProgressEngine {
   void stop();
 
  private:
+  // Marks the calling thread as running the loop of `e` (nullptr: none); returns the previous.
+  static const ProgressEngine* enter_loop(const ProgressEngine* e);
+  static void handler_threw(const std::exception& e);
+
   // Drives the loop until done(), or sleeps a little while another caller drives it.
   void wait_for(const std::function<bool()>& done);
   void thread_main();
@@ -90,6 +122,7 @@ class ProgressEngine {
   std::mutex loop_mutex_;                 // held by whichever thread runs the loop
   std::atomic<bool> thread_owns_{false};  // the engine's own thread holds loop_mutex_
   std::atomic<int> drivers_{0};           // callers driving or about to
+  std::atomic<int> submitted_{0};         // submit()ted work queued, not yet started
   std::atomic<Clock::rep> last_drive_end_{0};
   std::atomic<bool> stopping_{false};
   std::vector<std::function<void()>> idle_;  // when_idle's work; touched only on the loop
