@@ -259,8 +259,24 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
   void kick() {
-    if (writing_ || closed_) return;
-    if (pending_.empty() && delayed_acks_.empty()) return;
+    while (!writing_ && !closed_ && (!pending_.empty() || !delayed_acks_.empty())) {
+      const std::size_t total = next_batch();
+      // One send at once, without Asio's operation machinery: a small batch usually goes whole
+      // (on the path from a message's arrival to its answer). What the socket does not take, or
+      // an error (reported by the asynchronous write below, not from inside the caller that
+      // queued the frame), goes to an asynchronous write.
+      error_code ec;
+      std::size_t sent = socket_.send(buffers_, 0, ec);
+      if (ec) sent = 0;
+      if (sent < total) return write_rest(sent);
+      // Acknowledgements that came meanwhile wait for company, as after an asynchronous write.
+      if (pending_.empty() && delayed_acks_.size() < kMaxDelayedAcks) return flush_acks_when_idle();
+    }
+  }
+
+  // Moves the delayed acknowledgements and the next frames into the write batch; returns its
+  // bytes.
+  std::size_t next_batch() {
     batch_.clear();
     for (const auto cookie : delayed_acks_)  // first, as urgent frames go
       batch_.push_back(
@@ -273,10 +289,24 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       pending_.pop_front();
     }
     buffers_.clear();
+    std::size_t total = 0;
     for (auto& f : batch_) {
       buffers_.emplace_back(f.header.data(), f.header.size());
       if (f.length > 0) buffers_.emplace_back(f.payload, f.length);
+      total += f.header.size() + f.length;
     }
+    return total;
+  }
+
+  // Writes the batch from byte `sent` on, asynchronously.
+  void write_rest(std::size_t sent) {
+    auto first = buffers_.begin();
+    while (sent > 0 && sent >= first->size()) {
+      sent -= first->size();
+      ++first;
+    }
+    buffers_.erase(buffers_.begin(), first);
+    if (sent > 0) buffers_.front() += sent;
     writing_ = true;
     asio::async_write(
         socket_, buffers_, whole_batch, [self = shared_from_this()](error_code ec, std::size_t) {
