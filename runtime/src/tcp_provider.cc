@@ -260,11 +260,16 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   void kick() {
     while (!writing_ && !closed_ && (!pending_.empty() || !delayed_acks_.empty())) {
-      const std::size_t total = next_batch();
-      // One send at once, without Asio's operation machinery: a small batch usually goes whole
-      // (on the path from a message's arrival to its answer). What the socket does not take, or
-      // an error (reported by the asynchronous write below, not from inside the caller that
-      // queued the frame), goes to an asynchronous write.
+      bool data = false;
+      const std::size_t total = next_batch(data);
+      // A batch of data (chunk writes) goes by an asynchronous write: while it is under way the
+      // next chunks gather into one batch, one system call. (Sent at once one by one, 1-2 MiB
+      // all-reduces on the testbed took 2-8% longer.)
+      if (data) return write_rest(0);
+      // Control messages and acknowledgements: one send at once, without Asio's operation
+      // machinery; a small batch usually goes whole (on the path from a message's arrival to its
+      // answer). What the socket does not take, or an error (reported by the asynchronous write,
+      // not from inside the caller that queued the frame), goes to an asynchronous write.
       error_code ec;
       std::size_t sent = socket_.send(buffers_, 0, ec);
       if (ec) sent = 0;
@@ -275,8 +280,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
   // Moves the delayed acknowledgements and the next frames into the write batch; returns its
-  // bytes.
-  std::size_t next_batch() {
+  // bytes, and sets `data` if it holds a write's payload.
+  std::size_t next_batch(bool& data) {
     batch_.clear();
     for (const auto cookie : delayed_acks_)  // first, as urgent frames go
       batch_.push_back(
@@ -294,6 +299,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       buffers_.emplace_back(f.header.data(), f.header.size());
       if (f.length > 0) buffers_.emplace_back(f.payload, f.length);
       total += f.header.size() + f.length;
+      data = data || (f.length > 0 && !f.owned);
     }
     return total;
   }
