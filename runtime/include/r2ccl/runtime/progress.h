@@ -52,13 +52,15 @@ class ProgressEngine {
     if (submitted_.load(std::memory_order_acquire) == 0 && !in_loop() && !stopping_.load()) {
       std::unique_lock loop(loop_mutex_, std::try_to_lock);
       if (loop.owns_lock() && submitted_.load(std::memory_order_acquire) == 0) {
-        const ProgressEngine* saved = enter_loop(this);
+        struct Here {  // this thread runs the loop until f() returns
+          const ProgressEngine* saved;
+          ~Here() { enter_loop(saved); }
+        } here{enter_loop(this)};
         try {
           f();
         } catch (const std::exception& e) {
           handler_threw(e);
         }
-        enter_loop(saved);
         return;
       }
     }
