@@ -14,7 +14,7 @@
 # once per size (-c 1). Before the first size each runs 5000 untimed 8-byte all-reduces (-W 5000):
 # time for the scheduler to put the two processes on separate cores (Open MPI's start-up gave it
 # that time; without it r2ccl's small sizes often ran with both ranks on one core, at twice the
-# time; 1000 were not always enough). The implementations take turns, R2CCL_BENCH_ROUNDS times (default 3):
+# time; 1000 were not always enough). The implementations take turns, R2CCL_BENCH_ROUNDS times (default 5):
 # each figure in the table is the median of its runs, so that a slow spell of the shared machine
 # does not decide a comparison. Targets (issue "collectives"): at >= 1 MiB r2ccl's bus bandwidth >= 1.2x
 # the better baseline; from 8 B to 64 KiB r2ccl's time <= the better baseline's.
@@ -24,7 +24,7 @@ set -euo pipefail
 readonly TB_NAME=collbench
 readonly RANK_TIMEOUT=600
 readonly SIZES=(-b 8 -e 4M -f 2 -n 50 -w 5 -W 5000 -c 1)
-readonly ROUNDS=${R2CCL_BENCH_ROUNDS:-3}
+readonly ROUNDS=${R2CCL_BENCH_ROUNDS:-5}
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] ||
   { echo "bench: R2CCL_BENCH_ROUNDS='$ROUNDS': expected a whole number of rounds >= 1" >&2; exit 2; }
 
