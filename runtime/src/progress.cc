@@ -55,14 +55,15 @@ ProgressEngine::~ProgressEngine() {
   stop();
 }
 
-const ProgressEngine* ProgressEngine::enter_loop(const ProgressEngine* e) {
-  const ProgressEngine* saved = t_running;
-  t_running = e;
-  return saved;
-}
-
-void ProgressEngine::handler_threw(const std::exception& e) {
-  R2CCL_ERROR("progress engine: handler threw: {}", e.what());
+bool ProgressEngine::run_here_if_free(void (*fn)(void*), void* arg) {
+  if (submitted_.load(std::memory_order_acquire) != 0 || in_loop() || stopping_.load())
+    return false;
+  std::unique_lock loop(loop_mutex_, std::try_to_lock);
+  // Looked at again with the loop held: work queued before it is not overtaken.
+  if (!loop.owns_lock() || submitted_.load(std::memory_order_acquire) != 0) return false;
+  RunningHere here(this);
+  guarded([&] { fn(arg); });
+  return true;
 }
 
 bool ProgressEngine::in_loop() const {

@@ -274,9 +274,15 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       std::size_t sent = socket_.send(buffers_, 0, ec);
       if (ec) sent = 0;
       if (sent < total) return write_rest(sent);
-      // Acknowledgements that came meanwhile wait for company, as after an asynchronous write.
-      if (pending_.empty() && delayed_acks_.size() < kMaxDelayedAcks) return flush_acks_when_idle();
+      if (acks_wait_for_company()) return flush_acks_when_idle();
     }
+  }
+
+  // After a batch went whole: acknowledgements that came meanwhile wait for a frame to ride with
+  // (or the idle flush) unless many wait. Sent alone, they would cost a send here and a receive
+  // at the peer for every message of an exchange whose answer crossed the batch.
+  bool acks_wait_for_company() const {
+    return pending_.empty() && delayed_acks_.size() < kMaxDelayedAcks;
   }
 
   // Moves the delayed acknowledgements and the next frames into the write batch; returns its
@@ -322,11 +328,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
             return self->fail(
                 {ErrorCode::kNetwork,
                  fmt::format("send failed on {}: {}", self->description_, errno_text(ec))});
-          // Acknowledgements that came while this write was under way wait for company too: sent
-          // alone now, they cost a send here and a receive at the peer for every message of an
-          // exchange whose answer crossed this write.
-          if (self->pending_.empty() && self->delayed_acks_.size() < kMaxDelayedAcks)
-            return self->flush_acks_when_idle();
+          if (self->acks_wait_for_company()) return self->flush_acks_when_idle();
           self->kick();
         });
   }

@@ -16,11 +16,11 @@
 #include <boost/asio/post.hpp>
 #include <chrono>
 #include <condition_variable>
-#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace r2ccl {
@@ -49,21 +49,8 @@ class ProgressEngine {
   // poll (a system call on a small message's critical path).
   template <typename F>
   void submit(F&& f) {
-    if (submitted_.load(std::memory_order_acquire) == 0 && !in_loop() && !stopping_.load()) {
-      std::unique_lock loop(loop_mutex_, std::try_to_lock);
-      if (loop.owns_lock() && submitted_.load(std::memory_order_acquire) == 0) {
-        struct Here {  // this thread runs the loop until f() returns
-          const ProgressEngine* saved;
-          ~Here() { enter_loop(saved); }
-        } here{enter_loop(this)};
-        try {
-          f();
-        } catch (const std::exception& e) {
-          handler_threw(e);
-        }
-        return;
-      }
-    }
+    auto call = [](void* fn) { (*static_cast<std::remove_reference_t<F>*>(fn))(); };
+    if (run_here_if_free(call, &f)) return;
     submitted_.fetch_add(1, std::memory_order_acq_rel);
     post([this, f = std::forward<F>(f)]() mutable {
       submitted_.fetch_sub(1, std::memory_order_acq_rel);
@@ -97,9 +84,9 @@ class ProgressEngine {
   void stop();
 
  private:
-  // Marks the calling thread as running the loop of `e` (nullptr: none); returns the previous.
-  static const ProgressEngine* enter_loop(const ProgressEngine* e);
-  static void handler_threw(const std::exception& e);
+  // submit()'s first try: runs fn(arg) as a handler on the calling thread if the loop is free
+  // and no submitted work is queued; false (nothing run) otherwise.
+  bool run_here_if_free(void (*fn)(void*), void* arg);
 
   // Drives the loop until done(), or sleeps a little while another caller drives it.
   void wait_for(const std::function<bool()>& done);
