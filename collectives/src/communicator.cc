@@ -245,11 +245,13 @@ Status Communicator::barrier() {
 
 Status Communicator::run(const CollDesc& desc, Buffers b) {
   CollDesc d = desc;
-  const std::string name(coll_op_name(d.op));
-  if (aborted_) return {ErrorCode::kAborted, name + ": the communicator was aborted"};
+  if (aborted_)
+    return {ErrorCode::kAborted,
+            fmt::format("{}: the communicator was aborted", coll_op_name(d.op))};
   if (group_depth_ > 0)
     return {ErrorCode::kInvalidArgument,
-            name + ": collectives cannot be queued in a group (only send and recv can)"};
+            fmt::format("{}: collectives cannot be queued in a group (only send and recv can)",
+                        coll_op_name(d.op))};
   R2CCL_RETURN_IF_ERROR(validate(d, b));
   const std::size_t elem = type_size(d.type);
   const auto r = static_cast<std::size_t>(rank());
