@@ -15,7 +15,8 @@
 #   --gloo-chunks  split each Gloo all-reduce into K concurrent ones (gloo_allreduce.py --chunks),
 #                  the way to make Gloo use several interfaces at once (default 1)
 #   --timeout      hard wall-clock limit of each baseline run in seconds (default 300)
-#   BENCH_ARGS     passed to both benchmarks (default: -b 8 -e 4M -f 2 -n 20 -w 5 -c 1)
+#   BENCH_ARGS     passed to both benchmarks (default: -b 8 -e 4M -f 2 -n 20 -w 5 -c 1);
+#                  -l 1 (per-operation percentiles) is understood by the Open MPI one only
 #
 # Prints the benchmarks' JSON lines on stdout, one per size and baseline; progress on stderr.
 #
@@ -51,7 +52,7 @@ die() {
   printf '%s: %s\n' "$NAME" "$*" >&2
   exit "$code"
 }
-usage() { sed -n '6,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '6,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 impl=all net=testbed hosts=2 nics=4 rate=100mbit tb_name="" ranks=2 chunks=1 run_timeout=300
 bench_args=(-b 8 -e 4M -f 2 -n 20 -w 5 -c 1)

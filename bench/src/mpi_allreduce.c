@@ -5,6 +5,7 @@
  * lines).  Float32 sum, out of place, conventions of nccl-tests:
  *
  *   mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W SETTLE] [-c 0|1]
+ *                 [-l 0|1]
  *
  * Sizes are bytes with an optional K, M or G suffix (powers of 1024) and are rounded down to
  * whole float32 elements (at least one).  For each size, MIN, MIN*FACTOR, ... up to MAX: WARMUP
@@ -17,7 +18,9 @@
  *   {"impl":"openmpi","op":"allreduce","nranks":P,"bytes":B,"time_us":T,
  *    "algbw_gbps":A,"busbw_gbps":BB,"wrong":W}
  * algbw = bytes / time / 1e9, busbw = algbw * 2 * (P - 1) / P, wrong = wrong elements summed
- * over the ranks (0 when not checked).
+ * over the ranks (0 when not checked).  With -l 1 every timed all-reduce is also timed on its
+ * own, and the line ends with rank 0's "latency_us":{"p1":..,"p50":..,"p90":..,"p99":..,"max":..}
+ * (what r2ccl-perf --latency prints for r2ccl).
  *
  * Exit status: 0 ok, 1 some element was wrong, 2 bad arguments or out of memory.
  *
@@ -44,6 +47,7 @@ struct options {
   int warmup;
   int settle;
   int check;
+  int latency; /* -l 1: time every timed all-reduce on its own */
 };
 
 /* Input of element i on rank r: an integer in [-4, 4], so every sum is exact in float32. */
@@ -83,14 +87,16 @@ static int parse_int(const char *s, long lo, long hi, long *out) {
 static void usage(FILE *f) {
   fprintf(f,
           "usage: mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-W SETTLE]\n"
-          "                     [-c 0|1]\n"
+          "                     [-c 0|1] [-l 0|1]\n"
           "  -b MIN     smallest size in bytes, K/M/G suffixes (default 8)\n"
           "  -e MAX     largest size in bytes (default 4M)\n"
           "  -f FACTOR  size multiplier between steps, >= 2 (default 2)\n"
           "  -n ITERS   timed iterations per size (default 20)\n"
           "  -w WARMUP  untimed iterations per size (default 5)\n"
           "  -W SETTLE  untimed all-reduces of the smallest size before the first (default 0)\n"
-          "  -c 0|1     check every element on every rank (default 1)\n");
+          "  -c 0|1     check every element on every rank (default 1)\n"
+          "  -l 0|1     time every timed all-reduce on its own: rank 0's p1, p50, p90, p99 and\n"
+          "             maximum (us) in the JSON line (default 0)\n");
 }
 
 /* parse_options: 0 ok, 1 help printed, 2 bad arguments (message printed by rank 0 only). */
@@ -102,10 +108,11 @@ static int parse_options(int argc, char **argv, int rank, struct options *o) {
   o->warmup = 5;
   o->settle = 0;
   o->check = 1;
+  o->latency = 0;
   int c;
   long v;
   opterr = 0;
-  while ((c = getopt(argc, argv, "b:e:f:n:w:W:c:h")) != -1) {
+  while ((c = getopt(argc, argv, "b:e:f:n:w:W:c:l:h")) != -1) {
     const char *bad = NULL;
     switch (c) {
       case 'b': if (parse_size(optarg, &o->min_bytes) != 0) bad = "-b: a size such as 8, 64K, 4M"; break;
@@ -115,6 +122,7 @@ static int parse_options(int argc, char **argv, int rank, struct options *o) {
       case 'w': if (parse_int(optarg, 0, 1000000, &v) != 0) bad = "-w: an integer 0..1000000"; else o->warmup = (int)v; break;
       case 'W': if (parse_int(optarg, 0, 1000000, &v) != 0) bad = "-W: an integer 0..1000000"; else o->settle = (int)v; break;
       case 'c': if (parse_int(optarg, 0, 1, &v) != 0) bad = "-c: 0 or 1"; else o->check = (int)v; break;
+      case 'l': if (parse_int(optarg, 0, 1, &v) != 0) bad = "-l: 0 or 1"; else o->latency = (int)v; break;
       case 'h': if (rank == 0) usage(stdout); return 1;
       default: bad = "unknown option or missing value"; break;
     }
@@ -135,6 +143,17 @@ static int parse_options(int argc, char **argv, int rank, struct options *o) {
     return 2;
   }
   return 0;
+}
+
+static int compare_doubles(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The q-quantile of v[0..n) (sorted, n >= 1), nearest rank. */
+static double percentile(const double *v, int n, double q) {
+  int i = (int)(q * (double)(n - 1) + 0.5);
+  return v[i < n ? i : n - 1];
 }
 
 /* Bytes actually moved for a requested size: whole float32 elements, at least one. */
@@ -170,13 +189,15 @@ int main(int argc, char **argv) {
   size_t max_count = elements_for(o.max_bytes);
   float *send = malloc(max_count * sizeof(float));
   float *recv = malloc(max_count * sizeof(float));
-  int oom = (send == NULL || recv == NULL), any_oom = 0;
+  double *op_us = malloc((size_t)o.iters * sizeof(double)); /* -l 1: each timed all-reduce */
+  int oom = (send == NULL || recv == NULL || op_us == NULL), any_oom = 0;
   MPI_Allreduce(&oom, &any_oom, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (any_oom) {
     if (oom) fprintf(stderr, "mpi_allreduce: rank %d: cannot allocate 2 x %zu bytes\n", rank,
                      max_count * sizeof(float));
     free(send);
     free(recv);
+    free(op_us);
     MPI_Finalize();
     return 2;
   }
@@ -207,7 +228,9 @@ int main(int argc, char **argv) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
     for (int it = 0; it < o.iters; it++) {
+      double a = o.latency ? MPI_Wtime() : 0.0;
       MPI_Allreduce(send, recv, icount, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      if (o.latency) op_us[it] = (MPI_Wtime() - a) * 1e6;
     }
     double avg = (MPI_Wtime() - t0) / o.iters, max_avg = 0.0;
     MPI_Reduce(&avg, &max_avg, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
@@ -227,8 +250,17 @@ int main(int argc, char **argv) {
       double algbw = max_avg > 0.0 ? moved / max_avg / 1e9 : 0.0;
       double busbw = algbw * 2.0 * (nranks - 1) / nranks;
       printf("{\"impl\":\"openmpi\",\"op\":\"allreduce\",\"nranks\":%d,\"bytes\":%zu,"
-             "\"time_us\":%.2f,\"algbw_gbps\":%.6f,\"busbw_gbps\":%.6f,\"wrong\":%lld}\n",
+             "\"time_us\":%.2f,\"algbw_gbps\":%.6f,\"busbw_gbps\":%.6f,\"wrong\":%lld",
              nranks, count * sizeof(float), max_avg * 1e6, algbw, busbw, sum_wrong);
+      if (o.latency) {
+        qsort(op_us, (size_t)o.iters, sizeof(double), compare_doubles);
+        printf(",\"latency_us\":{\"p1\":%.2f,\"p50\":%.2f,\"p90\":%.2f,\"p99\":%.2f,"
+               "\"max\":%.2f}",
+               percentile(op_us, o.iters, 0.01), percentile(op_us, o.iters, 0.50),
+               percentile(op_us, o.iters, 0.90), percentile(op_us, o.iters, 0.99),
+               op_us[o.iters - 1]);
+      }
+      printf("}\n");
       fflush(stdout);
     }
     if (bytes > o.max_bytes / o.factor) break; /* the next step would pass MAX (or overflow) */
@@ -236,6 +268,7 @@ int main(int argc, char **argv) {
 
   free(send);
   free(recv);
+  free(op_us);
   MPI_Finalize();
   return total_wrong == 0 ? 0 : 1;
 }

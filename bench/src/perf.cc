@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -52,10 +54,21 @@ struct Options {
   bool keep_going = false;  // with --duration: a failed round is reported, not fatal
   bool oneway = false;      // sendrecv: even ranks send, odd ranks receive
   std::string events_path;  // rail events as JSON lines
+  bool latency = false;     // time every timed operation: percentiles on rank 0
   std::string type = "float";
   std::string redop = "sum";
   int root = 0;
 };
+
+// p1, p50, p90, p99 and the maximum of `v` (nearest rank; v is sorted here).
+std::array<double, 5> percentiles(std::vector<double>& v) {
+  std::sort(v.begin(), v.end());
+  const auto at = [&](double q) {
+    const auto i = static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+    return v[std::min(i, v.size() - 1)];
+  };
+  return {at(0.01), at(0.50), at(0.90), at(0.99), v.back()};
+}
 
 // The byte at `i` of the message rank `src` sends in round `round`.
 void fill_pattern(std::byte* p, std::size_t n, int src, std::uint64_t round) {
@@ -385,6 +398,8 @@ int run(const Options& o) {
   std::vector<r2ccl::RailSnapshot> before, after;
   std::vector<r2ccl::RailEvent> events;  // as of the end of the timed work (not the peer's exit)
   double last_seconds = 0;
+  std::vector<double> op_us;       // --latency: this size's operations, one by one
+  std::vector<std::string> tails;  // --latency: the percentile lines, printed after the table
   for (int i = 0; i < o.settle && exit_code == 0; ++i)
     if (Status st = bench.run_once(bench.round_bytes(*minb)); !st) {
       fmt::print(stderr, "r2ccl-perf: rank {}: settling before the first size failed: {}\n",
@@ -441,6 +456,13 @@ int run(const Options& o) {
         }
         stop = !(*votes)[0].empty() && (*votes)[0][0] != std::byte{0};
       }
+    } else if (o.latency) {
+      op_us.clear();
+      for (; iters < o.iters && error.empty(); ++iters) {
+        const auto a = Clock::now();
+        if (Status st = bench.run_once(bytes); !st) error = st.to_string();
+        op_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - a).count());
+      }
     } else {
       for (; iters < o.iters && error.empty(); ++iters)
         if (Status st = bench.run_once(bytes); !st) error = st.to_string();
@@ -489,6 +511,13 @@ int run(const Options& o) {
                                  {"algbw_gbps", algbw},
                                  {"busbw_gbps", busbw},
                                  {"wrong", o.check ? nlohmann::json(g->wrong) : nlohmann::json()}});
+    if (o.latency && !op_us.empty()) {
+      const auto p = percentiles(op_us);
+      report["results"].back()["latency_us"] = {
+          {"p1", p[0]}, {"p50", p[1]}, {"p90", p[2]}, {"p99", p[3]}, {"max", p[4]}};
+      tails.push_back(fmt::format("  {:>12} {:>8} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>10.1f}",
+                                  bytes, op_us.size(), p[0], p[1], p[2], p[3], p[4]));
+    }
     const auto next = static_cast<std::size_t>(static_cast<double>(requested) * o.step_factor);
     requested = next > requested ? next : requested + 1;
   }
@@ -498,6 +527,13 @@ int run(const Options& o) {
     fmt::print("# Avg bus bandwidth    : {:.4f} GB/s\n#\n", busbw_sum / rows);
   }
   report["avg_busbw_gbps"] = rows ? busbw_sum / rows : 0.0;
+  if (root && !tails.empty()) {
+    fmt::print("# Time of each operation on rank 0 (us), percentiles over the timed iterations:\n");
+    fmt::print("# {:>12} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10}\n", "size (B)", "ops", "p1", "p50",
+               "p90", "p99", "max");
+    for (const auto& line : tails)
+      fmt::print("{}\n", line);
+  }
 
   // Per-rail bytes and throughput of the last (largest) size's timed iterations, on this rank.
   nlohmann::json rail_rows = nlohmann::json::array();
@@ -612,10 +648,14 @@ int main(int argc, char** argv) {
   app.add_option("-c,--check", o.check, "1: check every byte on every rank");
   app.add_flag("--rails", o.rails, "print per-rail bytes and throughput");
   app.add_option("--json", o.json_path, "write the results as JSON (rank 0)");
-  app.add_option("--duration", o.duration,
-                 "run each size for this many seconds instead of -n iterations; with -c 1 every "
-                 "iteration is verified")
-      ->check(CLI::PositiveNumber);
+  auto* duration =
+      app.add_option("--duration", o.duration,
+                     "run each size for this many seconds instead of -n iterations; with -c 1 "
+                     "every iteration is verified")
+          ->check(CLI::PositiveNumber);
+  app.add_flag("--latency", o.latency,
+               "time every timed operation and print percentiles (p1 p50 p90 p99 max) on rank 0")
+      ->excludes(duration);
   app.add_flag("--oneway", o.oneway,
                "sendrecv: even ranks send to rank+1, odd ranks receive (one direction per pair)");
   app.add_flag("--keep-going", o.keep_going,

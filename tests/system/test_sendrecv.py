@@ -199,6 +199,39 @@ def test_two_processes_claim_one_rank(perf):
 # --------------------------------------------------------------------------- config
 
 
+def test_latency_percentiles(perf, tmp_path):
+    """--latency times each timed operation: rank 0 prints p1 <= p50 <= p90 <= p99 <= max for
+    every size, over exactly -n operations, and the JSON carries the same figures."""
+    js = str(tmp_path / "out.json")
+    args = ["sendrecv", "-b", "8", "-e", "64K", "-f", "64", "-n", "40", "-w", "2", "-c", "1",
+            "--latency"]
+    procs, _ = loop_ranks(2, args, json_path=js)
+    res = launch_ranks(procs, timeout=60)
+    assert_all_ok(res, [8, 512, 32768])
+    out = res[0].stdout
+    head = "# Time of each operation on rank 0 (us), percentiles over the timed iterations:"
+    assert head in out, out
+    lines = out.split(head, 1)[1].strip().splitlines()[1:]  # after the column names
+    rows = [l.split() for l in lines if l.strip() and not l.startswith("#")]
+    assert [int(r[0]) for r in rows] == [8, 512, 32768], out
+    report = {r["bytes"]: r for r in load_json(js)["results"]}
+    for r in rows:
+        assert int(r[1]) == 40, out
+        p = [float(x) for x in r[2:7]]
+        assert all(x > 0 for x in p) and p == sorted(p), out
+        lat = report[int(r[0])]["latency_us"]
+        assert [lat[k] for k in ("p1", "p50", "p90", "p99", "max")] == pytest.approx(p, abs=0.051), lat
+    assert "# Time of each operation" not in res[1].stdout, res[1].describe()
+
+
+def test_latency_with_duration_is_refused(perf):
+    env = rank_env(0, 1, f"127.0.0.1:{free_port()}")
+    (r,) = launch_ranks([Proc(env=env, args=["allreduce", "-b", "8", "-e", "8", "--latency",
+                                             "--duration", "1"])], timeout=30)
+    assert r.returncode != 0, r.describe()
+    assert "--latency" in r.stderr and "--duration" in r.stderr and "exclude" in r.stderr, r.describe()
+
+
 def test_bad_chunk_size(perf):
     env = rank_env(0, 1, f"127.0.0.1:{free_port()}", R2CCL_CHUNK_SIZE="abc")
     (r,) = launch_ranks([Proc(env=env, args=["sendrecv", "-b", "8", "-e", "8"])], timeout=30)
