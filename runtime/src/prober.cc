@@ -162,7 +162,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     });
   }
 
-  // The next targets in turn: enough per tick that each is probed at least once per interval.
+  // The next targets in turn: as many as keep each target's probes one interval apart.
   void send_probes() {
     if (targets_.empty()) return;
     const auto n = targets_.size();
