@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <sys/socket.h>
 
-#include <algorithm>
 #include <cstring>
 
 #include "r2ccl/runtime/asio.h"
@@ -21,8 +20,6 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint32_t kMagic = 0x42503252;  // "R2PB"
 constexpr std::uint8_t kPing = 1;
 constexpr std::uint8_t kPong = 2;
-// Probes of many targets are sent in groups no more often than this.
-constexpr auto kMinTick = std::chrono::milliseconds(1);
 constexpr std::size_t kPacketSize = 4 + 1 + 8 + 4 + 4 + 4 + 8 + 8;
 
 struct Packet {
@@ -144,17 +141,8 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     std::uint64_t seq = 0;
   };
 
-  // Every target gets a probe per interval, the targets a few at a time, spread over it: all at
-  // once, they came as a burst of sends (and of answers at the peers) that held up whatever
-  // message exchange was under way by several system calls' time, every interval.
-  Clock::duration tick() const {
-    const auto n = static_cast<Clock::rep>(std::max<std::size_t>(targets_.size(), 1));
-    return std::max<Clock::duration>(std::chrono::duration_cast<Clock::duration>(interval_) / n,
-                                     kMinTick);
-  }
-
   void arm_timer() {
-    timer_.expires_after(tick());
+    timer_.expires_after(interval_);
     timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
       if (ec || self->stopped_) return;
       self->send_probes();
@@ -162,21 +150,11 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     });
   }
 
-  // The next targets in turn: as many as keep each target's probes one interval apart.
   void send_probes() {
-    if (targets_.empty()) return;
-    const auto n = targets_.size();
-    const auto per_tick = static_cast<std::size_t>(
-        (static_cast<Clock::rep>(n) * tick().count() + interval_ns() - 1) / interval_ns());
-    for (std::size_t k = 0; k < std::min(per_tick, n); ++k) {
-      auto& t = targets_[next_target_++ % n];
+    for (auto& t : targets_) {
       Packet p{kPing, tag_, me_, t.peer, t.rail, ++t.seq, now_ns()};
       send(t.rail, encode(p), t.to);
     }
-  }
-
-  Clock::rep interval_ns() const {
-    return std::max<Clock::rep>(std::chrono::duration_cast<Clock::duration>(interval_).count(), 1);
   }
 
   void send(std::size_t device, Bytes bytes, const udp::endpoint& to) {
@@ -223,7 +201,6 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   std::uint64_t tag_ = 0;
   std::vector<std::unique_ptr<Socket>> sockets_;
   std::vector<Target> targets_;
-  std::size_t next_target_ = 0;
   bool stopped_ = false;
 };
 
