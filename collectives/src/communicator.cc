@@ -245,13 +245,11 @@ Status Communicator::barrier() {
 
 Status Communicator::run(const CollDesc& desc, Buffers b) {
   CollDesc d = desc;
-  if (aborted_)
-    return {ErrorCode::kAborted,
-            fmt::format("{}: the communicator was aborted", coll_op_name(d.op))};
+  const std::string name(coll_op_name(d.op));
+  if (aborted_) return {ErrorCode::kAborted, name + ": the communicator was aborted"};
   if (group_depth_ > 0)
     return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: collectives cannot be queued in a group (only send and recv can)",
-                        coll_op_name(d.op))};
+            name + ": collectives cannot be queued in a group (only send and recv can)"};
   R2CCL_RETURN_IF_ERROR(validate(d, b));
   const std::size_t elem = type_size(d.type);
   const auto r = static_cast<std::size_t>(rank());

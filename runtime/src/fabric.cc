@@ -49,8 +49,6 @@ bool Op::done() const {
 }
 
 Status Op::status() const {
-  // Written once, before done_flag_ is set (release): after that it never changes.
-  if (done_flag_.load(std::memory_order_acquire)) return status_;
   std::lock_guard lock(mutex_);
   return status_;
 }
@@ -344,10 +342,13 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   f->registry_ = std::make_unique<MemoryRegistry>(*f->provider_);
   Fabric* self = f.get();
   R2CCL_ASSIGN_OR_RETURN(
-      f->prober_, Prober::open(*f->engine_, nics, boot.token, boot.rank, config.probe_interval,
-                               [self](int peer, std::uint32_t rail, std::chrono::nanoseconds rtt) {
-                                 if (Channel* c = self->channel(peer)) c->on_probe_reply(rail, rtt);
-                               }));
+      f->prober_,
+      Prober::open(*f->engine_, nics, boot.token, boot.rank, config.probe_interval,
+                   [self](int peer, std::uint32_t rail, std::chrono::nanoseconds rtt) {
+                     if (peer >= 0 && static_cast<std::size_t>(peer) < self->channels_.size() &&
+                         self->channels_[static_cast<std::size_t>(peer)])
+                       self->channels_[static_cast<std::size_t>(peer)]->on_probe_reply(rail, rtt);
+                   }));
 
   ByteWriter info;
   info.u32(static_cast<std::uint32_t>(nics.size()));
@@ -581,11 +582,6 @@ Status Fabric::deregister_memory(const RegionPtr& region) {
   return registry_->deregister_region(region->id);
 }
 
-Channel* Fabric::channel(int peer) const {
-  if (peer < 0 || static_cast<std::size_t>(peer) >= channels_.size()) return nullptr;
-  return channels_[static_cast<std::size_t>(peer)].get();
-}
-
 Status Fabric::check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                           const char* what) const {
   if (peer < 0 || peer >= nranks())
@@ -607,13 +603,11 @@ Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  // The work runs once: it hands its copies of the pointers on.
-  engine_->submit([this, op, region, offset, length, peer, deadline]() mutable {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(true, op, region->base + offset, length);
     else
-      channels_[static_cast<std::size_t>(peer)]->post_send(std::move(op), std::move(region), offset,
-                                                           length, deadline);
+      channels_[static_cast<std::size_t>(peer)]->post_send(op, region, offset, length, deadline);
   });
   return op;
 }
@@ -624,12 +618,11 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   auto op = std::make_shared<Op>();
   const auto deadline = Clock::now() + config_.timeout;
   op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, length, peer, deadline]() mutable {
+  engine_->submit([this, op, region, offset, length, peer, deadline] {
     if (peer == rank())
       self_->post(false, op, region->base + offset, length);
     else
-      channels_[static_cast<std::size_t>(peer)]->post_recv(std::move(op), std::move(region), offset,
-                                                           length, deadline);
+      channels_[static_cast<std::size_t>(peer)]->post_recv(op, region, offset, length, deadline);
   });
   return op;
 }

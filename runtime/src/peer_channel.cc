@@ -269,13 +269,14 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
     scheduler_.release(index, c.length);
     s.awaiting_replay.push_back(c);
   }
-  for (auto& c : control_inflight_)
-    if (c.entry && c.entry->rail == index) {
-      s.awaiting_control.push_back(std::move(*c.entry));
-      c.entry.reset();
-      --control_inflight_live_;
+  for (auto it = control_inflight_.begin(); it != control_inflight_.end();) {
+    if (it->second.rail == index) {
+      s.awaiting_control.push_back(std::move(it->second));
+      it = control_inflight_.erase(it);
+    } else {
+      ++it;
     }
-  trim_inflight_control();
+  }
   update_usable(index);
   event(index, "failed",
         fmt::format("{} (detected in {}; {} chunk(s), {} control message(s) to replay)", reason,
@@ -775,7 +776,7 @@ void Channel::telemetry_views(std::vector<RailTelemetryView>& out) const {
 }
 
 bool Channel::settled() const {
-  return closing_ || !any_usable() || (control_backlog_.empty() && control_inflight_live_ == 0);
+  return closing_ || !any_usable() || (control_backlog_.empty() && control_inflight_.empty());
 }
 
 void Channel::shutdown() {
@@ -823,27 +824,8 @@ void Channel::flush_control() {
       control_backlog_.push_front(std::move(e));
       return;
     }
-    control_inflight_.push_back({cookie, std::move(e)});
-    ++control_inflight_live_;
+    control_inflight_.emplace(cookie, std::move(e));
   }
-}
-
-std::optional<Channel::ControlEntry> Channel::take_inflight_control(std::uint64_t cookie) {
-  auto it =
-      std::lower_bound(control_inflight_.begin(), control_inflight_.end(), cookie,
-                       [](const InflightControl& c, std::uint64_t k) { return c.cookie < k; });
-  if (it == control_inflight_.end() || it->cookie != cookie || !it->entry)
-    return std::nullopt;  // a repeated confirmation, or one for a message taken for a replay
-  std::optional<ControlEntry> e = std::move(it->entry);
-  it->entry.reset();
-  --control_inflight_live_;
-  trim_inflight_control();
-  return e;
-}
-
-void Channel::trim_inflight_control() {
-  while (!control_inflight_.empty() && !control_inflight_.front().entry)
-    control_inflight_.pop_front();
 }
 
 void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> message) {
@@ -1259,9 +1241,12 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
   auto& s = *rails_[rail];
   s.health->on_heard(now);
   if (cookie & kControlCookieBit) {
-    if (auto e = take_inflight_control(cookie); e && e->payload > 0) {
-      s.tel.tx_bytes.fetch_add(e->payload, std::memory_order_relaxed);
-      s.tel.tx_chunks.fetch_add(1, std::memory_order_relaxed);
+    if (auto it = control_inflight_.find(cookie); it != control_inflight_.end()) {
+      if (it->second.payload > 0) {
+        s.tel.tx_bytes.fetch_add(it->second.payload, std::memory_order_relaxed);
+        s.tel.tx_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+      control_inflight_.erase(it);
     }
     return;
   }

@@ -224,19 +224,9 @@ class Channel {
   std::uint64_t next_control_seq_ = 1;
   std::uint64_t next_control_cookie_ = 1;
   std::deque<ControlEntry> control_backlog_;
-  // Control messages sent and not confirmed yet, in the order of their cookies (which only
-  // grow); a confirmed one leaves a hole until every older one is confirmed too. Confirmations
-  // come back in about that order: no tree node per message, as a map by cookie would need.
-  struct InflightControl {
-    std::uint64_t cookie = 0;
-    std::optional<ControlEntry> entry;  // empty: confirmed (or taken for a replay)
-  };
-  std::deque<InflightControl> control_inflight_;
-  std::size_t control_inflight_live_ = 0;
-  std::optional<ControlEntry> take_inflight_control(std::uint64_t cookie);
-  void trim_inflight_control();
-  std::uint64_t control_seen_below_ = 1;  // every seq below this was handled
-  std::set<std::uint64_t> control_seen_;  // handled seqs at or above it
+  std::map<std::uint64_t, ControlEntry> control_inflight_;  // by cookie
+  std::uint64_t control_seen_below_ = 1;                    // every seq below this was handled
+  std::set<std::uint64_t> control_seen_;                    // handled seqs at or above it
 
   std::uint64_t next_send_seq_ = 0;
   std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)

@@ -134,8 +134,6 @@ class Fabric {
   Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                     const char* what) const;
   void record_async_error(const Status& st);
-  // The channel to `peer`, or null (out of range, or this rank).
-  Channel* channel(int peer) const;
 
   Config config_;
   Token rail_token_{};  // rails carry the bootstrap token in their hello

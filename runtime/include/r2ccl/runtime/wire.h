@@ -87,10 +87,10 @@ class ByteReader {
   bool ok() const { return ok_; }
   bool at_end() const { return pos_ == b_.size(); }
   std::size_t remaining() const { return b_.size() - pos_; }
-  std::uint8_t u8() { return le<std::uint8_t>(); }
-  std::uint16_t u16() { return le<std::uint16_t>(); }
-  std::uint32_t u32() { return le<std::uint32_t>(); }
-  std::uint64_t u64() { return le<std::uint64_t>(); }
+  std::uint8_t u8() { return static_cast<std::uint8_t>(le(1)); }
+  std::uint16_t u16() { return static_cast<std::uint16_t>(le(2)); }
+  std::uint32_t u32() { return static_cast<std::uint32_t>(le(4)); }
+  std::uint64_t u64() { return le(8); }
   std::string str(std::size_t max = 1 << 20) {
     auto n = u32();
     if (!ok_ || n > max || n > remaining()) return fail_str();
@@ -125,15 +125,13 @@ class ByteReader {
   }
 
  private:
-  // By type, so that the size is a constant: a load, not a call to memcpy.
-  template <typename T>
-  T le() {
-    if (!ok_ || sizeof(T) > remaining()) {
+  std::uint64_t le(std::size_t n) {
+    if (!ok_ || n > remaining()) {
       ok_ = false;
       return 0;
     }
-    const auto v = static_cast<T>(load_le(b_.data() + pos_, sizeof(T)));
-    pos_ += sizeof(T);
+    const std::uint64_t v = load_le(b_.data() + pos_, n);
+    pos_ += n;
     return v;
   }
   std::string fail_str() {
