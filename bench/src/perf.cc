@@ -456,16 +456,14 @@ int run(const Options& o) {
         }
         stop = !(*votes)[0].empty() && (*votes)[0][0] != std::byte{0};
       }
-    } else if (o.latency) {
+    } else {
       op_us.clear();
       for (; iters < o.iters && error.empty(); ++iters) {
-        const auto a = Clock::now();
+        const auto a = o.latency ? Clock::now() : Clock::time_point{};
         if (Status st = bench.run_once(bytes); !st) error = st.to_string();
-        op_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - a).count());
+        if (o.latency)
+          op_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - a).count());
       }
-    } else {
-      for (; iters < o.iters && error.empty(); ++iters)
-        if (Status st = bench.run_once(bytes); !st) error = st.to_string();
     }
     iters = std::max(iters, 1);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
