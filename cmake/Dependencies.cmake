@@ -1,34 +1,96 @@
-# Every dependency comes from a Debian 12 package (scripts/run installs them).
-find_package(Threads REQUIRED)
+# Every dependency comes from a Debian 12 package; scripts/run installs them all.
+#
+# r2ccl_dependency(<NAME> DEBIAN <package> (PKGCONFIG <module> | CMAKE <package> [CONFIG])
+#                  [VERSION <v>] [OPTIONAL])
+# finds one dependency. When a required one is missing, configuring stops with an error that names
+# the Debian package that provides it. Every dependency found is written, with the file that proved
+# it, to ${CMAKE_BINARY_DIR}/r2ccl-dependencies.tsv; tests/check_packages.py checks that each such
+# file belongs to the package named here and that scripts/run installs that package.
 find_package(PkgConfig REQUIRED)
+set(R2CCL_DEPENDENCY_MANIFEST ${CMAKE_BINARY_DIR}/r2ccl-dependencies.tsv)
+file(WRITE ${R2CCL_DEPENDENCY_MANIFEST} "# name\tdebian package\tfile that proves it\n")
+
+function(r2ccl_dependency name)
+  cmake_parse_arguments(PARSE_ARGV 1 dep "OPTIONAL;CONFIG" "DEBIAN;PKGCONFIG;CMAKE;VERSION" "")
+  if(NOT dep_DEBIAN OR (NOT dep_PKGCONFIG AND NOT dep_CMAKE))
+    message(FATAL_ERROR "r2ccl_dependency(${name}): DEBIAN and PKGCONFIG or CMAKE are required")
+  endif()
+  set(found FALSE)
+  set(proof "")
+  if(dep_PKGCONFIG)
+    set(spec ${dep_PKGCONFIG})
+    if(dep_VERSION)
+      set(spec "${dep_PKGCONFIG}>=${dep_VERSION}")
+    endif()
+    pkg_check_modules(${name} QUIET IMPORTED_TARGET GLOBAL ${spec})
+    if(${name}_FOUND)
+      set(found TRUE)
+      execute_process(COMMAND ${PKG_CONFIG_EXECUTABLE} --path ${dep_PKGCONFIG}
+        OUTPUT_VARIABLE proof OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    endif()
+    set(what "pkg-config module '${dep_PKGCONFIG}'")
+  else()
+    set(mode "")
+    if(dep_CONFIG)
+      set(mode CONFIG)
+    endif()
+    find_package(${dep_CMAKE} ${dep_VERSION} ${mode} QUIET)
+    if(${dep_CMAKE}_FOUND)
+      set(found TRUE)
+      if(${dep_CMAKE}_CONFIG)
+        set(proof ${${dep_CMAKE}_CONFIG})
+      elseif(${dep_CMAKE}_INCLUDE_DIRS)
+        list(GET ${dep_CMAKE}_INCLUDE_DIRS 0 proof)
+      endif()
+    endif()
+    set(what "CMake package '${dep_CMAKE}'")
+  endif()
+  if(dep_VERSION)
+    string(APPEND what " (version ${dep_VERSION} or newer)")
+  endif()
+  set(${name}_FOUND ${found} PARENT_SCOPE)
+  if(found)
+    file(APPEND ${R2CCL_DEPENDENCY_MANIFEST} "${name}\t${dep_DEBIAN}\t${proof}\n")
+  elseif(NOT dep_OPTIONAL)
+    message(FATAL_ERROR
+      "r2ccl: ${what} was not found.\n"
+      "It comes from the Debian package '${dep_DEBIAN}': apt-get install ${dep_DEBIAN}\n"
+      "(scripts/run installs every package r2ccl needs).")
+  else()
+    message(STATUS "r2ccl: optional ${what} not found (Debian package: ${dep_DEBIAN})")
+  endif()
+endfunction()
+
+find_package(Threads REQUIRED)
 
 # Boost.Asio (libboost-dev): the event loop of the tcp provider and the bootstrap.
-find_package(Boost 1.74 REQUIRED)
+r2ccl_dependency(Boost DEBIAN libboost-dev CMAKE Boost VERSION 1.74)
 add_library(r2ccl_asio INTERFACE)
 target_link_libraries(r2ccl_asio INTERFACE Boost::boost Threads::Threads)
 target_compile_definitions(r2ccl_asio INTERFACE BOOST_ASIO_NO_DEPRECATED BOOST_ASIO_DISABLE_BOOST_REGEX)
 
-# hwloc (libhwloc-dev): NUMA and PCI locality of NICs.
-pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
-# rdma-core (libibverbs-dev, librdmacm-dev): the verbs provider.
-pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)
-pkg_check_modules(RDMACM REQUIRED IMPORTED_TARGET librdmacm)
-# prometheus-cpp (prometheus-cpp-dev): the monitor's exposition.
-find_package(prometheus-cpp CONFIG REQUIRED)
-# fmt (libfmt-dev): formatting of messages and tables (g++ 12 has no <format>).
-find_package(fmt REQUIRED)
-# CLI11 (libcli11-dev): command-line parsing of the benchmarks and tools.
-find_package(CLI11 CONFIG REQUIRED)
-# nlohmann-json (nlohmann-json3-dev): JSON output of the benchmarks.
-find_package(nlohmann_json 3.10 REQUIRED)
-# xxHash (libxxhash-dev): per-block checksums of KV transfers (R2CCL_KV_VERIFY).
-pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
-# GoogleTest (libgtest-dev): unit tests.
+# hwloc: NUMA and PCI locality of NICs.
+r2ccl_dependency(HWLOC DEBIAN libhwloc-dev PKGCONFIG hwloc)
+# rdma-core's libibverbs: the verbs provider. Optional: without it r2ccl builds without verbs.
+r2ccl_dependency(IBVERBS DEBIAN libibverbs-dev PKGCONFIG libibverbs OPTIONAL)
+# prometheus-cpp: the monitor's exposition.
+r2ccl_dependency(prometheus-cpp DEBIAN prometheus-cpp-dev CMAKE prometheus-cpp CONFIG)
+# civetweb (a dependency of prometheus-cpp-dev): /healthz on the exporter's own server.
+r2ccl_dependency(civetweb DEBIAN libcivetweb-dev CMAKE civetweb CONFIG)
+# fmt: formatting of messages and tables (g++ 12 has no <format>).
+r2ccl_dependency(fmt DEBIAN libfmt-dev CMAKE fmt CONFIG)
+# CLI11: command-line parsing of the benchmarks and tools.
+r2ccl_dependency(CLI11 DEBIAN libcli11-dev CMAKE CLI11 CONFIG)
+# nlohmann-json: JSON output of the benchmarks.
+r2ccl_dependency(nlohmann_json DEBIAN nlohmann-json3-dev CMAKE nlohmann_json VERSION 3.10 CONFIG)
+# xxHash: per-block checksums of KV transfers (R2CCL_KV_VERIFY).
+r2ccl_dependency(XXHASH DEBIAN libxxhash-dev PKGCONFIG libxxhash)
+# GoogleTest: unit tests.
 if(R2CCL_BUILD_TESTS)
-  find_package(GTest REQUIRED)
+  r2ccl_dependency(GTest DEBIAN libgtest-dev CMAKE GTest CONFIG)
 endif()
 
-# CUDA and NCCL are optional.
+# CUDA and NCCL are optional; they come from NVIDIA's CUDA toolkit, not from Debian.
 set(R2CCL_HAVE_CUDA OFF)
 if(NOT R2CCL_CUDA STREQUAL "OFF")
   include(CheckLanguage)
