@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# r2ccl demo: two ranks with four rails each move one large verified message and
-# show how the bytes were striped over the rails.
+# r2ccl demo: a NIC dies under load and nothing is lost.
 #
 #   scripts/demo.sh BUILD_DIR        (normally through `scripts/run demo`)
 #
-# With root and a working netns testbed it builds testbed "demo" (2 hosts x 4 NICs,
-# every rail shaped to 200mbit) and runs rank 0 on host 0 and rank 1 on host 1.
-# Otherwise it says why and runs the same two ranks on loopback, each with four
-# 127.0.0.x addresses as its rails.  Exit status: 0 when both ranks succeed.
+# With root and a working netns testbed it builds testbed "demo" (2 hosts x 4 NICs, every rail
+# shaped to 200mbit), runs rank 0 on host 0 and rank 1 on host 1 exchanging 16 MiB messages both
+# ways for RUN_S seconds, every byte verified, takes eth2 of host 0 down from outside the
+# processes at FAULT_S and brings it back at RESTORE_S. Then it reports, from the ranks' rail
+# events and per-rail counters (scripts/demo_report.py): the per-rail traffic before, during and
+# after the outage, when the failure was detected and what in-flight data was replayed on which
+# rails, when the rail was re-admitted, and whether every byte was verified.
+# Otherwise (not root, no namespaces) it says why and runs the same two ranks on loopback, each
+# with four 127.0.0.x rails, for 10 s, without the fault. Exit status: 0 when both ranks verified every byte.
 set -euo pipefail
 
-readonly RANK_TIMEOUT=180 # hard wall-clock limit per rank (s)
+RUN_S=32 # 10 on loopback, where nothing is taken down
+readonly FAULT_S=10
+readonly RESTORE_S=20
 readonly TB_NAME=demo
 readonly RATE=200mbit
-readonly ARGS=(sendrecv -b 64M -e 64M -n 2 -w 1 -c 1 --rails)
+readonly FAULT_NIC=eth2
 
 [[ $# -ge 1 ]] || { echo "usage: scripts/demo.sh BUILD_DIR" >&2; exit 2; }
 build=$1
@@ -21,6 +27,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 testbed=$root/tests/testbed/testbed
 perf=$build/bin/r2ccl-perf
 [[ -x $perf ]] || { echo "demo: $perf not found (build first: scripts/run build)" >&2; exit 2; }
+command -v python3 >/dev/null || { echo "demo: python3 not found (Debian package python3)" >&2; exit 2; }
 
 NAME=demo
 # shellcheck source=scripts/lib.sh
@@ -37,32 +44,79 @@ else
   mode=testbed
 fi
 
-echo "r2ccl demo: two ranks, one 64 MiB message each way (rank 0 -> rank 1 -> rank 0), every byte verified."
-echo "r2ccl demo: each rank has four rails; r2ccl splits the message into 512K chunks and stripes them over all four."
+[[ $mode == testbed ]] || RUN_S=10
+RANK_TIMEOUT=$((RUN_S + 90)) # hard wall-clock limit per rank (s)
+args=(sendrecv -b 16M -e 16M -w 1 -c 1 --duration "$RUN_S")
+shown="r2ccl-perf ${args[*]} --events E --rail-samples S --json J"
+args+=(--events "$work/events" --rail-samples "$work/samples" --json "$work/result.json")
+echo "r2ccl demo: two ranks exchange 16 MiB messages both ways for ${RUN_S} s, every byte of every round verified."
+echo "r2ccl demo: each rank has four rails; r2ccl stripes every message over all of them in 512 KiB chunks."
 if [[ $mode == testbed ]]; then
-  echo "r2ccl demo: network: testbed '$TB_NAME', 2 hosts (network namespaces) x 4 NICs eth1..eth4, each rail shaped to $RATE."
-  r2_create_testbed --hosts 2 --nics 4 --rate "$RATE"
+  echo "r2ccl demo: network: 2 hosts (network namespaces) x 4 NICs eth1..eth4, each shaped to $RATE."
+  echo "r2ccl demo: at ${FAULT_S} s, $FAULT_NIC of host 0 is taken down from outside the processes; at ${RESTORE_S} s it comes back."
+  r2_create_testbed --hosts 2 --nics 4 --rate "$RATE" >/dev/null
   boot=198.19.0.1:29500
   cmd0=("$testbed" exec "$TB_NAME" 0 -- env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
   cmd1=("$testbed" exec "$TB_NAME" 1 -- env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot")
 else
-  echo "r2ccl demo: no testbed ($why); running on loopback instead."
+  echo "r2ccl demo: no testbed ($why); running on loopback instead, without taking a NIC down"
+  echo "r2ccl demo: (that needs root: run scripts/run demo as root to see the failover)."
   echo "r2ccl demo: network: loopback, rank 0 rails 127.0.0.11-14, rank 1 rails 127.0.0.21-24 (not shaped)."
   port=$(r2_free_port)
   boot=127.0.0.1:$port
   cmd0=(env R2CCL_RANK=0 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.11,127.0.0.12,127.0.0.13,127.0.0.14")
   cmd1=(env R2CCL_RANK=1 R2CCL_NRANKS=2 "R2CCL_BOOTSTRAP=$boot" "R2CCL_NICS=127.0.0.21,127.0.0.22,127.0.0.23,127.0.0.24")
 fi
-echo "r2ccl demo: command: r2ccl-perf ${ARGS[*]}  (bootstrap at $boot)"
+echo "r2ccl demo: command, on each host: $shown"
 echo
 
 common=(R2CCL_BOOTSTRAP_TIMEOUT=30s R2CCL_TIMEOUT=60s)
-cmd0+=("${common[@]}" "$perf" "${ARGS[@]}")
-cmd1+=("${common[@]}" "$perf" "${ARGS[@]}")
-if ! r2_run_pair demo; then
-  echo "r2ccl demo: FAILED" >&2
-  exit 1
+cmd0+=("${common[@]}" "$perf" "${args[@]}")
+cmd1+=("${common[@]}" "$perf" "${args[@]}")
+
+now_ns() { date +%s%N; }
+# link_bytes NS DEV: bytes received plus sent so far by DEV in namespace NS.
+link_bytes() {
+  ip -n "$1" -s link show dev "$2" 2>/dev/null |
+    awk '/RX:|TX:/ { getline; n += $1 } END { print n + 0 }'
+}
+# wait_busy NS DEV: returns once DEV carries data (32 KiB within 10 ms), so that the fault hits
+# chunks in flight rather than a pause between rounds; gives up after 500 tries (about 5 s).
+wait_busy() {
+  local prev cur i
+  prev=$(link_bytes "$1" "$2")
+  for ((i = 0; i < 500; i++)); do
+    sleep 0.01
+    cur=$(link_bytes "$1" "$2")
+    ((cur - prev >= 32768)) && return 0
+    prev=$cur
+  done
+}
+# The fault, from outside the processes, timed against the launch; its times go to $work/faults.
+inject_faults() {
+  local t0=$1
+  sleep "$FAULT_S"
+  wait_busy "$TB_NAME-h0" "$FAULT_NIC"
+  echo "down $(now_ns) $FAULT_NIC" >>"$work/faults"
+  ip -n "$TB_NAME-h0" link set dev "$FAULT_NIC" down
+  sleep $((RESTORE_S - FAULT_S))
+  echo "up $(now_ns) $FAULT_NIC" >>"$work/faults"
+  "$testbed" up "$TB_NAME" 0 "$FAULT_NIC"
+  echo "start $t0" >>"$work/faults"
+}
+
+t0=$(now_ns)
+injector=
+if [[ $mode == testbed ]]; then
+  inject_faults "$t0" &
+  injector=$!
 fi
-cat "$work/demo.0.out"
-echo
-echo "r2ccl demo: OK: both ranks exited 0."
+rc=0
+r2_run_pair demo || rc=$?
+if [[ -n $injector ]]; then
+  wait "$injector" || { echo "r2ccl demo: taking $FAULT_NIC down or up again FAILED" >&2; rc=1; }
+fi
+[[ -f $work/faults ]] || echo "start $t0" >"$work/faults"
+((rc == 0)) || { echo "r2ccl demo: FAILED" >&2; exit 1; }
+python3 "$root/scripts/demo_report.py" --faults "$work/faults" --events "$work/events" \
+  --samples "$work/samples" --result "$work/result.json" --output "$work/demo.0.out"

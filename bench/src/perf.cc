@@ -54,11 +54,44 @@ struct Options {
   bool keep_going = false;  // with --duration: a failed round is reported, not fatal
   bool oneway = false;      // sendrecv: even ranks send, odd ranks receive
   std::string events_path;  // rail events as JSON lines
+  std::string samples_path;  // with --duration: per-rail counters over time, as JSON lines
   bool latency = false;     // time every timed operation: percentiles on rank 0
   std::string type = "float";
   std::string redop = "sum";
   int root = 0;
 };
+
+// One reading of every rail's counters (--rail-samples), taken between rounds.
+struct RailSample {
+  std::int64_t wall_ns = 0;  // CLOCK_REALTIME, as the rail events
+  std::vector<r2ccl::RailSnapshot> rails;
+};
+constexpr auto kSampleEvery = std::chrono::milliseconds(200);
+constexpr std::size_t kMaxSamples = 100000;  // about 5.5 hours at one every 200 ms
+
+std::int64_t wall_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void write_samples(const std::string& path, const std::vector<RailSample>& samples) {
+  std::ofstream out(path);
+  for (const auto& s : samples) {
+    nlohmann::json rails = nlohmann::json::array();
+    for (const auto& r : s.rails)
+      rails.push_back({{"peer", r.peer},
+                       {"rail", r.rail},
+                       {"nic", r.nic},
+                       {"remote_nic", r.remote_nic},
+                       {"state", std::string(r2ccl::rail_state_name(r.state))},
+                       {"tx_bytes", r.tx_bytes},
+                       {"rx_bytes", r.rx_bytes},
+                       {"replayed_chunks", r.replayed_chunks},
+                       {"replayed_bytes", r.replayed_bytes}});
+    out << nlohmann::json{{"wall_ns", s.wall_ns}, {"rails", rails}}.dump() << "\n";
+  }
+}
 
 // p1, p50, p90, p99 and the maximum of `v` (nearest rank; v is sorted here).
 std::array<double, 5> percentiles(std::vector<double>& v) {
@@ -417,6 +450,9 @@ int run(const Options& o) {
     before = f.rail_snapshot();
     const auto t0 = Clock::now();
     int iters = 0;
+    std::vector<RailSample> samples;
+    auto sampled = t0;
+    if (!o.samples_path.empty()) samples.push_back({wall_now_ns(), before});
     if (o.duration > 0) {
       // Until time is up (rank 0's clock decides, every round, on the control path); with -c 1
       // every round carries fresh data and is verified, so faults injected meanwhile are checked.
@@ -445,6 +481,11 @@ int run(const Options& o) {
           ++good_rounds;
         }
         ++iters;
+        if (!o.samples_path.empty() && Clock::now() - sampled >= kSampleEvery &&
+            samples.size() < kMaxSamples) {
+          sampled = Clock::now();
+          samples.push_back({wall_now_ns(), f.rail_snapshot()});
+        }
         const bool up = std::chrono::duration<double>(Clock::now() - t0).count() >= o.duration;
         // Ranks may leave a round up to a deadline apart (one fails at it, another is still
         // making progress): the vote waits for that.
@@ -469,6 +510,11 @@ int run(const Options& o) {
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     after = f.rail_snapshot();
     events = f.rail_events();
+    if (!o.samples_path.empty()) {
+      samples.push_back({wall_now_ns(), after});
+      // Every rank writes its own file (PATH.rankN); the last size's run is the one kept.
+      write_samples(fmt::format("{}.rank{}", o.samples_path, f.rank()), samples);
+    }
     if (o.check && error.empty() && o.duration <= 0) {
       auto w = bench.checked(bytes, ++round);
       if (w)
@@ -501,6 +547,7 @@ int run(const Options& o) {
                  bench.algo());
     std::fflush(stdout);
     report["results"].push_back({{"bytes", bytes},
+                                 {"iters", iters},
                                  {"count", bench.count(bytes)},
                                  {"type", bench.type()},
                                  {"redop", bench.redop()},
@@ -660,6 +707,10 @@ int main(int argc, char** argv) {
                "with --duration: report a failed round and go on (exit status 2 at the end)");
   app.add_option("--events", o.events_path,
                  "write rail events and final rail states as JSON lines to PATH.rankN");
+  app.add_option("--rail-samples", o.samples_path,
+                 "with --duration: write every rail's counters, read between rounds about every "
+                 "200 ms, as JSON lines to PATH.rankN")
+      ->needs(duration);
   app.add_flag("--print-config-table", print_table, "print the R2CCL_* table (Markdown) and exit");
   CLI11_PARSE(app, argc, argv);
   if (print_table) {
