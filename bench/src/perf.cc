@@ -50,12 +50,12 @@ struct Options {
   int check = 0;
   bool rails = false;
   std::string json_path;
-  double duration = 0;      // > 0: iterate for this many seconds instead of -n
-  bool keep_going = false;  // with --duration: a failed round is reported, not fatal
-  bool oneway = false;      // sendrecv: even ranks send, odd ranks receive
-  std::string events_path;  // rail events as JSON lines
+  double duration = 0;       // > 0: iterate for this many seconds instead of -n
+  bool keep_going = false;   // with --duration: a failed round is reported, not fatal
+  bool oneway = false;       // sendrecv: even ranks send, odd ranks receive
+  std::string events_path;   // rail events as JSON lines
   std::string samples_path;  // with --duration: per-rail counters over time, as JSON lines
-  bool latency = false;     // time every timed operation: percentiles on rank 0
+  bool latency = false;      // time every timed operation: percentiles on rank 0
   std::string type = "float";
   std::string redop = "sum";
   int root = 0;
