@@ -724,6 +724,8 @@ void Channel::on_peer_left(const std::string& why) {
 }
 
 void Channel::fail_all(const Status& why) {
+  control_reorder_.clear();
+  control_reorder_bytes_ = 0;
   auto sends = std::move(sends_);
   auto recvs = std::move(recv_slots_);
   sends_.clear();
@@ -833,16 +835,41 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
   ByteReader r(message);
   const auto seq = r.u64();
   if (!r.ok()) return;
-  // Idempotent: a message replayed after a failover is handled once.
-  if (seq < control_seen_below_) return;
-  if (seq == control_seen_below_) {
-    ++control_seen_below_;  // in order, the usual case: nothing to remember
-  } else if (!control_seen_.insert(seq).second) {
+  // Handled once (a message replayed after a failover may arrive twice), and in the order sent:
+  // one that arrives ahead of a gap (newer messages went on another rail while the older ones
+  // waited for the fence and their replay) waits until the gap is filled.
+  if (seq < control_next_) return;
+  if (seq != control_next_) {
+    if (control_reorder_.count(seq) != 0) return;
+    if (seq - control_next_ > kControlReorderWindow ||
+        control_reorder_bytes_ + message.size() > kControlReorderBytes) {
+      const Status why(
+          ErrorCode::kProtocol,
+          fmt::format("rank {} sent control message #{} while #{} is missing: more "
+                      "than {} messages or {} bytes ahead of the gap",
+                      peer_, seq, control_next_, kControlReorderWindow, kControlReorderBytes));
+      R2CCL_WARN("{}", why.message());
+      if (ctx_.on_fatal) ctx_.on_fatal(why);
+      on_peer_left(why.message());
+      return;
+    }
+    control_reorder_bytes_ += message.size();
+    control_reorder_.emplace(seq, PendingControl{rail, Bytes(message.begin(), message.end())});
     return;
   }
-  while (!control_seen_.empty() && control_seen_.count(control_seen_below_) != 0)
-    control_seen_.erase(control_seen_below_++);
+  ++control_next_;
+  handle_control(rail, message);
+  while (!dead_ && !control_reorder_.empty() && control_reorder_.begin()->first == control_next_) {
+    auto node = control_reorder_.extract(control_reorder_.begin());
+    control_reorder_bytes_ -= node.mapped().message.size();
+    ++control_next_;
+    handle_control(node.mapped().rail, node.mapped().message);
+  }
+}
 
+void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> message) {
+  ByteReader r(message);
+  r.u64();  // the sequence number, checked by deliver_control
   const auto type = static_cast<ControlType>(r.u8());
   if (type == ControlType::kCts) {
     Cts c;

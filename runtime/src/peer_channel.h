@@ -182,7 +182,9 @@ class Channel {
   // Sends a message built with control_writer (its sequence number is filled in here).
   void send_control(Bytes message, std::size_t payload = 0);
   void flush_control();
+  // Dedupes and orders the control messages of the peer, then handles each (handle_control).
   void deliver_control(std::uint32_t rail, std::span<const std::byte> message);
+  void handle_control(std::uint32_t rail, std::span<const std::byte> message);
   void send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
                          const std::string& why);
 
@@ -225,8 +227,17 @@ class Channel {
   std::uint64_t next_control_cookie_ = 1;
   std::deque<ControlEntry> control_backlog_;
   std::map<std::uint64_t, ControlEntry> control_inflight_;  // by cookie
-  std::uint64_t control_seen_below_ = 1;                    // every seq below this was handled
-  std::set<std::uint64_t> control_seen_;                    // handled seqs at or above it
+  // Received control messages are handled in sequence order: the next one expected, and those
+  // that arrived ahead of it (bounded: a peer further ahead breaks the protocol).
+  struct PendingControl {
+    std::uint32_t rail = 0;
+    Bytes message;
+  };
+  static constexpr std::uint64_t kControlReorderWindow = 65536;
+  static constexpr std::size_t kControlReorderBytes = std::size_t{256} << 20;
+  std::uint64_t control_next_ = 1;
+  std::map<std::uint64_t, PendingControl> control_reorder_;
+  std::size_t control_reorder_bytes_ = 0;
 
   std::uint64_t next_send_seq_ = 0;
   std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)
