@@ -417,12 +417,13 @@ def read_events(prefix, rank: int):
 
 
 def netns_pids_of(ns: str, exe: Path) -> List[int]:
-    """Pids of the processes in namespace `ns` whose executable is `exe`."""
+    """Pids of the processes in namespace `ns` whose executable is `exe` (the same file: in a
+    chroot, the path /proc shows for a process of another mount namespace is not ours)."""
     r = _run(["ip", "netns", "pids", ns], timeout=10)
     out = []
     for tok in r.stdout.split():
         try:
-            if os.path.realpath(f"/proc/{tok}/exe") == os.path.realpath(exe):
+            if os.path.samefile(f"/proc/{tok}/exe", exe):
                 out.append(int(tok))
         except (OSError, ValueError):
             continue
