@@ -11,6 +11,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "peer_channel.h"
@@ -468,39 +469,55 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
       bootstrap_->barrier(config_.connect_timeout).with_context("before connecting rails"));
 
   // The lower rank connects to the higher one; rail i joins NIC i on both sides.
-  for (std::size_t p = static_cast<std::size_t>(me) + 1; p < channels_.size(); ++p) {
-    Channel* ch = channels_[p].get();
-    for (std::uint32_t i = 0; i < ch->nrails(); ++i) {
-      RailHello hello;
-      hello.token = rail_token_;
-      hello.src_rank = static_cast<std::uint32_t>(me);
-      hello.dst_rank = static_cast<std::uint32_t>(p);
-      hello.rail = i;
-      provider_->connect(i, peers[p][i].endpoint, hello, config_.connect_timeout,
-                         [ch, i](Result<std::shared_ptr<Rail>> r) {
-                           if (r)
-                             ch->attach(i, std::move(*r));
-                           else
-                             ch->connect_failed(i, r.status());
-                         });
-    }
-  }
+  engine_->call([&] {
+    for (auto& c : channels_)
+      if (c) c->connect_all_rails();
+  });
+  // Every rail that can be opened now is, and at least one to every peer. A rail whose NIC is
+  // down (here or at the peer) is not waited for: it is probed, and joins when it answers.
+  // Connections still under way once every peer has a rail get a short grace (a healthy one
+  // takes milliseconds; one to a dead NIC waits for the connect timeout), then go on by themselves.
+  constexpr auto kGrace = milliseconds(2000);
   const auto deadline = Clock::now() + config_.connect_timeout + milliseconds(500);
+  std::optional<Clock::time_point> every_peer_since;
   while (true) {
-    std::string missing = engine_->call([&] {
+    // Peers without any rail yet, and whether rails are still being connected.
+    const auto [none, pending] = engine_->call([&] {
       std::vector<std::string> out;
-      for (const auto& c : channels_)
-        if (c && c->attached() < c->nrails())
+      bool connecting = false;
+      for (const auto& c : channels_) {
+        if (!c || c->attached() == c->nrails()) continue;
+        if (c->attached() == 0)
           out.push_back(fmt::format("to rank {}: {}", c->peer(), c->missing_rails()));
-      return fmt::format("{}", fmt::join(out, "; "));
+        connecting |= c->connecting() > 0;
+      }
+      return std::pair{fmt::format("{}", fmt::join(out, "; ")), connecting};
     });
-    if (missing.empty()) break;
-    if (Clock::now() >= deadline)
-      return {ErrorCode::kNetwork, fmt::format("rank {} could not open every rail within {}ms: {}",
-                                               me, config_.connect_timeout.count(), missing)};
+    const auto now = Clock::now();
+    const bool out_of_time = now >= deadline;
+    if (none.empty() && !every_peer_since) every_peer_since = now;
+    if (none.empty() && (!pending || out_of_time || now - *every_peer_since >= kGrace)) break;
+    if (out_of_time)
+      return {ErrorCode::kNetwork, fmt::format("rank {} could not open any rail within {}ms {}", me,
+                                               config_.connect_timeout.count(), none)};
     std::this_thread::sleep_for(milliseconds(5));
   }
-  return bootstrap_->barrier(config_.connect_timeout).with_context("after connecting rails");
+  R2CCL_RETURN_IF_ERROR(
+      bootstrap_->barrier(config_.connect_timeout).with_context("after connecting rails"));
+  // The side that connects knows which rails could not be opened: it says so once.
+  const std::string left_out = engine_->call([&] {
+    std::vector<std::string> out;
+    for (auto& c : channels_)
+      if (c) c->mark_started();
+    for (const auto& c : channels_)
+      if (c && c->peer() > me && c->attached() < c->nrails())
+        out.push_back(fmt::format("to rank {}: {}", c->peer(), c->missing_rails()));
+    return fmt::format("{}", fmt::join(out, "; "));
+  });
+  if (!left_out.empty())
+    R2CCL_WARN("starting without these rails; each joins once its link answers probes: {}",
+               left_out);
+  return Status::ok();
 }
 
 // Every probe interval: deadlines, rail health, re-admission, bandwidth.

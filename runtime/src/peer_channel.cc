@@ -172,6 +172,12 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
     scheduler_.clear_bandwidth(index);
   }
   update_usable(index);
+  if (!readmission && started_) {
+    // A rail that could not be opened at start-up (its NIC was down) joins now.
+    event(index, "joined", "first connection, after start-up");
+    R2CCL_INFO("rail {} ({} -> {}) to rank {} joined after start-up", index, s.nic.name,
+               s.remote.nic, peer_);
+  }
   if (readmission) {
     last_confirm_ = now;  // a rail back in use is a sign of life: operations waiting get more time
     event(index, "readmitted",
@@ -471,13 +477,29 @@ void Channel::readmit(std::uint32_t index) {
   auto& s = *rails_[index];
   // The lower rank re-connects; the higher rank accepts (as for the first connection).
   if (ctx_.me > peer_ || s.connecting || s.rail || dead_ || Clock::now() < s.next_connect) return;
+  open_rail(index, s.epoch + 1);
+}
+
+void Channel::connect_all_rails() {
+  if (ctx_.me > peer_) return;  // the higher rank accepts
+  for (std::uint32_t i = 0; i < rails_.size(); ++i)
+    if (!rails_[i]->rail && !rails_[i]->connecting) open_rail(i, rails_[i]->epoch);
+}
+
+std::size_t Channel::connecting() const {
+  return static_cast<std::size_t>(
+      std::count_if(rails_.begin(), rails_.end(), [](const auto& s) { return s->connecting; }));
+}
+
+void Channel::open_rail(std::uint32_t index, std::uint32_t epoch) {
+  auto& s = *rails_[index];
   s.connecting = true;
   RailHello hello;
   hello.token = ctx_.token;
   hello.src_rank = static_cast<std::uint32_t>(ctx_.me);
   hello.dst_rank = static_cast<std::uint32_t>(peer_);
   hello.rail = index;
-  hello.epoch = s.epoch + 1;
+  hello.epoch = epoch;
   ctx_.provider->connect(index, s.remote.endpoint, hello, config_.connect_timeout,
                          [this, index](Result<std::shared_ptr<Rail>> r) {
                            if (r.is_ok()) {

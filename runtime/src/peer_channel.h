@@ -57,7 +57,13 @@ class Channel {
   // A rail connection is in place (initial connection, or re-admission at a higher epoch).
   bool attach(std::uint32_t index, std::shared_ptr<Rail> rail);
   void connect_failed(std::uint32_t index, const Status& why);
+  // The first connection of every rail (the lower rank connects, the higher rank accepts). A
+  // rail that cannot connect now (its NIC is down) is probed, and connected once it answers.
+  void connect_all_rails();
   std::size_t attached() const;
+  std::size_t connecting() const;  // connection attempts under way
+  // Start-up is over: a rail connected for the first time from now on is reported ("joined").
+  void mark_started() { started_ = true; }
   std::string missing_rails() const;
 
   void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
@@ -171,6 +177,7 @@ class Channel {
   void answer_replay_query(std::uint32_t index, std::uint32_t epoch, ByteReader& r);
   void on_replay_answer(std::uint32_t index, ByteReader& r);
   void readmit(std::uint32_t index);
+  void open_rail(std::uint32_t index, std::uint32_t epoch);
   void update_usable(std::uint32_t index);
   void measure_bandwidth(Clock::time_point now);
   void update_degraded();
@@ -219,6 +226,7 @@ class Channel {
   bool dead_ = false;  // the peer left
   std::string dead_reason_;
   bool closing_ = false;
+  bool started_ = false;
   std::vector<std::unique_ptr<RailSlot>> rails_;
   RailScheduler scheduler_;
   InflightLedger ledger_;

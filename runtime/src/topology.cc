@@ -185,13 +185,17 @@ Result<std::vector<RailNic>> select_rails(const Topology& topo,
     }
     return rails;
   }
+  // A NIC that is down (no carrier, or set down) is a rail too: it joins once its link answers,
+  // and rail i pairs NIC i of every host, so no host may leave one out.
   for (const auto& i : topo.interfaces) {
-    if (i.loopback || !i.up || i.ipv4.empty() || i.ipv4 == control_address) continue;
+    if (i.loopback || i.ipv4.empty() || i.ipv4 == control_address) continue;
+    if (!i.up)
+      R2CCL_WARN("NIC {} ({}) is down: it is used as a rail once its link is up", i.name, i.ipv4);
     rails.push_back(to_rail(i));
   }
   if (rails.empty())
     return Status(ErrorCode::kUnavailable,
-                  fmt::format("no NIC to use as a rail: no up interface with an IPv4 address other "
+                  fmt::format("no NIC to use as a rail: no interface with an IPv4 address other "
                               "than loopback and the control interface ({}); set R2CCL_NICS",
                               control_address.empty() ? "none" : control_address));
   return rails;

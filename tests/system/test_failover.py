@@ -7,6 +7,7 @@ bounds only catch hangs.  Fault times are "about N s after the launch": the exac
 does not matter, only that the transfer is running.
 """
 
+import json
 import os
 import re
 import signal
@@ -98,6 +99,43 @@ def test_messages_arrive_in_order_across_a_failover(perf, tmp_path):
         if any(CONTROL_IN_FLIGHT.search(e["detail"]) for e in failed):
             return
     pytest.fail("in three trials the fault never hit messages in flight on eth1\n" + dump(ev))
+
+
+# ------------------------------------------------------------------------------ start-up
+
+def test_job_starts_with_two_nics_of_a_host_down(perf, tmp_path):
+    # 4 hosts x 4 NICs; host 1's eth3 and eth4 are down before any rank starts. The job starts
+    # on the rails that open, verifies every all-reduce, and takes eth3 and eth4 into use once
+    # they are brought up (about 6 s after the launch).
+    ev = str(tmp_path / "ev")
+    args = ["allreduce", "-b", "4M", "-e", "4M", "-w", "0", "-c", "1", "--duration", "16",
+            "--events", ev]
+    with Testbed(hosts=4, nics=4, rate="100mbit") as tb:
+        for nic in ("eth3", "eth4"):
+            r = tb.tb("down", "1", nic)
+            assert r.returncode == 0, r.stderr
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        procs = perf_ranks(4, boot, args, hosts=[0, 1, 2, 3])
+        procs += [at(6, str(TESTBED), "up", tb.name, "1", nic, name=f"up {nic}") for nic in ("eth3", "eth4")]
+        res = launch_ranks(procs, testbed=tb, timeout=16 + SLACK_S + 15)
+    assert [r.returncode for r in res] == [0] * 6, describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert "starting without these rails" in res[1].stderr, describe(res)
+    up_at = min(wall(r) for r in res[4:])
+    events, finals = read_events(ev, 1)
+    for nic in ("eth3", "eth4"):
+        # A connection attempt still under way when the link came back completes ("joined"),
+        # others are made by re-admission once probes answer ("readmitted").
+        back = [e for e in events if e["nic"] == nic and e["kind"] in ("readmitted", "joined")]
+        # To every peer (rank 1 has a channel to each of the three others).
+        assert sorted({e["peer"] for e in back}) == [0, 2, 3], events
+        assert all(e["wall_ns"] >= up_at for e in back), (up_at, back)
+    rows = [json.loads(line) for line in open(f"{ev}.rank1") if '"final"' in line]
+    assert rows and all(r["state"] == "up" for r in rows), rows
+    for nic in ("eth3", "eth4"):
+        assert sum(r["tx_bytes"] for r in rows if r["nic"] == nic) > 0, rows
+    for nic in ("eth1", "eth2"):
+        assert not [e for e in events if e["nic"] == nic and e["kind"] == "failed"], events
 
 
 # ------------------------------------------------------------------------------ link down

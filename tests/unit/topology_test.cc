@@ -52,7 +52,9 @@ TEST(Topology, BadRailEntriesAreNamed) {
   EXPECT_EQ(b.status().message(), "R2CCL_NICS: '198.18.255.254' is not an address of this host");
 }
 
-TEST(Topology, DefaultRailsSkipLoopbackAndTheControlInterface) {
+// A NIC that is down is a rail all the same (rail i pairs NIC i of every host: a host that left
+// one out would pair the wrong NICs); it joins once its link is up.
+TEST(Topology, DefaultRailsSkipLoopbackAndTheControlInterfaceButKeepNicsThatAreDown) {
   Topology t;
   t.interfaces = {{"lo", "127.0.0.1", true, true, -1, "", ""},
                   {"eth0", "198.19.0.1", true, false, -1, "", ""},
@@ -62,11 +64,12 @@ TEST(Topology, DefaultRailsSkipLoopbackAndTheControlInterface) {
                   {"eth4", "198.18.4.1", true, false, 1, "", ""}};
   auto rails = select_rails(t, {}, "198.19.0.1");
   ASSERT_TRUE(rails.is_ok());
-  ASSERT_EQ(rails->size(), 2u);
+  ASSERT_EQ(rails->size(), 3u);
   EXPECT_EQ((*rails)[0].name, "eth1");
   EXPECT_EQ((*rails)[0].numa_node, 0);
   EXPECT_EQ((*rails)[0].pci_bus_id, "0000:17:00.0");
-  EXPECT_EQ((*rails)[1].name, "eth4");
+  EXPECT_EQ((*rails)[1].name, "eth2");
+  EXPECT_EQ((*rails)[2].name, "eth4");
 
   Topology only_control;
   only_control.interfaces = {{"lo", "127.0.0.1", true, true, -1, "", ""},

@@ -125,7 +125,8 @@ struct RailEvent {
   int peer = -1;
   std::uint32_t rail = 0;
   std::string nic;
-  // link_down, link_up, failed, replay_started, first_replay_confirmed, readmitted
+  // link_down, link_up, failed, replay_started, first_replay_confirmed, readmitted, joined (a
+  // rail first connected after start-up)
   std::string kind;
   std::string detail;
 };
