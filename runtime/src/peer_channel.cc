@@ -27,6 +27,10 @@ enum class ControlType : std::uint8_t {
   kEager = 4,
   kRts = 5,
   kAbortSend = 6,
+  // A failover message (fence, fence acknowledgement, replay query or answer; FenceType below),
+  // with sequence number 0: not ordered with the others, handled when it arrives (each is
+  // idempotent), so that it never waits behind a gap that only its own replay can fill.
+  kFailover = 7,
 };
 // A control message's writer: room for its sequence number first (send_control fills it in, so
 // the message is built once), then its type; `body` bytes are reserved for what follows.
@@ -54,7 +58,8 @@ std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint
       "receiver posted {} bytes",
       seq, sender, receiver, sent, posted);
 }
-// Messages on the control path, each u8 type, u32 rail, u32 epoch, then:
+// Failover messages, on a surviving rail of the same peer (kFailover), or on the out-of-band
+// control path when no rail is connected; each u8 type, u32 rail, u32 epoch, then:
 // kFence / kFenceAck: the reason (a string). The sender of either has fenced its end of the rail.
 // kReplayQuery: u64 query id, u32 count, count x (u64 message, u32 chunk index): the chunks of
 //   two-sided messages that a fenced rail left unconfirmed, asked about before they are replayed.
@@ -69,6 +74,7 @@ enum class FenceType : std::uint8_t {
 constexpr std::size_t kQueryChunks = 4096;
 
 constexpr std::uint64_t kControlCookieBit = 1ull << 63;
+constexpr std::uint64_t kFailoverCookieBit = 1ull << 62;  // with kControlCookieBit
 
 std::uint32_t chunk_count(std::uint64_t length, std::uint64_t chunk) {
   return static_cast<std::uint32_t>((length + chunk - 1) / chunk);
@@ -283,7 +289,21 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
       ++it;
     }
   }
+  // Failover messages the rail left unconfirmed go again at once on another path (each is
+  // idempotent: no need to wait for the fence).
+  std::vector<std::shared_ptr<const Bytes>> resend;
+  for (auto it = failover_inflight_.begin(); it != failover_inflight_.end();) {
+    if (it->second.rail == index) {
+      resend.push_back(std::move(it->second.message));
+      it = failover_inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   update_usable(index);
+  for (auto& m : resend)
+    if (Status st = post_failover(std::move(m)); !st)
+      R2CCL_INFO("cannot resend a failover message to rank {}: {}", peer_, st.message());
   event(index, "failed",
         fmt::format("{} (detected in {}; {} chunk(s), {} control message(s) to replay)", reason,
                     ms_text(s.health->last_detection()), s.awaiting_replay.size(),
@@ -303,12 +323,39 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
 
 void Channel::send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
                                 const std::string& why) {
-  if (dead_ || closing_ || ctx_.bootstrap == nullptr) return;
+  if (dead_ || closing_) return;
   ByteWriter w;
   w.u8(type).u32(rail).u32(epoch).str(why);
-  // Without a control path (rank 0 gone) the peer learns of the failure from its own detection.
-  if (Status st = ctx_.bootstrap->send_to(peer_, w.bytes()); !st)
+  // Without any path the peer learns of the failure from its own detection.
+  if (Status st = send_failover(w.bytes()); !st)
     R2CCL_INFO("cannot tell rank {} about rail {}: {}", peer_, rail, st.message());
+}
+
+Status Channel::send_failover(const Bytes& message) {
+  ByteWriter w(9 + message.size());
+  w.u64(0)
+      .u8(static_cast<std::uint8_t>(ControlType::kFailover))
+      .raw(message.data(), message.size());
+  return post_failover(std::make_shared<const Bytes>(w.take()));
+}
+
+Status Channel::post_failover(std::shared_ptr<const Bytes> framed) {
+  if (dead_ || closing_) return {ErrorCode::kAborted, fmt::format("rank {} is gone", peer_)};
+  // A usable rail of the same peer first, else any connected one: no third process involved.
+  for (const bool any : {false, true})
+    for (std::uint32_t i = 0; i < rails_.size(); ++i) {
+      auto& s = *rails_[i];
+      if (!s.rail || (!any && !scheduler_.usable(i))) continue;
+      const std::uint64_t cookie = kControlCookieBit | kFailoverCookieBit | next_failover_cookie_++;
+      if (s.rail->post_control(framed, cookie)) {
+        failover_inflight_.emplace(cookie, FailoverEntry{i, framed});
+        return Status::ok();
+      }
+    }
+  // No rail left: the out-of-band control path.
+  if (ctx_.bootstrap == nullptr)
+    return {ErrorCode::kUnavailable, "no rail is connected and there is no control path"};
+  return ctx_.bootstrap->send_to(peer_, Bytes(framed->begin() + 9, framed->end()));
 }
 
 void Channel::on_control_path(Bytes message) {
@@ -394,15 +441,21 @@ void Channel::send_replay_query(std::uint32_t index, std::vector<InflightChunk> 
       .u32(static_cast<std::uint32_t>(chunks.size()));
   for (const auto& c : chunks)
     w.u64(c.message).u32(c.index);
-  const Status st = ctx_.bootstrap != nullptr ? ctx_.bootstrap->send_to(peer_, w.bytes())
-                                              : Status(ErrorCode::kUnavailable, "no control path");
-  if (!st) {
-    // The peer acknowledged the fence on this path a moment ago; without it now, nothing can be
-    // asked, and a chunk that is not replayed would fail its send at the deadline.
-    R2CCL_WARN("cannot ask rank {} which chunks of rail {} to replay ({}): replaying all {}", peer_,
-               index, st.message(), chunks.size());
-    replay_.insert(replay_.end(), chunks.begin(), chunks.end());
-    rails_[index]->replay_confirm_pending = true;
+  if (const Status st = send_failover(w.bytes()); !st) {
+    // Without asking, a chunk that landed (its confirmation lost) could be written again into a
+    // receive that completed meanwhile: the sends concerned fail instead.
+    const Status why(ErrorCode::kNetwork,
+                     fmt::format("rail {} ({}) to rank {} failed and rank {} cannot be asked which "
+                                 "of its unconfirmed chunks arrived ({}): the send fails rather "
+                                 "than replay them blindly",
+                                 index, rails_[index]->nic.name, peer_, peer_, st.message()));
+    R2CCL_WARN("{}", why.message());
+    for (const auto& c : chunks)
+      if (auto it = sends_.find(c.message); it != sends_.end()) {
+        auto op = it->second.op;
+        drop_send(it);
+        op->complete(why);
+      }
     return;
   }
   replay_queries_.emplace(id, ReplayQuery{index, std::move(chunks)});
@@ -435,7 +488,7 @@ void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, Byte
   }
   R2CCL_DEBUG("rank {} asked about {} chunk(s) of rail {}: {} still wanted", peer_, n, index,
               wanted);
-  if (Status st = ctx_.bootstrap->send_to(peer_, w.bytes()); !st)
+  if (Status st = send_failover(w.bytes()); !st)
     R2CCL_INFO("cannot answer rank {}'s replay query: {}", peer_, st.message());
 }
 
@@ -443,6 +496,7 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
   const std::uint64_t id = r.u64();
   const std::uint32_t n = r.u32();
   auto q = replay_queries_.find(id);
+  if (r.ok() && q == replay_queries_.end() && id < next_query_id_) return;  // answered already
   if (!r.ok() || q == replay_queries_.end() || q->second.rail != index ||
       q->second.chunks.size() != n) {
     R2CCL_WARN("unexpected replay answer from rank {} (query {})", peer_, id);
@@ -746,6 +800,7 @@ void Channel::on_peer_left(const std::string& why) {
 }
 
 void Channel::fail_all(const Status& why) {
+  failover_inflight_.clear();
   control_reorder_.clear();
   control_reorder_bytes_ = 0;
   auto sends = std::move(sends_);
@@ -800,7 +855,8 @@ void Channel::telemetry_views(std::vector<RailTelemetryView>& out) const {
 }
 
 bool Channel::settled() const {
-  return closing_ || !any_usable() || (control_backlog_.empty() && control_inflight_.empty());
+  return closing_ || !any_usable() ||
+         (control_backlog_.empty() && control_inflight_.empty() && failover_inflight_.empty());
 }
 
 void Channel::shutdown() {
@@ -857,6 +913,17 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
   ByteReader r(message);
   const auto seq = r.u64();
   if (!r.ok()) return;
+  if (seq == 0) {
+    if (static_cast<ControlType>(r.u8()) != ControlType::kFailover || !r.ok()) {
+      R2CCL_WARN(
+          "rank {} sent an unsequenced control message that is not a failover message on "
+          "rail {}",
+          peer_, rail);
+      return;
+    }
+    on_control_path(Bytes(message.begin() + 9, message.end()));
+    return;
+  }
   // Handled once (a message replayed after a failover may arrive twice), and in the order sent:
   // one that arrives ahead of a gap (newer messages went on another rail while the older ones
   // waited for the fence and their replay) waits until the gap is filled.
@@ -1289,6 +1356,10 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
   const auto now = Clock::now();
   auto& s = *rails_[rail];
   s.health->on_heard(now);
+  if ((cookie & kControlCookieBit) && (cookie & kFailoverCookieBit)) {
+    failover_inflight_.erase(cookie);
+    return;
+  }
   if (cookie & kControlCookieBit) {
     if (auto it = control_inflight_.find(cookie); it != control_inflight_.end()) {
       if (it->second.payload > 0) {

@@ -194,6 +194,11 @@ class Channel {
   void handle_control(std::uint32_t rail, std::span<const std::byte> message);
   void send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
                          const std::string& why);
+  // Failover messages (fence notices, replay queries and answers) go on a connected rail of this
+  // peer, kept until confirmed and sent again on another if that rail fails; only when no rail
+  // is connected do they take the out-of-band control path.
+  Status send_failover(const Bytes& message);
+  Status post_failover(std::shared_ptr<const Bytes> framed);
 
   // Data
   bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone
@@ -231,6 +236,12 @@ class Channel {
   RailScheduler scheduler_;
   InflightLedger ledger_;
 
+  struct FailoverEntry {
+    std::uint32_t rail = 0;
+    std::shared_ptr<const Bytes> message;  // framed (kFailover)
+  };
+  std::map<std::uint64_t, FailoverEntry> failover_inflight_;  // by cookie
+  std::uint64_t next_failover_cookie_ = 1;
   std::uint64_t next_control_seq_ = 1;
   std::uint64_t next_control_cookie_ = 1;
   std::deque<ControlEntry> control_backlog_;

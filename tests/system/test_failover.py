@@ -101,6 +101,53 @@ def test_messages_arrive_in_order_across_a_failover(perf, tmp_path):
     pytest.fail("in three trials the fault never hit messages in flight on eth1\n" + dump(ev))
 
 
+# ------------------------------------------------------------------------------ no control path
+
+MGMT_BLACKHOLE = """add table inet r2mgmt
+add chain inet r2mgmt ingress { type filter hook prerouting priority -300; policy accept; }
+add chain inet r2mgmt egress { type filter hook postrouting priority -300; policy accept; }
+add rule inet r2mgmt ingress iifname "eth0" drop
+add rule inet r2mgmt egress oifname "eth0" drop
+"""
+
+
+def test_failover_completes_while_the_management_nic_is_black_holed(perf, tmp_path):
+    # The control path (bootstrap, rank 0's relay) runs over eth0, the management NIC. With it
+    # black-holed, a data NIC goes down mid-transfer: the fence notices, the replay query and its
+    # answer travel on the surviving rails, so the failover completes before eth0 is healed, and
+    # the round finishes with every byte verified. One round of 256 MiB each way (about 6 s at
+    # 4 x 100 Mbit/s); eth0 is black-holed at 1.5 s and healed at 5 s, eth2 goes down at 2.5 s.
+    ev = str(tmp_path / "ev")
+    rules = tmp_path / "mgmt.nft"
+    rules.write_text(MGMT_BLACKHOLE)
+    args = ["sendrecv", "-b", "256M", "-e", "256M", "-w", "0", "-c", "1", "--duration", "1",
+            "--events", ev]
+    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+        ns = tb.ns(0)
+        down = BusyTrigger(ns, "eth2", ["ip", "-n", ns, "link", "set", "eth2", "down"], delay=2.5,
+                           max_wait=2.0).start()
+        procs = ranks(tb, args)
+        procs += [at(1.5, "ip", "netns", "exec", ns, "nft", "-f", str(rules), name="black-hole eth0"),
+                  at(5.0, "ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "r2mgmt",
+                     name="heal eth0")]
+        try:
+            res = launch_ranks(procs, testbed=tb, timeout=10 + SLACK_S)
+        finally:
+            down.finish()
+    assert [r.returncode for r in res] == [0, 0, 0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert down.busy and down.result.returncode == 0, down.result
+    blackholed, healed = wall(res[2]), wall(res[3])
+    assert blackholed < down.wall_ns < healed
+    done = []
+    for rank in (0, 1):
+        events, _ = read_events(ev, rank)
+        assert of(events, "eth2", "failed"), dump(ev)
+        done += [e for e in events if e["nic"] == "eth2" and e["kind"] == "replay_started"]
+    # Replay starts only once the peer has confirmed its fence: that confirmation came on a rail.
+    assert done and all(e["wall_ns"] < healed for e in done), (healed, done, dump(ev))
+
+
 # ------------------------------------------------------------------------------ start-up
 
 def test_job_starts_with_two_nics_of_a_host_down(perf, tmp_path):
