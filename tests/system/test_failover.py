@@ -148,6 +148,54 @@ def test_failover_completes_while_the_management_nic_is_black_holed(perf, tmp_pa
     assert done and all(e["wall_ns"] < healed for e in done), (healed, done, dump(ev))
 
 
+def test_failover_between_two_ranks_completes_while_rank_0_is_stopped(perf, tmp_path):
+    # Four ranks on four hosts, a ring of 384 MiB sends (about 9 s each at 4 x 100 Mbit/s; data
+    # flows from about 4.5 s after the launch, once the buffers are filled). Rank 0's process is
+    # stopped (SIGSTOP) at 6 s and continued at 10.5 s; meanwhile host 1's eth2 goes down while
+    # rank 1 sends to rank 2. Their failover needs nothing from rank 0 (the
+    # bootstrap root): it completes while rank 0 is stopped, and every byte is verified.
+    ev = str(tmp_path / "ev")
+    args = ["sendrecv", "-b", "384M", "-e", "384M", "-w", "0", "-c", "1", "--duration", "1",
+            "--events", ev]
+    times = {}
+
+    def signal_rank0(sig, key):
+        pids = netns_pids_of(tb.ns(0), PERF)
+        times[key] = time.time_ns()
+        times[key + "_pids"] = pids
+        for pid in pids:
+            os.kill(pid, sig)
+
+    with Testbed(hosts=4, nics=4, rate="100mbit") as tb:
+        ns1 = tb.ns(1)
+        down = BusyTrigger(ns1, "eth2", ["ip", "-n", ns1, "link", "set", "eth2", "down"], delay=7.0,
+                           max_wait=2.5).start()
+        stop = threading.Timer(6.0, signal_rank0, (signal.SIGSTOP, "stopped"))
+        cont = threading.Timer(10.5, signal_rank0, (signal.SIGCONT, "continued"))
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        stop.start()
+        cont.start()
+        try:
+            res = launch_ranks(perf_ranks(4, boot, args, hosts=[0, 1, 2, 3]), testbed=tb,
+                               timeout=25 + SLACK_S + 30)
+        finally:
+            stop.cancel()
+            cont.cancel()
+            down.finish()
+            for pid in netns_pids_of(tb.ns(0), PERF):
+                os.kill(pid, signal.SIGCONT)
+    assert len(times.get("stopped_pids", [])) == 1, (times, describe(res))
+    assert [r.returncode for r in res] == [0] * 4, describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert down.busy and times["stopped"] < down.wall_ns < times["continued"], (times, down.wall_ns)
+    started = []
+    for rank in (1, 2):
+        events, _ = read_events(ev, rank)
+        started += [e for e in events if e["nic"] == "eth2" and e["kind"] == "replay_started"
+                    and e["peer"] == 3 - rank]
+    assert started and all(e["wall_ns"] < times["continued"] for e in started), (times, started)
+
+
 # ------------------------------------------------------------------------------ start-up
 
 def test_job_starts_with_two_nics_of_a_host_down(perf, tmp_path):
