@@ -419,8 +419,12 @@ void Channel::maybe_replay(std::uint32_t index) {
                     s.awaiting_replay.size(), s.awaiting_control.size(), ask.size()));
   s.replay_confirm_pending = direct > 0;
   s.awaiting_replay.clear();
-  for (auto& c : s.awaiting_control)
-    control_backlog_.push_front(std::move(c));
+  // Ahead of everything queued since, oldest first (the receiver handles them in that order).
+  std::sort(s.awaiting_control.begin(), s.awaiting_control.end(),
+            [](const ControlEntry& a, const ControlEntry& b) { return a.seq < b.seq; });
+  control_backlog_.insert(control_backlog_.begin(),
+                          std::make_move_iterator(s.awaiting_control.begin()),
+                          std::make_move_iterator(s.awaiting_control.end()));
   s.awaiting_control.clear();
   for (std::size_t from = 0; from < ask.size(); from += kQueryChunks)
     send_replay_query(

@@ -1,0 +1,303 @@
+// The multi-rail channel's failover state machine, driven through the fake provider: no sockets,
+// no threads, no timing. Two channels (rank 0 and rank 1) over four fake rails; the test runs the
+// network's events one by one and scripts the faults (link down, reset, lost confirmations,
+// duplicated and held control messages, refused connections).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fake_provider.h"
+#include "peer_channel.h"
+#include "r2ccl/runtime/memory.h"
+
+namespace r2ccl {
+namespace {
+
+using testing::FakeNetwork;
+using testing::FakeProvider;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::size_t kRails = 4;
+constexpr int kMaxRounds = 20000;  // bound of every drive loop (each round runs the whole queue)
+constexpr auto kDriveLimit = std::chrono::seconds(20);
+
+struct Rank {
+  Rank(FakeNetwork& net, int me, const Config& c)
+      : config(c), provider(net, me, kRails), registry(provider) {}
+  Config config;
+  RailEventLog events;
+  FakeProvider provider;
+  MemoryRegistry registry;
+  std::unique_ptr<Channel> channel;
+  std::vector<std::string> messages;  // user messages, in the order handled
+  std::vector<Status> fatal;
+
+  std::vector<RailEvent> of(const std::string& kind) const {
+    std::vector<RailEvent> out;
+    for (const auto& e : events.snapshot())
+      if (e.kind == kind) out.push_back(e);
+    return out;
+  }
+  RailSnapshot rail(std::uint32_t i) const {
+    std::vector<RailSnapshot> all;
+    channel->snapshot(all);
+    return all.at(i);
+  }
+};
+
+Config test_config() {
+  Config c;
+  c.chunk_size = 64 * 1024;  // many chunks per message, so that some are in flight on every rail
+  // Silence never fails a rail here (no probes run): faults come from the script only.
+  c.probe_timeout = std::chrono::milliseconds(600000);
+  c.stall_timeout = std::chrono::milliseconds(600000);
+  c.holddown = std::chrono::milliseconds(0);
+  c.readmit_probes = 1;
+  return c;
+}
+
+class ChannelFailover : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Config c = test_config();
+    ranks_[0] = std::make_unique<Rank>(net_, 0, c);
+    ranks_[1] = std::make_unique<Rank>(net_, 1, c);
+    for (int me = 0; me < 2; ++me) {
+      Rank& r = *ranks_[me];
+      Rank& peer = *ranks_[1 - me];
+      ChannelContext ctx;
+      ctx.config = &r.config;
+      ctx.me = me;
+      ctx.provider = &r.provider;
+      ctx.bootstrap = nullptr;  // no out-of-band path: failover must go over the rails
+      ctx.events = &r.events;
+      ctx.on_fatal = [&r](const Status& st) { r.fatal.push_back(st); };
+      ctx.on_user_message = [&r](int, Bytes payload) {
+        r.messages.emplace_back(reinterpret_cast<const char*>(payload.data()), payload.size());
+      };
+      std::vector<Channel::RemoteRail> remote;
+      for (std::size_t i = 0; i < kRails; ++i)
+        remote.push_back({peer.provider.devices()[i].name, peer.provider.endpoint(i)});
+      r.channel = std::make_unique<Channel>(ctx, 1 - me, r.provider.devices(), remote);
+      Channel* ch = r.channel.get();
+      r.provider.set_accept_handler(
+          [ch](std::shared_ptr<Rail> rail) { return ch->attach(rail->hello().rail, rail); });
+    }
+  }
+
+  void TearDown() override {
+    for (auto& r : ranks_)
+      if (r && r->channel) r->channel->shutdown();
+    net_.run();
+  }
+
+  Rank& r0() { return *ranks_[0]; }
+  Rank& r1() { return *ranks_[1]; }
+
+  void connect() {
+    r0().channel->connect_all_rails();
+    drive([&] { return r0().channel->attached() == kRails && r1().channel->attached() == kRails; });
+  }
+
+  // Runs the network and ticks both channels until `done`: at most kMaxRounds rounds and
+  // kDriveLimit (a re-connection waits kReconnectBackoff after a failed attempt).
+  template <typename Pred>
+  bool drive(Pred done) {
+    const auto until = Clock::now() + kDriveLimit;
+    for (int i = 0; i < kMaxRounds && !done() && Clock::now() < until; ++i) {
+      if (net_.run() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      for (auto& r : ranks_)
+        r->channel->tick(Clock::now());
+    }
+    return done();
+  }
+
+  struct Transfer {
+    std::vector<std::byte> src, dst;
+    RegionPtr src_region, dst_region;
+    OpPtr send = std::make_shared<Op>();
+    OpPtr recv = std::make_shared<Op>();
+    bool done() const { return send->done() && recv->done(); }
+    bool intact() const { return src == dst; }
+  };
+
+  std::unique_ptr<Transfer> start_transfer(std::size_t bytes) {
+    auto t = std::make_unique<Transfer>();
+    t->src.resize(bytes);
+    t->dst.assign(bytes, std::byte{0xEE});
+    for (std::size_t i = 0; i < bytes; ++i)
+      t->src[i] = static_cast<std::byte>((i * 131 + 7) & 0xff);
+    t->src_region = *r0().registry.register_region(t->src.data(), bytes);
+    t->dst_region = *r1().registry.register_region(t->dst.data(), bytes);
+    const auto deadline = Clock::now() + std::chrono::minutes(10);
+    r1().channel->post_recv(t->recv, t->dst_region, 0, bytes, deadline);
+    r0().channel->post_send(t->send, t->src_region, 0, bytes, deadline);
+    return t;
+  }
+
+  void send_messages(int from, int to_exclusive) {
+    for (int i = from; i < to_exclusive; ++i) {
+      const std::string m = "message " + std::to_string(i);
+      r0().channel->send_user_message(
+          Bytes(reinterpret_cast<const std::byte*>(m.data()),
+                reinterpret_cast<const std::byte*>(m.data()) + m.size()));
+    }
+  }
+
+  static std::vector<std::string> numbered(int n) {
+    std::vector<std::string> out;
+    for (int i = 0; i < n; ++i)
+      out.push_back("message " + std::to_string(i));
+    return out;
+  }
+
+  FakeNetwork net_;
+  std::unique_ptr<Rank> ranks_[2];
+};
+
+TEST_F(ChannelFailover, EveryByteArrivesOverEveryRail) {
+  connect();
+  for (std::size_t bytes : {std::size_t{1000}, std::size_t{1} << 20}) {
+    auto t = start_transfer(bytes);
+    ASSERT_TRUE(drive([&] { return t->done(); })) << bytes;
+    EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+    EXPECT_TRUE(t->recv->status().is_ok()) << t->recv->status().to_string();
+    EXPECT_TRUE(t->intact()) << bytes;
+  }
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    EXPECT_GT(r0().rail(i).tx_chunks, 0u) << "rail " << i << " carried nothing";
+  EXPECT_TRUE(r0().fatal.empty());
+}
+
+TEST_F(ChannelFailover, ALinkDownMidTransferIsReplayedOnTheOtherRailsWithoutAnyControlPath) {
+  connect();
+  auto t = start_transfer(std::size_t{4} << 20);
+  // Some chunks posted and delivered, others in flight on every rail.
+  for (int i = 0; i < 40; ++i)
+    net_.step();
+  ASSERT_FALSE(t->done());
+  r0().channel->on_link("fake1", false);
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+  EXPECT_TRUE(t->recv->status().is_ok()) << t->recv->status().to_string();
+  EXPECT_TRUE(t->intact());
+  // The fence, its acknowledgement, the replay query and its answer all went over the surviving
+  // rails (the channels have no control path at all).
+  ASSERT_EQ(r0().of("failed").size(), 1u);
+  EXPECT_EQ(r0().of("failed")[0].rail, 1u);
+  ASSERT_EQ(r1().of("failed").size(), 1u);
+  ASSERT_EQ(r0().of("replay_started").size(), 1u);
+  ASSERT_EQ(r0().of("replay_reconciled").size(), 1u);
+  EXPECT_EQ(r0().rail(1).state, RailState::kDown);
+  std::uint64_t replayed = 0;
+  for (std::uint32_t i : {0u, 2u, 3u})
+    replayed += r0().rail(i).replayed_chunks;
+  EXPECT_GT(replayed, 0u);
+  EXPECT_EQ(r0().rail(1).replayed_chunks, 0u);
+  EXPECT_TRUE(t->send->replayed());
+}
+
+TEST_F(ChannelFailover, ChunksWhoseConfirmationsWereLostAreReconciledNotReplayed) {
+  connect();
+  net_.script(2).drop_confirmations = true;
+  auto t = start_transfer(std::size_t{2} << 20);
+  // Everything lands, but rail 2's chunks stay unconfirmed at the sender.
+  ASSERT_TRUE(drive([&] { return t->recv->done(); }));
+  ASSERT_TRUE(t->intact());
+  ASSERT_FALSE(t->send->done());
+  net_.script(2).drop_confirmations = false;
+  r0().channel->on_link("fake2", false);
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+  const auto answers = r0().of("replay_reconciled");
+  ASSERT_EQ(answers.size(), 1u);
+  EXPECT_NE(answers[0].detail.find("chunk(s) had arrived"), std::string::npos) << answers[0].detail;
+  EXPECT_NE(answers[0].detail.find(", 0 to replay"), std::string::npos) << answers[0].detail;
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    EXPECT_EQ(r0().rail(i).replayed_chunks, 0u) << "rail " << i;
+}
+
+TEST_F(ChannelFailover, DuplicatedControlMessagesAreHandledOnce) {
+  connect();
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    net_.script(i).duplicate_control = true;
+  send_messages(0, 20);
+  ASSERT_TRUE(drive([&] { return r1().messages.size() >= 20; }));
+  net_.run();
+  EXPECT_EQ(r1().messages, numbered(20));
+}
+
+TEST_F(ChannelFailover, MessagesSentAroundAFailoverAreHandledInTheOrderSent) {
+  connect();
+  // Messages 0..9 take rail 0 and are held there; rail 0 goes down, so they wait for the fence
+  // and their replay while 10..19 go at once on rail 1.
+  net_.script(0).hold = true;
+  send_messages(0, 10);
+  net_.run();
+  EXPECT_TRUE(r1().messages.empty());
+  r0().channel->on_link("fake0", false);
+  send_messages(10, 20);
+  net_.release(0);  // what rail 0 held is dropped: its connection is fenced
+  ASSERT_TRUE(drive([&] { return r1().messages.size() >= 20; }));
+  EXPECT_EQ(r1().messages, numbered(20));
+  EXPECT_EQ(r0().of("failed").size(), 1u);
+}
+
+TEST_F(ChannelFailover, HeldMessagesReleasedOutOfOrderAreHandledInOrder) {
+  connect();
+  net_.script(0).hold = true;
+  send_messages(0, 10);
+  net_.release(0);  // delivered newest first
+  ASSERT_TRUE(drive([&] { return r1().messages.size() >= 10; }));
+  EXPECT_EQ(r1().messages, numbered(10));
+}
+
+TEST_F(ChannelFailover, AResetRailIsReplayedThenReadmittedAndCarriesTrafficAgain) {
+  connect();
+  auto t = start_transfer(std::size_t{4} << 20);
+  for (int i = 0; i < 40; ++i)
+    net_.step();
+  net_.reset(3);  // both ends see the connection fail
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+  EXPECT_TRUE(t->intact());
+  EXPECT_EQ(r0().rail(3).state, RailState::kDown);
+  // Probes answer again: the lower rank reconnects the rail at the next epoch.
+  for (auto* r : {&r0(), &r1()})
+    r->channel->on_probe_reply(3, std::chrono::microseconds(50));
+  ASSERT_TRUE(drive([&] { return r0().channel->attached() == kRails; }));
+  ASSERT_EQ(r0().of("readmitted").size(), 1u);
+  EXPECT_EQ(r0().rail(3).epoch, 1u);
+  const auto before = r0().rail(3).tx_chunks;
+  auto again = start_transfer(std::size_t{2} << 20);
+  ASSERT_TRUE(drive([&] { return again->done(); }));
+  EXPECT_TRUE(again->intact());
+  EXPECT_GT(r0().rail(3).tx_chunks, before);
+}
+
+TEST_F(ChannelFailover, ARailThatCannotConnectAtStartJoinsWhenItAnswers) {
+  net_.refuse_connections(2, true);
+  r0().channel->connect_all_rails();
+  ASSERT_TRUE(drive([&] { return r0().channel->connecting() == 0; }));
+  EXPECT_EQ(r0().channel->attached(), kRails - 1);
+  EXPECT_NE(r0().channel->missing_rails().find("fake2: connection refused"), std::string::npos)
+      << r0().channel->missing_rails();
+  r0().channel->mark_started();
+  r1().channel->mark_started();
+  auto t = start_transfer(std::size_t{1} << 20);  // runs on three rails meanwhile
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->intact());
+  net_.refuse_connections(2, false);
+  for (auto* r : {&r0(), &r1()})
+    r->channel->on_probe_reply(2, std::chrono::microseconds(50));
+  ASSERT_TRUE(drive([&] { return r0().channel->attached() == kRails; }));
+  EXPECT_EQ(r0().of("readmitted").size(), 1u);
+}
+
+}  // namespace
+}  // namespace r2ccl
