@@ -262,6 +262,74 @@ struct PublishedRail {
 
 Fabric::Fabric() = default;
 
+// Failover messages on the out-of-band control path, written by their own thread so that the
+// progress thread never waits on that connection (a blocking write to rank 0's relay). Bounded:
+// when the queue is full the message is not taken (the rails carry it too, when there are any).
+class OutOfBandSender {
+ public:
+  static constexpr std::size_t kMaxQueued = 256;
+
+  explicit OutOfBandSender(Bootstrap& bootstrap)
+      : bootstrap_(bootstrap), thread_([this] { run(); }) {}
+  ~OutOfBandSender() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  OutOfBandSender(const OutOfBandSender&) = delete;
+  OutOfBandSender& operator=(const OutOfBandSender&) = delete;
+
+  bool post(int peer, Bytes message) {
+    {
+      std::lock_guard lock(mutex_);
+      if (stop_ || broken_ || queue_.size() >= kMaxQueued) return false;
+      queue_.emplace_back(peer, std::move(message));
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+ private:
+  void run() {
+    while (true) {
+      std::pair<int, Bytes> next;
+      {
+        std::unique_lock lock(mutex_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (stop_) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      Status st;
+      try {
+        st = bootstrap_.send_to(next.first, next.second);
+      } catch (const std::exception& e) {
+        st = Status(ErrorCode::kInternal, e.what());
+      }
+      if (!st) {
+        R2CCL_INFO(
+            "the out-of-band control path is gone ({}); failover messages use the rails "
+            "only",
+            st.message());
+        std::lock_guard lock(mutex_);
+        broken_ = true;
+        queue_.clear();
+      }
+    }
+  }
+
+  Bootstrap& bootstrap_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int, Bytes>> queue_;
+  bool stop_ = false;
+  bool broken_ = false;
+  std::thread thread_;  // last: starts once everything above is in place
+};
+
 Fabric::~Fabric() {
   if (engine_ && !engine_->in_loop()) drain();
   if (bootstrap_) bootstrap_->set_handlers(nullptr, nullptr);
@@ -279,6 +347,7 @@ Fabric::~Fabric() {
     });
   }
   link_watcher_.reset();
+  out_of_band_.reset();  // after the channels' shutdown: nothing posts to it any more
   prober_.reset();
   registry_.reset();
   provider_.reset();
@@ -429,7 +498,10 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
   ctx.me = me;
   ctx.token = rail_token_;
   ctx.provider = provider_.get();
-  ctx.bootstrap = bootstrap_.get();
+  out_of_band_ = std::make_unique<OutOfBandSender>(*bootstrap_);
+  ctx.out_of_band = [oob = out_of_band_.get()](int peer, Bytes message) {
+    return oob->post(peer, std::move(message));
+  };
   ctx.events = &events_;
   ctx.detection = &failover_detection_;
   ctx.on_user_message = [this](int peer, Bytes payload) {

@@ -75,6 +75,8 @@ constexpr std::size_t kQueryChunks = 4096;
 
 constexpr std::uint64_t kControlCookieBit = 1ull << 63;
 constexpr std::uint64_t kFailoverCookieBit = 1ull << 62;  // with kControlCookieBit
+// Failover messages up to this size also go on the out-of-band path when a rail took them.
+constexpr std::size_t kOutOfBandCopyMax = 4096;
 
 std::uint32_t chunk_count(std::uint64_t length, std::uint64_t chunk) {
   return static_cast<std::uint32_t>((length + chunk - 1) / chunk);
@@ -302,7 +304,7 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
   }
   update_usable(index);
   for (auto& m : resend)
-    if (Status st = post_failover(std::move(m)); !st)
+    if (Status st = post_failover(std::move(m), false); !st)
       R2CCL_INFO("cannot resend a failover message to rank {}: {}", peer_, st.message());
   event(index, "failed",
         fmt::format("{} (detected in {}; {} chunk(s), {} control message(s) to replay)", reason,
@@ -336,26 +338,38 @@ Status Channel::send_failover(const Bytes& message) {
   w.u64(0)
       .u8(static_cast<std::uint8_t>(ControlType::kFailover))
       .raw(message.data(), message.size());
-  return post_failover(std::make_shared<const Bytes>(w.take()));
+  return post_failover(std::make_shared<const Bytes>(w.take()), true);
 }
 
-Status Channel::post_failover(std::shared_ptr<const Bytes> framed) {
+Status Channel::post_failover(std::shared_ptr<const Bytes> framed, bool duplicate) {
   if (dead_ || closing_) return {ErrorCode::kAborted, fmt::format("rank {} is gone", peer_)};
-  // A usable rail of the same peer first, else any connected one: no third process involved.
-  for (const bool any : {false, true})
-    for (std::uint32_t i = 0; i < rails_.size(); ++i) {
-      auto& s = *rails_[i];
-      if (!s.rail || (!any && !scheduler_.usable(i))) continue;
-      const std::uint64_t cookie = kControlCookieBit | kFailoverCookieBit | next_failover_cookie_++;
-      if (s.rail->post_control(framed, cookie)) {
-        failover_inflight_.emplace(cookie, FailoverEntry{i, framed});
-        return Status::ok();
-      }
+  // A usable rail of the same peer first (the one with the least data in flight), else any
+  // connected one: no third process involved. The message overtakes the data queued there.
+  std::vector<std::uint32_t> order;
+  for (std::uint32_t i = 0; i < rails_.size(); ++i)
+    if (rails_[i]->rail) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+    const bool ua = scheduler_.usable(a);
+    const bool ub = scheduler_.usable(b);
+    if (ua != ub) return ua;
+    return scheduler_.inflight(a) < scheduler_.inflight(b);
+  });
+  for (const std::uint32_t i : order) {
+    const std::uint64_t cookie = kControlCookieBit | kFailoverCookieBit | next_failover_cookie_++;
+    if (rails_[i]->rail->post_urgent_control(framed, cookie)) {
+      failover_inflight_.emplace(cookie, FailoverEntry{i, framed});
+      // A second copy on the control path, when there is one, is often there first: the rail's
+      // own queues (the socket's, the link's) may hold the message back behind data. Nothing
+      // depends on it.
+      if (duplicate && ctx_.out_of_band && framed->size() <= kOutOfBandCopyMax)
+        (void)ctx_.out_of_band(peer_, Bytes(framed->begin() + 9, framed->end()));
+      return Status::ok();
     }
-  // No rail left: the out-of-band control path.
-  if (ctx_.bootstrap == nullptr)
-    return {ErrorCode::kUnavailable, "no rail is connected and there is no control path"};
-  return ctx_.bootstrap->send_to(peer_, Bytes(framed->begin() + 9, framed->end()));
+  }
+  // No rail left: the out-of-band control path only.
+  if (!ctx_.out_of_band || !ctx_.out_of_band(peer_, Bytes(framed->begin() + 9, framed->end())))
+    return {ErrorCode::kUnavailable, "no rail is connected and the control path cannot take it"};
+  return Status::ok();
 }
 
 void Channel::on_control_path(Bytes message) {

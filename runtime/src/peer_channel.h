@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "r2ccl/runtime/bootstrap.h"
 #include "r2ccl/runtime/channel.h"
 #include "r2ccl/runtime/fabric.h"
 #include "r2ccl/runtime/health.h"
@@ -30,7 +29,9 @@ struct ChannelContext {
   int me = -1;
   Token token{};
   Provider* provider = nullptr;
-  Bootstrap* bootstrap = nullptr;  // control path (send_to is thread-safe)
+  // The out-of-band control path (rank 0's relay): queues a failover message for a sender thread
+  // and returns at once; false when it cannot (full, or no such path). Null: none.
+  std::function<bool(int peer, Bytes message)> out_of_band;
   RailEventLog* events = nullptr;
   LatencyHistogram* detection = nullptr;        // failover detection latencies
   std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
@@ -198,7 +199,9 @@ class Channel {
   // peer, kept until confirmed and sent again on another if that rail fails; only when no rail
   // is connected do they take the out-of-band control path.
   Status send_failover(const Bytes& message);
-  Status post_failover(std::shared_ptr<const Bytes> framed);
+  // `duplicate`: also on the out-of-band path when a rail took it (the first copy to arrive
+  // counts; the rails' queues may hold it back behind data).
+  Status post_failover(std::shared_ptr<const Bytes> framed, bool duplicate);
 
   // Data
   bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone

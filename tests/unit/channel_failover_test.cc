@@ -74,7 +74,7 @@ class ChannelFailover : public ::testing::Test {
       ctx.config = &r.config;
       ctx.me = me;
       ctx.provider = &r.provider;
-      ctx.bootstrap = nullptr;  // no out-of-band path: failover must go over the rails
+      ctx.out_of_band = nullptr;  // no out-of-band path: failover must go over the rails
       ctx.events = &r.events;
       ctx.on_fatal = [&r](const Status& st) { r.fatal.push_back(st); };
       ctx.on_user_message = [&r](int, Bytes payload) {

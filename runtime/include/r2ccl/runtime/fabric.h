@@ -143,6 +143,7 @@ class Fabric {
   std::unique_ptr<MemoryRegistry> registry_;
   std::unique_ptr<class Prober> prober_;
   std::unique_ptr<class LinkWatcher> link_watcher_;
+  std::unique_ptr<class OutOfBandSender> out_of_band_;  // failover messages on the control path
   RailEventLog events_;
   LatencyHistogram failover_detection_;
   MetricRegistry metrics_;

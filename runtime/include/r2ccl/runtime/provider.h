@@ -70,6 +70,12 @@ class Rail {
   // Queues a control message; with a non-zero cookie the peer confirms it (on_write_confirmed)
   // once its handler has run. Shared: the caller keeps it for a replay, and nobody copies it.
   virtual Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) = 0;
+  // The same, for a message that must not wait behind the data already queued on the rail (the
+  // channel's failover messages); it may overtake earlier writes and control messages. Providers
+  // that cannot reorder their queue send it in order.
+  virtual Status post_urgent_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) {
+    return post_control(std::move(message), cookie);
+  }
   // Closes the rail now, abortively: data still queued is discarded, not delivered later; no
   // event is delivered afterwards.
   virtual void fence() = 0;
