@@ -407,8 +407,10 @@ struct KvEngine::Impl {
 
   void send(const std::vector<Outgoing>& out) {
     for (const auto& o : out) {
-      Status st = fabric.send_message(o.peer, o.message, o.control_path);
-      if (!st && !o.control_path) st = fabric.send_message(o.peer, o.message, true);
+      Status st =
+          fabric.send_message(o.peer, Fabric::Service::kKvTransfer, o.message, o.control_path);
+      if (!st && !o.control_path)
+        st = fabric.send_message(o.peer, Fabric::Service::kKvTransfer, o.message, true);
       if (!st) R2CCL_WARN("kv: cannot notify rank {}: {}", o.peer, st.message());
     }
   }
@@ -566,7 +568,7 @@ struct KvEngine::Impl {
 KvEngine::KvEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 KvEngine::~KvEngine() {
-  impl_->fabric.set_message_handler(nullptr);
+  impl_->fabric.set_message_handler(Fabric::Service::kKvTransfer, nullptr);
   // Let writes in flight complete (or fail at their deadline) before the pools go away.
   std::unique_lock lock(impl_->mu);
   impl_->cv.wait_for(lock, impl_->fabric.config().timeout + std::chrono::seconds(1), [&] {
@@ -578,7 +580,8 @@ KvEngine::~KvEngine() {
 Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineOptions& options) {
   auto impl = std::make_unique<Impl>(fabric, options);
   Impl* raw = impl.get();
-  fabric.set_message_handler([raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
+  fabric.set_message_handler(Fabric::Service::kKvTransfer,
+                             [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
   return std::unique_ptr<KvEngine>(new KvEngine(std::move(impl)));
 }
 
@@ -788,7 +791,7 @@ Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
   encode_spans(w, spans);
   if (w.bytes().size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument, "pull: too many blocks in one request (split it)"};
-  return impl_->fabric.send_message(peer, w.take());
+  return impl_->fabric.send_message(peer, Fabric::Service::kKvTransfer, w.take());
 }
 
 Result<RequestStatus> KvEngine::status(std::uint64_t id) const {

@@ -435,8 +435,7 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
       [self](int src, Bytes msg) {
         self->engine_->post([self, src, msg = std::move(msg)]() mutable {
           if (!msg.empty() && std::to_integer<std::uint8_t>(msg[0]) == kUserOnControlPath) {
-            if (self->message_handler_)
-              self->message_handler_(src, Bytes(msg.begin() + 1, msg.end()));
+            self->deliver_message(src, Bytes(msg.begin() + 1, msg.end()));
             return;
           }
           if (src >= 0 && static_cast<std::size_t>(src) < self->channels_.size() &&
@@ -505,7 +504,7 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
   ctx.events = &events_;
   ctx.detection = &failover_detection_;
   ctx.on_user_message = [this](int peer, Bytes payload) {
-    if (message_handler_) message_handler_(peer, std::move(payload));
+    deliver_message(peer, std::move(payload));
   };
   ctx.on_fatal = [this](const Status& st) { record_async_error(st); };
   channels_.resize(infos.size());
@@ -736,26 +735,42 @@ Result<OpPtr> Fabric::iwrite(int peer, const RegionPtr& region, std::size_t offs
   return op;
 }
 
-Status Fabric::send_message(int peer, Bytes payload, bool control_path) {
+Status Fabric::send_message(int peer, Service service, Bytes payload, bool control_path) {
   if (peer < 0 || peer >= nranks() || peer == rank())
     return {ErrorCode::kInvalidArgument,
             fmt::format("message: peer {} is out of range or this rank", peer)};
   if (payload.size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument,
             fmt::format("message of {} bytes exceeds 64 KiB", payload.size())};
-  if (control_path) {
-    ByteWriter w;
-    w.u8(kUserOnControlPath).raw(payload.data(), payload.size());
-    return bootstrap_->send_to(peer, w.bytes());
-  }
-  engine_->submit([this, peer, payload = std::move(payload)]() mutable {
-    channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(payload));
+  if (static_cast<std::size_t>(service) >= kServices)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("message: unknown service {}", static_cast<int>(service))};
+  ByteWriter w(2 + payload.size());
+  if (control_path) w.u8(kUserOnControlPath);
+  w.u8(static_cast<std::uint8_t>(service)).raw(payload.data(), payload.size());
+  if (control_path) return bootstrap_->send_to(peer, w.bytes());
+  engine_->submit([this, peer, message = w.take()]() mutable {
+    channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(message));
   });
   return Status::ok();
 }
 
-void Fabric::set_message_handler(MessageHandler handler) {
-  engine_->call([&] { message_handler_ = std::move(handler); });
+void Fabric::set_message_handler(Service service, MessageHandler handler) {
+  const auto i = static_cast<std::size_t>(service);
+  if (i >= kServices) return;
+  engine_->call([&] { message_handlers_[i] = std::move(handler); });
+}
+
+void Fabric::deliver_message(int peer, Bytes message) {
+  const std::size_t service =
+      message.empty() ? kServices : std::to_integer<std::size_t>(message[0]);
+  if (service >= kServices) {
+    R2CCL_WARN("rank {} sent a message for an unknown service ({} bytes): dropped", peer,
+               message.size());
+    return;
+  }
+  if (message_handlers_[service])
+    message_handlers_[service](peer, Bytes(message.begin() + 1, message.end()));
 }
 
 Status Fabric::wait(const OpPtr& op) {

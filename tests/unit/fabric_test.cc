@@ -1,6 +1,8 @@
 // Two and three ranks, as threads of this process, over four loopback rails each.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -286,6 +288,60 @@ TEST(Fabric, OneSidedWritesLandBeforeTheMessageThatFollowsThem) {
   EXPECT_EQ(a.iwrite(0, rs, 0, remote, 0, 10).status().message(),
             "write: a one-sided write to this rank itself");
   EXPECT_EQ(a.send_message(1, Bytes(70000)).message(), "message of 70000 bytes exceeds 64 KiB");
+}
+
+// The KV engine and the application share the channels: each service's messages reach its own
+// handler only, on the rails and on the control path alike.
+TEST(Fabric, MessagesOfEachServiceReachOnlyItsOwnHandler) {
+  auto w = make_world(2);
+  ASSERT_EQ(w.ranks.size(), 2u);
+  auto& a = *w.ranks[0];
+  auto& b = *w.ranks[1];
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<std::string> app, kv;
+  const auto text = [](const Bytes& p) {
+    return std::string(reinterpret_cast<const char*>(p.data()), p.size());
+  };
+  const auto bytes = [](const std::string& t) {
+    return Bytes(reinterpret_cast<const std::byte*>(t.data()),
+                 reinterpret_cast<const std::byte*>(t.data()) + t.size());
+  };
+  b.set_message_handler([&](int, Bytes p) {
+    std::lock_guard lock(m);
+    app.push_back(text(p));
+    cv.notify_all();
+  });
+  b.set_message_handler(Fabric::Service::kKvTransfer, [&](int, Bytes p) {
+    std::lock_guard lock(m);
+    kv.push_back(text(p));
+    cv.notify_all();
+  });
+  ASSERT_TRUE(a.send_message(1, bytes("app 1")).is_ok());
+  ASSERT_TRUE(a.send_message(1, Fabric::Service::kKvTransfer, bytes("kv 1")).is_ok());
+  ASSERT_TRUE(a.send_message(1, bytes("app 2"), true).is_ok());
+  ASSERT_TRUE(a.send_message(1, Fabric::Service::kKvTransfer, bytes("kv 2"), true).is_ok());
+  ASSERT_TRUE(a.send_message(1, Fabric::Service::kKvTransfer, Bytes{}).is_ok());
+  {
+    std::unique_lock lock(m);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10),
+                            [&] { return app.size() == 2 && kv.size() == 3; }));
+    // The control path is not ordered with the rails.
+    std::sort(app.begin(), app.end());
+    std::sort(kv.begin(), kv.end());
+    EXPECT_EQ(app, (std::vector<std::string>{"app 1", "app 2"}));
+    EXPECT_EQ(kv, (std::vector<std::string>{"", "kv 1", "kv 2"}));
+  }
+  // Without a handler, a service's messages are dropped; the others still arrive.
+  b.set_message_handler(Fabric::Service::kKvTransfer, nullptr);
+  ASSERT_TRUE(a.send_message(1, Fabric::Service::kKvTransfer, bytes("kv 3")).is_ok());
+  ASSERT_TRUE(a.send_message(1, bytes("app 3")).is_ok());
+  std::unique_lock lock(m);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return app.size() == 3; }));
+  EXPECT_EQ(app.back(), "app 3");
+  EXPECT_EQ(kv.size(), 3u);
+  EXPECT_EQ(a.send_message(1, static_cast<Fabric::Service>(7), Bytes{}).message(),
+            "message: unknown service 7");
 }
 
 }  // namespace

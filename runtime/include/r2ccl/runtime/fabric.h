@@ -8,6 +8,7 @@
 // sender then stripes the message over all usable rails in chunks with one-sided writes.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -99,10 +100,22 @@ class Fabric {
   // every iwrite to that peer that completed before it was sent.
   // With `control_path`, it goes through rank 0's relay instead of the rails: it arrives even
   // when no rail to the peer is left (but not in order with the rail traffic).
-  Status send_message(int peer, Bytes payload, bool control_path = false);
+  //
+  // Messages are demultiplexed by service, each with its own handler, so that the KV engine and
+  // the application (or the collectives) share the channels without taking each other's
+  // messages. The service travels in the message's first byte.
+  enum class Service : std::uint8_t { kApplication = 0, kKvTransfer = 1 };
+  static constexpr std::size_t kServices = 2;
+  Status send_message(int peer, Service service, Bytes payload, bool control_path = false);
+  Status send_message(int peer, Bytes payload, bool control_path = false) {
+    return send_message(peer, Service::kApplication, std::move(payload), control_path);
+  }
   using MessageHandler = std::function<void(int peer, Bytes payload)>;
-  // Runs on the progress thread; must not block.
-  void set_message_handler(MessageHandler handler);
+  // Runs on the progress thread; must not block. Null: the service's messages are dropped.
+  void set_message_handler(Service service, MessageHandler handler);
+  void set_message_handler(MessageHandler handler) {
+    set_message_handler(Service::kApplication, std::move(handler));
+  }
 
   // Waits for an operation: until it completes, or a grace period past its deadline (which moves
   // only while the peer keeps confirming data).
@@ -147,7 +160,9 @@ class Fabric {
   RailEventLog events_;
   LatencyHistogram failover_detection_;
   MetricRegistry metrics_;
-  MessageHandler message_handler_;  // progress thread only
+  std::array<MessageHandler, kServices> message_handlers_;  // by service; progress thread only
+  // A message from `peer` (its service byte first), to its service's handler.
+  void deliver_message(int peer, Bytes message);
   mutable std::mutex async_mutex_;
   Status async_error_;
   std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
