@@ -94,7 +94,6 @@ wait_busy() {
 }
 # The fault, from outside the processes, timed against the launch; its times go to $work/faults.
 inject_faults() {
-  local t0=$1
   sleep "$FAULT_S"
   wait_busy "$TB_NAME-h0" "$FAULT_NIC"
   echo "down $(now_ns) $FAULT_NIC" >>"$work/faults"
@@ -102,13 +101,12 @@ inject_faults() {
   sleep $((RESTORE_S - FAULT_S))
   echo "up $(now_ns) $FAULT_NIC" >>"$work/faults"
   "$testbed" up "$TB_NAME" 0 "$FAULT_NIC"
-  echo "start $t0" >>"$work/faults"
 }
 
-t0=$(now_ns)
+echo "start $(now_ns)" >"$work/faults"
 injector=
 if [[ $mode == testbed ]]; then
-  inject_faults "$t0" &
+  inject_faults &
   injector=$!
 fi
 rc=0
@@ -116,7 +114,6 @@ r2_run_pair demo || rc=$?
 if [[ -n $injector ]]; then
   wait "$injector" || { echo "r2ccl demo: taking $FAULT_NIC down or up again FAILED" >&2; rc=1; }
 fi
-[[ -f $work/faults ]] || echo "start $t0" >"$work/faults"
 ((rc == 0)) || { echo "r2ccl demo: FAILED" >&2; exit 1; }
 python3 "$root/scripts/demo_report.py" --faults "$work/faults" --events "$work/events" \
   --samples "$work/samples" --result "$work/result.json" --output "$work/demo.0.out"

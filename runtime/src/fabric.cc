@@ -435,7 +435,7 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
       [self](int src, Bytes msg) {
         self->engine_->post([self, src, msg = std::move(msg)]() mutable {
           if (!msg.empty() && std::to_integer<std::uint8_t>(msg[0]) == kUserOnControlPath) {
-            self->deliver_message(src, Bytes(msg.begin() + 1, msg.end()));
+            self->deliver_message(src, std::span<const std::byte>(msg).subspan(1));
             return;
           }
           if (src >= 0 && static_cast<std::size_t>(src) < self->channels_.size() &&
@@ -503,8 +503,8 @@ Status Fabric::connect_all(const std::vector<Bytes>& infos) {
   };
   ctx.events = &events_;
   ctx.detection = &failover_detection_;
-  ctx.on_user_message = [this](int peer, Bytes payload) {
-    deliver_message(peer, std::move(payload));
+  ctx.on_user_message = [this](int peer, std::span<const std::byte> message) {
+    deliver_message(peer, message);
   };
   ctx.on_fatal = [this](const Status& st) { record_async_error(st); };
   channels_.resize(infos.size());
@@ -745,12 +745,16 @@ Status Fabric::send_message(int peer, Service service, Bytes payload, bool contr
   if (static_cast<std::size_t>(service) >= kServices)
     return {ErrorCode::kInvalidArgument,
             fmt::format("message: unknown service {}", static_cast<int>(service))};
-  ByteWriter w(2 + payload.size());
-  if (control_path) w.u8(kUserOnControlPath);
-  w.u8(static_cast<std::uint8_t>(service)).raw(payload.data(), payload.size());
-  if (control_path) return bootstrap_->send_to(peer, w.bytes());
-  engine_->submit([this, peer, message = w.take()]() mutable {
-    channels_[static_cast<std::size_t>(peer)]->send_user_message(std::move(message));
+  if (control_path) {
+    ByteWriter w(2 + payload.size());
+    w.u8(kUserOnControlPath)
+        .u8(static_cast<std::uint8_t>(service))
+        .raw(payload.data(), payload.size());
+    return bootstrap_->send_to(peer, w.bytes());
+  }
+  engine_->submit([this, peer, service, payload = std::move(payload)] {
+    channels_[static_cast<std::size_t>(peer)]->send_user_message(static_cast<std::uint8_t>(service),
+                                                                 payload);
   });
   return Status::ok();
 }
@@ -761,7 +765,7 @@ void Fabric::set_message_handler(Service service, MessageHandler handler) {
   engine_->call([&] { message_handlers_[i] = std::move(handler); });
 }
 
-void Fabric::deliver_message(int peer, Bytes message) {
+void Fabric::deliver_message(int peer, std::span<const std::byte> message) {
   const std::size_t service =
       message.empty() ? kServices : std::to_integer<std::size_t>(message[0]);
   if (service >= kServices) {

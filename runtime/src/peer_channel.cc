@@ -1051,8 +1051,8 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     return;
   }
   if (type == ControlType::kUser) {
-    Bytes payload(message.begin() + 9, message.end());  // after the sequence number and type
-    if (ctx_.on_user_message) ctx_.on_user_message(peer_, std::move(payload));
+    // After the sequence number and type: the service byte, then the payload.
+    if (ctx_.on_user_message) ctx_.on_user_message(peer_, message.subspan(9));
     return;
   }
   R2CCL_WARN("rank {} sent an unknown control message type {} on rail {}", peer_,
@@ -1145,9 +1145,9 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
   pump();
 }
 
-void Channel::send_user_message(Bytes payload) {
-  ByteWriter w = control_writer(ControlType::kUser);
-  w.raw(payload.data(), payload.size());
+void Channel::send_user_message(std::uint8_t service, std::span<const std::byte> payload) {
+  ByteWriter w = control_writer(ControlType::kUser, 1 + payload.size());
+  w.u8(service).raw(payload.data(), payload.size());
   send_control(w.take());
 }
 

@@ -35,7 +35,8 @@ struct ChannelContext {
   RailEventLog* events = nullptr;
   LatencyHistogram* detection = nullptr;        // failover detection latencies
   std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
-  std::function<void(int peer, Bytes payload)> on_user_message;  // Fabric::send_message's
+  // Fabric::send_message's messages: the service byte, then the payload (valid for the call).
+  std::function<void(int peer, std::span<const std::byte> message)> on_user_message;
 };
 
 class Channel {
@@ -75,7 +76,7 @@ class Channel {
   void post_write(OpPtr op, RegionPtr region, std::size_t offset, const RemoteRegion& remote,
                   std::size_t remote_offset, std::size_t length, Clock::time_point deadline);
   // Reliable, delivered once, in order with the control messages of this channel.
-  void send_user_message(Bytes payload);
+  void send_user_message(std::uint8_t service, std::span<const std::byte> payload);
 
   // Periodic: deadlines, rail health (silence, stalls, re-admission), bandwidth and degradation.
   void tick(Clock::time_point now);

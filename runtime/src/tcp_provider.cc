@@ -194,24 +194,22 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
   Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) override {
-    if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
-    if (message->size() > kMaxControl)
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("control message of {} bytes exceeds {}", message->size(), kMaxControl)};
-    FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message->size(), cookie};
-    queue(h, nullptr, 0, std::move(message));
-    return Status::ok();
+    return queue_control(std::move(message), cookie, false);
   }
 
   // Ahead of every frame not yet handed to the socket (frames go whole into a batch, so the
   // front of the queue is never a frame half written).
   Status post_urgent_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) override {
+    return queue_control(std::move(message), cookie, true);
+  }
+
+  Status queue_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie, bool urgent) {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
     if (message->size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
               fmt::format("control message of {} bytes exceeds {}", message->size(), kMaxControl)};
     FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message->size(), cookie};
-    queue(h, nullptr, 0, std::move(message), true);
+    queue(h, nullptr, 0, std::move(message), urgent);
     return Status::ok();
   }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 #include <numeric>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -77,7 +78,8 @@ class ChannelFailover : public ::testing::Test {
       ctx.out_of_band = nullptr;  // no out-of-band path: failover must go over the rails
       ctx.events = &r.events;
       ctx.on_fatal = [&r](const Status& st) { r.fatal.push_back(st); };
-      ctx.on_user_message = [&r](int, Bytes payload) {
+      ctx.on_user_message = [&r](int, std::span<const std::byte> message) {
+        const auto payload = message.subspan(1);  // after the service byte
         r.messages.emplace_back(reinterpret_cast<const char*>(payload.data()), payload.size());
       };
       std::vector<Channel::RemoteRail> remote;
@@ -143,9 +145,7 @@ class ChannelFailover : public ::testing::Test {
   void send_messages(int from, int to_exclusive) {
     for (int i = from; i < to_exclusive; ++i) {
       const std::string m = "message " + std::to_string(i);
-      r0().channel->send_user_message(
-          Bytes(reinterpret_cast<const std::byte*>(m.data()),
-                reinterpret_cast<const std::byte*>(m.data()) + m.size()));
+      r0().channel->send_user_message(0, std::as_bytes(std::span(m.data(), m.size())));
     }
   }
 

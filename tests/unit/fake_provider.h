@@ -40,7 +40,7 @@ class FakeNetwork {
   std::size_t run(std::size_t max = 1'000'000);
   std::size_t pending() const { return queue_.size(); }
 
-  // Every link opened between device `device` of `a` and any device of `b` (in both directions).
+  // Every connection opened on rail `rail` (the same device index on both providers).
   std::vector<std::shared_ptr<Link>> links(std::uint32_t rail) const;
   // Scripts every present and future link of rail `rail`.
   LinkScript& script(std::uint32_t rail) { return scripts_[rail]; }

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <vector>
 
 #include "r2ccl/runtime/bootstrap.h"
@@ -162,7 +163,7 @@ class Fabric {
   MetricRegistry metrics_;
   std::array<MessageHandler, kServices> message_handlers_;  // by service; progress thread only
   // A message from `peer` (its service byte first), to its service's handler.
-  void deliver_message(int peer, Bytes message);
+  void deliver_message(int peer, std::span<const std::byte> message);
   mutable std::mutex async_mutex_;
   Status async_error_;
   std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
