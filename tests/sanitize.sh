@@ -9,7 +9,7 @@
 set -euo pipefail
 src=$1
 build=$2
-targets=(coll_api_test coll_collectives_test kvxfer_test fabric_test provider_test bootstrap_test channel_test channel_failover_test health_test config_test)
+targets=(coll_api_test coll_collectives_test kvxfer_test fabric_test endpoint_test provider_test bootstrap_test channel_test channel_failover_test health_test config_test)
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 if [[ ! -f $build/build.ninja ]]; then

@@ -31,6 +31,8 @@ enum class ControlType : std::uint8_t {
   // with sequence number 0: not ordered with the others, handled when it arrives (each is
   // idempotent), so that it never waits behind a gap that only its own replay can fill.
   kFailover = 7,
+  // The peer disconnects: nothing follows it (sent after everything else on the channel).
+  kGoodbye = 8,
 };
 // A control message's writer: room for its sequence number first (send_control fills it in, so
 // the message is built once), then its type; `body` bytes are reserved for what follows.
@@ -51,10 +53,10 @@ constexpr std::size_t kEagerMaxOneRail = 64 * 1024;
 // Chunks go round-robin to at most this many of the oldest messages in flight.
 constexpr std::size_t kServeWindow = 4;
 
-std::string size_mismatch(std::uint64_t seq, int sender, int receiver, std::uint64_t sent,
-                          std::uint64_t posted) {
+std::string size_mismatch(std::uint64_t seq, const std::string& sender, const std::string& receiver,
+                          std::uint64_t sent, std::uint64_t posted) {
   return fmt::format(
-      "size mismatch in message #{} between rank {} and rank {}: the sender sends {} bytes, the "
+      "size mismatch in message #{} between {} and {}: the sender sends {} bytes, the "
       "receiver posted {} bytes",
       seq, sender, receiver, sent, posted);
 }
@@ -113,11 +115,13 @@ void Channel::Sink::on_rail_failed(const Status& why) {
   channel->on_rail_failed(index, why);
 }
 
-Channel::Channel(ChannelContext ctx, int peer, std::vector<RailNic> local,
+Channel::Channel(ChannelContext ctx, PeerIdentity peer, std::vector<RailNic> local,
                  std::vector<RemoteRail> remote)
     : ctx_(std::move(ctx)),
       config_(*ctx_.config),
-      peer_(peer),
+      identity_(std::move(peer)),
+      peer_(identity_.id),
+      label_(identity_.label),
       scheduler_(local.size(), config_.rail_window) {
   const auto now = Clock::now();
   for (std::size_t i = 0; i < local.size(); ++i) {
@@ -159,6 +163,8 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   }
   s.epoch = epoch;
   s.tel.epoch = epoch;
+  s.closed_by_peer = false;
+  all_closed_since_.reset();
   s.rail = std::move(rail);
   s.rail->start(&s.sink);
   const auto now = Clock::now();
@@ -183,16 +189,16 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   if (!readmission && started_) {
     // A rail that could not be opened at start-up (its NIC was down) joins now.
     event(index, "joined", "first connection, after start-up");
-    R2CCL_INFO("rail {} ({} -> {}) to rank {} joined after start-up", index, s.nic.name,
-               s.remote.nic, peer_);
+    R2CCL_INFO("rail {} ({} -> {}) to {} joined after start-up", index, s.nic.name, s.remote.nic,
+               label_);
   }
   if (readmission) {
     last_confirm_ = now;  // a rail back in use is a sign of life: operations waiting get more time
     event(index, "readmitted",
           fmt::format("epoch {}, hold-down was {}ms, {} flap(s)", epoch,
                       s.health->holddown().count(), s.health->flaps()));
-    R2CCL_INFO("rail {} ({} -> {}) to rank {} re-admitted (epoch {})", index, s.nic.name,
-               s.remote.nic, peer_, epoch);
+    R2CCL_INFO("rail {} ({} -> {}) to {} re-admitted (epoch {})", index, s.nic.name, s.remote.nic,
+               label_, epoch);
   }
   maybe_replay(index);
   flush_control();
@@ -207,7 +213,7 @@ void Channel::connect_failed(std::uint32_t index, const Status& why) {
   s.next_connect = Clock::now() + milliseconds(500);
   s.tel.errors.fetch_add(1, std::memory_order_relaxed);
   if (s.health->state() == RailState::kProbing)
-    R2CCL_INFO("rail {} to rank {}: re-admission failed: {}", index, peer_, why.message());
+    R2CCL_INFO("rail {} to {}: re-admission failed: {}", index, label_, why.message());
   s.connect_error = why.message();  // the fabric names it when the first connection fails
 }
 
@@ -242,11 +248,28 @@ void Channel::on_rail_failed(std::uint32_t index, const Status& why) {
   auto& s = *rails_[index];
   // A peer that closes its rails while nothing is in flight is most likely shutting down.
   const bool idle = sends_.empty() && recv_slots_.empty() && scheduler_.inflight(index) == 0;
-  log(closing_ || idle ? LogLevel::kInfo : LogLevel::kWarn,
-      "rail {} ({} -> {}) to rank {} failed: {}", index, s.nic.name, s.remote.nic, peer_,
-      why.message());
+  log(closing_ || idle ? LogLevel::kInfo : LogLevel::kWarn, "rail {} ({} -> {}) to {} failed: {}",
+      index, s.nic.name, s.remote.nic, label_, why.message());
   s.rail.reset();  // the provider closed it already
+  s.closed_by_peer = why.code() == ErrorCode::kClosed;
+  if (s.closed_by_peer && attached() == 0 && !all_closed_since_) all_closed_since_ = Clock::now();
   fail_rail(index, why.message(), s.health->on_failure(Clock::now(), why.message()), true);
+}
+
+void Channel::check_gone(Clock::time_point now) {
+  if (!identity_.gone_on_close || dead_ || !all_closed_since_) return;
+  if (attached() > 0) {
+    all_closed_since_.reset();
+    return;
+  }
+  // The peer's kernel closed every connection; a process that is still there answers probes.
+  const auto grace = std::max<Clock::duration>(5 * config_.probe_interval, milliseconds(100));
+  if (now - *all_closed_since_ < grace || now - last_probe_reply_ < grace) return;
+  on_peer_left(fmt::format(
+      "its process ended (it closed every rail, and its NICs have not answered probes for {}ms)",
+      std::chrono::duration_cast<milliseconds>(now -
+                                               std::max(*all_closed_since_, last_probe_reply_))
+          .count()));
 }
 
 void Channel::fail_rail(std::uint32_t index, const std::string& reason, HealthAction action,
@@ -305,14 +328,14 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
   update_usable(index);
   for (auto& m : resend)
     if (Status st = post_failover(std::move(m), false); !st)
-      R2CCL_INFO("cannot resend a failover message to rank {}: {}", peer_, st.message());
+      R2CCL_INFO("cannot resend a failover message to {}: {}", label_, st.message());
   event(index, "failed",
         fmt::format("{} (detected in {}; {} chunk(s), {} control message(s) to replay)", reason,
                     ms_text(s.health->last_detection()), s.awaiting_replay.size(),
                     s.awaiting_control.size()));
   if (!closing_)
     log(s.awaiting_replay.empty() ? LogLevel::kInfo : LogLevel::kWarn,
-        "rail {} ({} -> {}) to rank {} is down: {}; fenced epoch {}, {} chunk(s) ({} bytes) to "
+        "rail {} ({} -> {}) to {} is down: {}; fenced epoch {}, {} chunk(s) ({} bytes) to "
         "replay on {} rail(s)",
         index, s.nic.name, s.remote.nic, peer_, reason, s.epoch, s.awaiting_replay.size(),
         std::accumulate(s.awaiting_replay.begin(), s.awaiting_replay.end(), std::uint64_t{0},
@@ -330,7 +353,7 @@ void Channel::send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint
   w.u8(type).u32(rail).u32(epoch).str(why);
   // Without any path the peer learns of the failure from its own detection.
   if (Status st = send_failover(w.bytes()); !st)
-    R2CCL_INFO("cannot tell rank {} about rail {}: {}", peer_, rail, st.message());
+    R2CCL_INFO("cannot tell {} about rail {}: {}", label_, rail, st.message());
 }
 
 Status Channel::send_failover(const Bytes& message) {
@@ -342,7 +365,7 @@ Status Channel::send_failover(const Bytes& message) {
 }
 
 Status Channel::post_failover(std::shared_ptr<const Bytes> framed, bool duplicate) {
-  if (dead_ || closing_) return {ErrorCode::kAborted, fmt::format("rank {} is gone", peer_)};
+  if (dead_ || closing_) return {ErrorCode::kAborted, fmt::format("{} is gone", label_)};
   // A usable rail of the same peer first (the one with the least data in flight), else any
   // connected one: no third process involved. The message overtakes the data queued there.
   std::vector<std::uint32_t> order;
@@ -378,20 +401,20 @@ void Channel::on_control_path(Bytes message) {
   const auto index = r.u32();
   const auto epoch = r.u32();
   if (!r.ok() || index >= rails_.size()) {
-    R2CCL_WARN("malformed control-path message from rank {}", peer_);
+    R2CCL_WARN("malformed control-path message from {}", label_);
     return;
   }
   if (type == FenceType::kReplayQuery) return answer_replay_query(index, epoch, r);
   if (type == FenceType::kReplayAnswer) return on_replay_answer(index, r);
   std::string why = r.str(4096);
   if (!r.finish("fence notice").is_ok()) {
-    R2CCL_WARN("malformed control-path message from rank {}", peer_);
+    R2CCL_WARN("malformed control-path message from {}", label_);
     return;
   }
   auto& s = *rails_[index];
   if (type == FenceType::kFence) {
     if (epoch == s.epoch && s.rail) {
-      const std::string reason = fmt::format("rank {} reported: {}", peer_, why);
+      const std::string reason = fmt::format("{} reported: {}", label_, why);
       fail_rail(index, reason, s.health->on_failure(Clock::now(), reason), false);
     }
     if (epoch == s.epoch) {
@@ -463,10 +486,10 @@ void Channel::send_replay_query(std::uint32_t index, std::vector<InflightChunk> 
     // Without asking, a chunk that landed (its confirmation lost) could be written again into a
     // receive that completed meanwhile: the sends concerned fail instead.
     const Status why(ErrorCode::kNetwork,
-                     fmt::format("rail {} ({}) to rank {} failed and rank {} cannot be asked which "
+                     fmt::format("rail {} ({}) to {} failed and {} cannot be asked which "
                                  "of its unconfirmed chunks arrived ({}): the send fails rather "
                                  "than replay them blindly",
-                                 index, rails_[index]->nic.name, peer_, peer_, st.message()));
+                                 index, rails_[index]->nic.name, label_, label_, st.message()));
     R2CCL_WARN("{}", why.message());
     for (const auto& c : chunks)
       if (auto it = sends_.find(c.message); it != sends_.end()) {
@@ -483,7 +506,7 @@ void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, Byte
   const std::uint64_t id = r.u64();
   const std::uint32_t n = r.u32();
   if (!r.ok() || n > kQueryChunks) {
-    R2CCL_WARN("malformed replay query from rank {}", peer_);
+    R2CCL_WARN("malformed replay query from {}", label_);
     return;
   }
   ByteWriter w(21 + n);
@@ -501,13 +524,12 @@ void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, Byte
     w.u8(want ? 1 : 0);
   }
   if (!r.finish("replay query").is_ok()) {
-    R2CCL_WARN("malformed replay query from rank {}", peer_);
+    R2CCL_WARN("malformed replay query from {}", label_);
     return;
   }
-  R2CCL_DEBUG("rank {} asked about {} chunk(s) of rail {}: {} still wanted", peer_, n, index,
-              wanted);
+  R2CCL_DEBUG("{} asked about {} chunk(s) of rail {}: {} still wanted", label_, n, index, wanted);
   if (Status st = send_failover(w.bytes()); !st)
-    R2CCL_INFO("cannot answer rank {}'s replay query: {}", peer_, st.message());
+    R2CCL_INFO("cannot answer {}'s replay query: {}", label_, st.message());
 }
 
 void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
@@ -517,7 +539,7 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
   if (r.ok() && q == replay_queries_.end() && id < next_query_id_) return;  // answered already
   if (!r.ok() || q == replay_queries_.end() || q->second.rail != index ||
       q->second.chunks.size() != n) {
-    R2CCL_WARN("unexpected replay answer from rank {} (query {})", peer_, id);
+    R2CCL_WARN("unexpected replay answer from {} (query {})", label_, id);
     return;
   }
   auto chunks = std::move(q->second.chunks);
@@ -526,7 +548,7 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
   for (std::uint32_t i = 0; i < n; ++i)
     want[i] = r.u8() != 0;
   if (!r.finish("replay answer").is_ok()) {
-    R2CCL_WARN("malformed replay answer from rank {}", peer_);
+    R2CCL_WARN("malformed replay answer from {}", label_);
     return;
   }
   std::size_t replayed = 0;
@@ -547,13 +569,20 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
 
 void Channel::readmit(std::uint32_t index) {
   auto& s = *rails_[index];
-  // The lower rank re-connects; the higher rank accepts (as for the first connection).
-  if (ctx_.me > peer_ || s.connecting || s.rail || dead_ || Clock::now() < s.next_connect) return;
+  // The connector re-connects; the other side accepts (as for the first connection).
+  if (!identity_.connector || s.connecting || s.rail || dead_ || Clock::now() < s.next_connect)
+    return;
   open_rail(index, s.epoch + 1);
 }
 
+void Channel::become_acceptor() {
+  identity_.connector = false;
+  for (auto& s : rails_)
+    s->connecting = false;  // their connections are refused; a late one is closed on arrival
+}
+
 void Channel::connect_all_rails() {
-  if (ctx_.me > peer_) return;  // the higher rank accepts
+  if (!identity_.connector) return;
   for (std::uint32_t i = 0; i < rails_.size(); ++i)
     if (!rails_[i]->rail && !rails_[i]->connecting) open_rail(i, rails_[i]->epoch);
 }
@@ -568,12 +597,17 @@ void Channel::open_rail(std::uint32_t index, std::uint32_t epoch) {
   s.connecting = true;
   RailHello hello;
   hello.token = ctx_.token;
-  hello.src_rank = static_cast<std::uint32_t>(ctx_.me);
-  hello.dst_rank = static_cast<std::uint32_t>(peer_);
+  hello.src_incarnation = ctx_.incarnation;
+  hello.dst_incarnation = identity_.incarnation;
   hello.rail = index;
   hello.epoch = epoch;
+  hello.description = ctx_.description;
   ctx_.provider->connect(index, s.remote.endpoint, hello, config_.connect_timeout,
                          [this, index](Result<std::shared_ptr<Rail>> r) {
+                           if (!identity_.connector) {  // the peer's connection won meanwhile
+                             if (r.is_ok()) (*r)->fence();
+                             return;
+                           }
                            if (r.is_ok()) {
                              rails_[index]->connecting = false;
                              if (!attach(index, std::move(*r))) (*r)->fence();
@@ -594,6 +628,7 @@ void Channel::on_link(const std::string& ifname, bool running) {
 
 void Channel::on_probe_reply(std::uint32_t rail, std::chrono::nanoseconds rtt) {
   if (rail >= rails_.size()) return;
+  last_probe_reply_ = Clock::now();
   auto& s = *rails_[rail];
   s.health->on_probe_reply(Clock::now(), rtt);
   s.tel.rtt_ns = static_cast<std::uint64_t>(rtt.count());
@@ -648,7 +683,7 @@ void Channel::measure_bandwidth(Clock::time_point now) {
     } else {
       continue;
     }
-    R2CCL_TRACE("rail {} to rank {}: measured {:.2f} MB/s", i, peer_, sample / 1e6);
+    R2CCL_TRACE("rail {} to {}: measured {:.2f} MB/s", i, label_, sample / 1e6);
     s.bandwidth = s.bandwidth == 0 ? sample : 0.7 * s.bandwidth + 0.3 * sample;
     scheduler_.set_bandwidth(i, s.bandwidth);
     s.tel.bandwidth_bps = static_cast<std::uint64_t>(s.bandwidth);
@@ -693,7 +728,7 @@ void Channel::update_degraded() {
     event(i, now_degraded ? "degraded" : "recovered",
           fmt::format("{:.1f} MB/s vs median {:.1f} MB/s", s.bandwidth / 1e6, median / 1e6));
     R2CCL_INFO(
-        "rail {} ({}) to rank {} is {} ({:.1f} MB/s, median {:.1f} MB/s; confirmed {:.1f} "
+        "rail {} ({}) to {} is {} ({:.1f} MB/s, median {:.1f} MB/s; confirmed {:.1f} "
         "MB/s, median {:.1f} MB/s)",
         i, s.nic.name, peer_, now_degraded ? "degraded" : "no longer degraded", s.bandwidth / 1e6,
         median / 1e6, s.confirm_bandwidth / 1e6, confirm_median / 1e6);
@@ -701,6 +736,8 @@ void Channel::update_degraded() {
 }
 
 void Channel::tick(Clock::time_point now) {
+  check_gone(now);
+  if (dead_) return;
   // Rail health.
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
@@ -728,7 +765,7 @@ void Channel::tick(Clock::time_point now) {
   // Deadlines.
   const bool none_left = !any_usable();
   const std::string prefix =
-      none_left ? fmt::format("no rail to rank {} survived; ", peer_) : std::string();
+      none_left ? fmt::format("no rail to {} survived; ", label_) : std::string();
   for (auto it = sends_.begin(); it != sends_.end();) {
     auto& s = it->second;
     if (now < s.deadline) {
@@ -745,13 +782,12 @@ void Channel::tick(Clock::time_point now) {
     const auto seq = it->first;
     const std::string progress =
         s.started ? fmt::format("{} of {} chunks confirmed", s.confirmed, s.nchunks)
-                  : fmt::format("rank {} never posted the matching receive", peer_);
-    Status why(
-        ErrorCode::kTimeout,
-        fmt::format("{}{} #{} of {} bytes to rank {} timed out after {}ms ({}); rails tried: {}",
-                    prefix, (seq & ChunkImm::kOneSidedBit) ? "write" : "send",
-                    seq & ~ChunkImm::kOneSidedBit, s.length, peer_, config_.timeout.count(),
-                    progress, rail_summary()));
+                  : fmt::format("{} never posted the matching receive", label_);
+    Status why(ErrorCode::kTimeout,
+               fmt::format("{}{} #{} of {} bytes to {} timed out after {}ms ({}); rails tried: {}",
+                           prefix, (seq & ChunkImm::kOneSidedBit) ? "write" : "send",
+                           seq & ~ChunkImm::kOneSidedBit, s.length, label_, config_.timeout.count(),
+                           progress, rail_summary()));
     auto op = s.op;
     drop_send(it++);
     op->complete(why);
@@ -774,9 +810,9 @@ void Channel::tick(Clock::time_point now) {
             ? fmt::format("{} of {} chunks arrived", r.arrivals.count(), r.arrivals.chunks())
             : std::string("its eager message did not arrive");
     Status why(ErrorCode::kTimeout,
-               fmt::format("{}receive #{} of {} bytes from rank {} timed out after {}ms ({}); "
+               fmt::format("{}receive #{} of {} bytes from {} timed out after {}ms ({}); "
                            "rails tried: {}",
-                           prefix, r.seq, r.length, peer_, config_.timeout.count(), progress,
+                           prefix, r.seq, r.length, label_, config_.timeout.count(), progress,
                            rail_summary()));
     r.op->complete(why);
     it = recv_slots_.erase(it);
@@ -814,7 +850,8 @@ void Channel::on_peer_left(const std::string& why) {
     }
     update_usable(i);
   }
-  fail_all({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, why)});
+  fail_all({ErrorCode::kAborted, fmt::format("{} is gone: {}", label_, why)});
+  if (ctx_.on_gone) ctx_.on_gone(peer_, why);
 }
 
 void Channel::fail_all(const Status& why) {
@@ -934,9 +971,9 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
   if (seq == 0) {
     if (static_cast<ControlType>(r.u8()) != ControlType::kFailover || !r.ok()) {
       R2CCL_WARN(
-          "rank {} sent an unsequenced control message that is not a failover message on "
+          "{} sent an unsequenced control message that is not a failover message on "
           "rail {}",
-          peer_, rail);
+          label_, rail);
       return;
     }
     on_control_path(Bytes(message.begin() + 9, message.end()));
@@ -952,9 +989,9 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
         control_reorder_bytes_ + message.size() > kControlReorderBytes) {
       const Status why(
           ErrorCode::kProtocol,
-          fmt::format("rank {} sent control message #{} while #{} is missing: more "
+          fmt::format("{} sent control message #{} while #{} is missing: more "
                       "than {} messages or {} bytes ahead of the gap",
-                      peer_, seq, control_next_, kControlReorderWindow, kControlReorderBytes));
+                      label_, seq, control_next_, kControlReorderWindow, kControlReorderBytes));
       R2CCL_WARN("{}", why.message());
       if (ctx_.on_fatal) ctx_.on_fatal(why);
       on_peer_left(why.message());
@@ -986,7 +1023,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     c.offset = r.u64();
     c.region = RemoteRegion::decode(r);
     if (!r.finish("clear-to-send").is_ok()) {
-      R2CCL_WARN("rank {} sent a malformed clear-to-send on rail {}", peer_, rail);
+      R2CCL_WARN("{} sent a malformed clear-to-send on rail {}", label_, rail);
       return;
     }
     if (sends_.count(c.seq) != 0)
@@ -1000,7 +1037,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     const auto seq2 = r.u64();
     const auto length = r.u64();
     if (!r.ok() || message.size() - 25 != length) {
-      R2CCL_WARN("rank {} sent a malformed eager message on rail {}", peer_, rail);
+      R2CCL_WARN("{} sent a malformed eager message on rail {}", label_, rail);
       return;
     }
     rails_[rail]->tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
@@ -1012,7 +1049,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     const auto seq2 = r.u64();
     const auto length = r.u64();
     if (!r.finish("request-to-send").is_ok()) {
-      R2CCL_WARN("rank {} sent a malformed request-to-send on rail {}", peer_, rail);
+      R2CCL_WARN("{} sent a malformed request-to-send on rail {}", label_, rail);
       return;
     }
     auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
@@ -1055,7 +1092,11 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     if (ctx_.on_user_message) ctx_.on_user_message(peer_, message.subspan(9));
     return;
   }
-  R2CCL_WARN("rank {} sent an unknown control message type {} on rail {}", peer_,
+  if (type == ControlType::kGoodbye) {
+    on_peer_left("it disconnected");
+    return;
+  }
+  R2CCL_WARN("{} sent an unknown control message type {} on rail {}", label_,
              static_cast<int>(type), rail);
 }
 
@@ -1075,7 +1116,7 @@ Channel::Send Channel::make_send(OpPtr op, RegionPtr region, std::size_t offset,
 
 bool Channel::fail_if_dead(const OpPtr& op) {
   if (!dead_) return false;
-  op->complete({ErrorCode::kAborted, fmt::format("rank {} is gone: {}", peer_, dead_reason_)});
+  op->complete({ErrorCode::kAborted, fmt::format("{} is gone: {}", label_, dead_reason_)});
   return true;
 }
 
@@ -1114,10 +1155,9 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
                          Clock::time_point deadline) {
   if (fail_if_dead(op)) return;
   if (remote.keys.size() < rails_.size()) {
-    op->complete(
-        {ErrorCode::kInvalidArgument,
-         fmt::format("the remote region has keys for {} rails, the channel to rank {} has {}",
-                     remote.keys.size(), peer_, rails_.size())});
+    op->complete({ErrorCode::kInvalidArgument,
+                  fmt::format("the remote region has keys for {} rails, the channel to {} has {}",
+                              remote.keys.size(), label_, rails_.size())});
     return;
   }
   if (length == 0) {
@@ -1145,6 +1185,10 @@ void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const R
   pump();
 }
 
+void Channel::send_goodbye() {
+  if (!dead_) send_control(control_writer(ControlType::kGoodbye).take());
+}
+
 void Channel::send_user_message(std::uint8_t service, std::span<const std::byte> payload) {
   ByteWriter w = control_writer(ControlType::kUser, 1 + payload.size());
   w.u8(service).raw(payload.data(), payload.size());
@@ -1157,9 +1201,8 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   const auto seq = next_recv_seq_++;
   const auto slot = ChunkImm::slot_of(seq);
   if (recv_slots_.count(slot) != 0) {
-    op->complete(
-        {ErrorCode::kUnavailable,
-         fmt::format("more than {} receives from rank {} outstanding", ChunkImm::kSlots, peer_)});
+    op->complete({ErrorCode::kUnavailable, fmt::format("more than {} receives from {} outstanding",
+                                                       ChunkImm::kSlots, label_)});
     return;
   }
   if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
@@ -1209,7 +1252,7 @@ bool Channel::needs_cts(std::size_t length) const {
 
 void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,
                           std::uint64_t posted) {
-  const std::string why = size_mismatch(seq, peer_, ctx_.me, sent, posted);
+  const std::string why = size_mismatch(seq, label_, ctx_.self_label, sent, posted);
   ByteWriter w = control_writer(ControlType::kAbortSend);
   w.u64(seq).str(why);
   send_control(w.take());
@@ -1231,8 +1274,8 @@ void Channel::on_eager(std::uint64_t seq, std::span<const std::byte> data) {
 void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
                            std::size_t length, std::uint64_t seq, std::span<const std::byte> data) {
   if (data.size() != length) {
-    op->complete(
-        {ErrorCode::kInvalidArgument, size_mismatch(seq, peer_, ctx_.me, data.size(), length)});
+    op->complete({ErrorCode::kInvalidArgument,
+                  size_mismatch(seq, label_, ctx_.self_label, data.size(), length)});
     return;
   }
   std::memcpy(region->base + offset, data.data(), length);
@@ -1269,15 +1312,14 @@ void Channel::start_send(std::uint64_t seq, const Cts& cts) {
     op->complete(std::move(st));
   };
   if (cts.length != s.length) {
-    const std::string why = size_mismatch(seq, ctx_.me, peer_, s.length, cts.length);
+    const std::string why = size_mismatch(seq, ctx_.self_label, label_, s.length, cts.length);
     ByteWriter w = control_writer(ControlType::kAbort);
     w.u64(seq).str(why);
     send_control(w.take());
     return finish({ErrorCode::kInvalidArgument, why});
   }
   if (cts.region.keys.size() < rails_.size() || cts.chunk == 0)
-    return finish(
-        {ErrorCode::kProtocol, fmt::format("rank {} sent a malformed clear-to-send", peer_)});
+    return finish({ErrorCode::kProtocol, fmt::format("{} sent a malformed clear-to-send", label_)});
   s.started = true;
   s.cts = cts;
   s.nchunks = chunk_count(s.length, cts.chunk);
@@ -1442,7 +1484,7 @@ void Channel::on_refused(std::uint32_t rail, std::uint64_t cookie, const Status&
   if (auto it = sends_.find(c->message); it != sends_.end()) {
     auto op = it->second.op;
     drop_send(it);
-    op->complete(why.with_context(fmt::format("message #{} to rank {}", c->message, peer_)));
+    op->complete(why.with_context(fmt::format("message #{} to {}", c->message, label_)));
   }
   pump();
 }

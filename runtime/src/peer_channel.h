@@ -26,7 +26,10 @@ namespace r2ccl {
 // What a channel needs from its fabric.
 struct ChannelContext {
   const Config* config = nullptr;
-  int me = -1;
+  std::uint64_t incarnation = 0;  // this endpoint's
+  // This endpoint's description, carried in the hello of every rail it connects.
+  std::shared_ptr<const Bytes> description;
+  std::string self_label = "this endpoint";  // how messages name this side ("rank 0")
   Token token{};
   Provider* provider = nullptr;
   // The out-of-band control path (rank 0's relay): queues a failover message for a sender thread
@@ -37,6 +40,9 @@ struct ChannelContext {
   std::function<void(const Status&)> on_fatal;  // records the fabric's asynchronous error
   // Fabric::send_message's messages: the service byte, then the payload (valid for the call).
   std::function<void(int peer, std::span<const std::byte> message)> on_user_message;
+  // The peer left (on_peer_left ran): called once, from inside the channel, so it must only
+  // post work for later.
+  std::function<void(int peer, const std::string& why)> on_gone;
 };
 
 class Channel {
@@ -47,19 +53,38 @@ class Channel {
     std::string nic;
     Bytes endpoint;  // provider endpoint of the peer's NIC
   };
+  // Who the peer is and how the channel to it behaves.
+  struct PeerIdentity {
+    int id = -1;                    // the endpoint's number for it (a rank in a world)
+    std::string label;              // how messages name it: "rank 3", "peer 'decode-1' (...)"
+    std::uint64_t incarnation = 0;  // the peer endpoint's
+    bool connector = false;         // this side opens the rails (first and re-admissions)
+    // The peer is gone once every rail was closed by it and its NICs stopped answering probes
+    // (its process ended). Without it, only on_peer_left() says so (a world's control path).
+    bool gone_on_close = false;
+  };
 
-  Channel(ChannelContext ctx, int peer, std::vector<RailNic> local, std::vector<RemoteRail> remote);
+  Channel(ChannelContext ctx, PeerIdentity peer, std::vector<RailNic> local,
+          std::vector<RemoteRail> remote);
 
   std::size_t nrails() const { return rails_.size(); }
   // The largest message sent eagerly (inside a control message, no clear-to-send first).
   std::size_t eager_limit() const;
   int peer() const { return peer_; }
+  const std::string& label() const { return label_; }
+  std::uint64_t peer_incarnation() const { return identity_.incarnation; }
+  bool connector() const { return identity_.connector; }
+  bool gone_on_close() const { return identity_.gone_on_close; }
+  bool dead() const { return dead_; }
+  // The peer connected to us while we were connecting to it: its rails win (it has the lower
+  // incarnation), ours are abandoned and this side accepts from now on.
+  void become_acceptor();
   const RailNic& nic(std::size_t rail) const { return rails_[rail]->nic; }
 
   // A rail connection is in place (initial connection, or re-admission at a higher epoch).
   bool attach(std::uint32_t index, std::shared_ptr<Rail> rail);
   void connect_failed(std::uint32_t index, const Status& why);
-  // The first connection of every rail (the lower rank connects, the higher rank accepts). A
+  // The first connection of every rail (the connector connects, the other side accepts). A
   // rail that cannot connect now (its NIC is down) is probed, and connected once it answers.
   void connect_all_rails();
   std::size_t attached() const;
@@ -77,6 +102,8 @@ class Channel {
                   std::size_t remote_offset, std::size_t length, Clock::time_point deadline);
   // Reliable, delivered once, in order with the control messages of this channel.
   void send_user_message(std::uint8_t service, std::span<const std::byte> payload);
+  // Tells the peer that this side disconnects, after everything sent before.
+  void send_goodbye();
 
   // Periodic: deadlines, rail health (silence, stalls, re-admission), bandwidth and degradation.
   void tick(Clock::time_point now);
@@ -126,6 +153,7 @@ class Channel {
     std::optional<RailHealth> health;
     std::uint32_t epoch = 0;
     bool connecting = false;
+    bool closed_by_peer = false;       // its last connection ended because the peer closed it
     Clock::time_point next_connect{};  // re-admission attempts back off after a failure
     std::string connect_error;
     // Fence, then replay: what the rail left unconfirmed waits until the peer has fenced its
@@ -228,10 +256,16 @@ class Channel {
   void on_refused(std::uint32_t rail, std::uint64_t cookie, const Status& why);
   void on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length);
   void on_rail_failed(std::uint32_t rail, const Status& why);
+  void check_gone(Clock::time_point now);  // gone_on_close
 
   ChannelContext ctx_;
   const Config& config_;
+  PeerIdentity identity_;
   int peer_;
+  std::string label_;
+  // Every rail closed by the peer (not by a fault of the network): since when, for gone_on_close.
+  std::optional<Clock::time_point> all_closed_since_;
+  Clock::time_point last_probe_reply_{};
   bool dead_ = false;  // the peer left
   std::string dead_reason_;
   bool closing_ = false;

@@ -20,13 +20,14 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint32_t kMagic = 0x42503252;  // "R2PB"
 constexpr std::uint8_t kPing = 1;
 constexpr std::uint8_t kPong = 2;
-constexpr std::size_t kPacketSize = 4 + 1 + 8 + 4 + 4 + 4 + 8 + 8;
+constexpr std::size_t kPacketSize = 4 + 1 + 8 + 8 + 8 + 4 + 4 + 8 + 8;
 
 struct Packet {
   std::uint8_t type = 0;
   std::uint64_t tag = 0;
-  std::uint32_t src = 0;  // the rank that sent the ping
-  std::uint32_t dst = 0;  // the rank that answers
+  std::uint64_t src = 0;   // the incarnation of the endpoint that sent the ping
+  std::uint64_t dst = 0;   // the incarnation of the endpoint that answers
+  std::uint32_t peer = 0;  // the pinger's number for the answerer, echoed back
   std::uint32_t rail = 0;
   std::uint64_t seq = 0;
   std::uint64_t sent_ns = 0;  // the pinger's clock
@@ -37,8 +38,9 @@ Bytes encode(const Packet& p) {
       .u32(kMagic)
       .u8(p.type)
       .u64(p.tag)
-      .u32(p.src)
-      .u32(p.dst)
+      .u64(p.src)
+      .u64(p.dst)
+      .u32(p.peer)
       .u32(p.rail)
       .u64(p.seq)
       .u64(p.sent_ns)
@@ -51,8 +53,9 @@ bool decode(const std::byte* data, std::size_t n, Packet* p) {
   if (r.u32() != kMagic) return false;
   p->type = r.u8();
   p->tag = r.u64();
-  p->src = r.u32();
-  p->dst = r.u32();
+  p->src = r.u64();
+  p->dst = r.u64();
+  p->peer = r.u32();
   p->rail = r.u32();
   p->seq = r.u64();
   p->sent_ns = r.u64();
@@ -67,10 +70,10 @@ std::uint64_t now_ns() {
 
 class UdpProber final : public Prober, public std::enable_shared_from_this<UdpProber> {
  public:
-  UdpProber(ProgressEngine& engine, const Token& token, int me, std::chrono::milliseconds interval,
-            ReplyHandler handler)
+  UdpProber(ProgressEngine& engine, const Token& token, std::uint64_t me,
+            std::chrono::milliseconds interval, ReplyHandler handler)
       : engine_(engine),
-        me_(static_cast<std::uint32_t>(me)),
+        me_(me),
         interval_(interval),
         timer_(engine.io()),
         handler_(std::move(handler)) {
@@ -105,15 +108,21 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
   std::uint16_t port(std::size_t device) const override { return sockets_[device]->port; }
 
-  void add_target(int peer, std::uint32_t rail, const std::string& address,
-                  std::uint16_t port) override {
+  void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
+                  const std::string& address, std::uint16_t port) override {
     boost::system::error_code ec;
     auto a = asio::ip::make_address_v4(address, ec);
     if (ec || rail >= sockets_.size()) {
-      R2CCL_WARN("prober: bad probe target for rank {} rail {}: '{}'", peer, rail, address);
+      R2CCL_WARN("prober: bad probe target for peer {} rail {}: '{}'", peer, rail, address);
       return;
     }
-    targets_.push_back(Target{static_cast<std::uint32_t>(peer), rail, udp::endpoint(a, port)});
+    targets_.push_back(
+        Target{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port)});
+  }
+
+  void remove_targets(int peer) override {
+    std::erase_if(targets_,
+                  [&](const Target& t) { return t.peer == static_cast<std::uint32_t>(peer); });
   }
 
   void stop() override {
@@ -136,6 +145,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   };
   struct Target {
     std::uint32_t peer;
+    std::uint64_t incarnation;
     std::uint32_t rail;
     udp::endpoint to;
     std::uint64_t seq = 0;
@@ -152,7 +162,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
   void send_probes() {
     for (auto& t : targets_) {
-      Packet p{kPing, tag_, me_, t.peer, t.rail, ++t.seq, now_ns()};
+      Packet p{kPing, tag_, me_, t.incarnation, t.peer, t.rail, ++t.seq, now_ns()};
       send(t.rail, encode(p), t.to);
     }
   }
@@ -189,12 +199,12 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     }
     if (p.type == kPong && p.src == me_) {
       const auto rtt = std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - p.sent_ns));
-      handler_(static_cast<int>(p.dst), p.rail, rtt);
+      handler_(static_cast<int>(p.peer), p.rail, rtt);
     }
   }
 
   ProgressEngine& engine_;
-  std::uint32_t me_;
+  std::uint64_t me_;
   std::chrono::milliseconds interval_;
   asio::steady_timer timer_;
   ReplyHandler handler_;
@@ -208,18 +218,21 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
 Result<std::unique_ptr<Prober>> Prober::open(ProgressEngine& engine,
                                              const std::vector<RailNic>& nics, const Token& token,
-                                             int my_rank, std::chrono::milliseconds interval,
+                                             std::uint64_t my_incarnation,
+                                             std::chrono::milliseconds interval,
                                              ReplyHandler on_reply) {
-  auto p = std::make_shared<UdpProber>(engine, token, my_rank, interval, std::move(on_reply));
+  auto p =
+      std::make_shared<UdpProber>(engine, token, my_incarnation, interval, std::move(on_reply));
   R2CCL_RETURN_IF_ERROR(p->open(nics));
   p->run();
   struct Handle final : Prober {
     std::shared_ptr<UdpProber> impl;
     std::uint16_t port(std::size_t d) const override { return impl->port(d); }
-    void add_target(int peer, std::uint32_t rail, const std::string& a,
+    void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail, const std::string& a,
                     std::uint16_t port) override {
-      impl->add_target(peer, rail, a, port);
+      impl->add_target(peer, incarnation, rail, a, port);
     }
+    void remove_targets(int peer) override { impl->remove_targets(peer); }
     void stop() override { impl->stop(); }
     ~Handle() override { impl->stop(); }
   };

@@ -14,20 +14,40 @@
 
 namespace r2ccl {
 
-// token (16) | src_rank | dst_rank | rail | epoch, little-endian.
-constexpr std::size_t kHelloSize = 16 + 4 * 4;
+// token (16) | u16 version | u64 src incarnation | u64 dst incarnation | u32 rail | u32 epoch |
+// blob description, little-endian.
+constexpr std::uint16_t kHelloVersion = 2;
+constexpr std::size_t kHelloMinSize = 16 + 2 + 8 + 8 + 4 + 4 + 4;
+constexpr std::size_t kHelloMaxSize = kHelloMinSize + RailHello::kMaxDescription;
 
 inline void write_hello(ByteWriter& w, const RailHello& h) {
-  w.raw(h.token.data(), h.token.size()).u32(h.src_rank).u32(h.dst_rank).u32(h.rail).u32(h.epoch);
+  w.raw(h.token.data(), h.token.size())
+      .u16(kHelloVersion)
+      .u64(h.src_incarnation)
+      .u64(h.dst_incarnation)
+      .u32(h.rail)
+      .u32(h.epoch);
+  if (h.description)
+    w.blob(*h.description);
+  else
+    w.blob(Bytes{});
 }
 
-inline RailHello read_hello(ByteReader& r) {
+// A hello, or an error naming what was wrong with it (r's error state says so too).
+inline Result<RailHello> read_hello(ByteReader& r) {
   RailHello h;
   r.raw(h.token.data(), h.token.size());
-  h.src_rank = r.u32();
-  h.dst_rank = r.u32();
+  const auto version = r.u16();
+  if (r.ok() && version != kHelloVersion)
+    return Status(
+        ErrorCode::kProtocol,
+        fmt::format("rail hello of version {} (this build speaks {})", version, kHelloVersion));
+  h.src_incarnation = r.u64();
+  h.dst_incarnation = r.u64();
   h.rail = r.u32();
   h.epoch = r.u32();
+  h.description = std::make_shared<const Bytes>(r.blob(RailHello::kMaxDescription));
+  if (!r.ok()) return Status(ErrorCode::kProtocol, "malformed rail hello");
   return h;
 }
 

@@ -30,6 +30,8 @@ std::string_view error_code_name(ErrorCode code) {
       return "aborted";
     case ErrorCode::kInternal:
       return "internal error";
+    case ErrorCode::kClosed:
+      return "closed";
   }
   return "unknown error";
 }

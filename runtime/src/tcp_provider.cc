@@ -421,7 +421,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   void fail_read(const error_code& ec, std::size_t got, const char* what) {
     if (ec == asio::error::eof && got == 0 && std::string_view(what) == "frame header")
-      return fail({ErrorCode::kNetwork, fmt::format("peer closed rail {}", description_)});
+      return fail({ErrorCode::kClosed, fmt::format("peer closed rail {}", description_)});
+    if (ec == asio::error::connection_reset)
+      return fail({ErrorCode::kClosed, fmt::format("peer reset rail {}", description_)});
     if (ec == asio::error::eof)
       return fail({ErrorCode::kProtocol, fmt::format("truncated frame on rail {}: the peer closed "
                                                      "the connection in the middle of a {}",
@@ -881,15 +883,19 @@ class TcpProvider final : public Provider {
           if (hs->done) return;
           if (e) return drop(fmt::format("closed before its hello ({})", e.message()));
           auto h = decode(hs->header);
-          if (!h || h->op != FrameOp::kHello || h->length != kHelloSize)
+          if (!h || h->op != FrameOp::kHello || h->length < kHelloMinSize ||
+              h->length > kHelloMaxSize)
             return drop("malformed hello");
-          hs->payload.resize(kHelloSize);
+          hs->payload.resize(h->length);
           asio::async_read(hs->socket, asio::buffer(hs->payload),
                            [this, hs, drop, device](error_code e2, std::size_t) {
                              if (hs->done) return;
                              if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
                              ByteReader r(hs->payload);
-                             const RailHello hello = read_hello(r);
+                             auto parsed = read_hello(r);
+                             if (!parsed) return drop(parsed.status().message());
+                             if (Status st = r.finish("rail hello"); !st) return drop(st.message());
+                             const RailHello hello = std::move(*parsed);
                              if (hello.token != token_) return drop("wrong token");
                              if (!accept_handler_) return drop("not accepting rails yet");
                              hs->done = true;

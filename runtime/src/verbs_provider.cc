@@ -1132,7 +1132,9 @@ class VerbsProvider final : public Provider {
     read_frame(hs, [this, hs, drop, device](error_code e, bool ok) {
       if (!ok) return drop(fmt::format("malformed or truncated handshake ({})", e.message()));
       ByteReader r(hs->body);
-      const RailHello hello = read_hello(r);
+      auto parsed = read_hello(r);
+      if (!parsed) return drop(parsed.status().message());
+      const RailHello hello = std::move(*parsed);
       const QpInfo peer = QpInfo::decode(r);
       if (!r.finish("verbs handshake").is_ok()) return drop("malformed handshake");
       if (hello.token != token_) return drop("wrong token");

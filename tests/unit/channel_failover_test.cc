@@ -73,7 +73,8 @@ class ChannelFailover : public ::testing::Test {
       Rank& peer = *ranks_[1 - me];
       ChannelContext ctx;
       ctx.config = &r.config;
-      ctx.me = me;
+      ctx.incarnation = 100 + static_cast<std::uint64_t>(me);
+      ctx.self_label = "rank " + std::to_string(me);
       ctx.provider = &r.provider;
       ctx.out_of_band = nullptr;  // no out-of-band path: failover must go over the rails
       ctx.events = &r.events;
@@ -85,7 +86,12 @@ class ChannelFailover : public ::testing::Test {
       std::vector<Channel::RemoteRail> remote;
       for (std::size_t i = 0; i < kRails; ++i)
         remote.push_back({peer.provider.devices()[i].name, peer.provider.endpoint(i)});
-      r.channel = std::make_unique<Channel>(ctx, 1 - me, r.provider.devices(), remote);
+      Channel::PeerIdentity peer_id;
+      peer_id.id = 1 - me;
+      peer_id.label = "rank " + std::to_string(1 - me);
+      peer_id.incarnation = 100 + static_cast<std::uint64_t>(1 - me);
+      peer_id.connector = me == 0;  // rank 0 opens the rails
+      r.channel = std::make_unique<Channel>(ctx, peer_id, r.provider.devices(), remote);
       Channel* ch = r.channel.get();
       r.provider.set_accept_handler(
           [ch](std::shared_ptr<Rail> rail) { return ch->attach(rail->hello().rail, rail); });

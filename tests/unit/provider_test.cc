@@ -53,7 +53,8 @@ class TcpProviderTest : public testing::Test {
   // Opens a rail a -> b with the given token.
   Result<std::shared_ptr<Rail>> open(const Token& token) {
     std::promise<Result<std::shared_ptr<Rail>>> done;
-    RailHello hello{token, 0, 1, 0, 0};
+    RailHello hello{
+        token, 7, 1, 0, 0, std::make_shared<const Bytes>(Bytes{std::byte{0x5a}, std::byte{0xa5}})};
     a_->connect(0, b_->endpoint(0), hello, milliseconds(3000),
                 [&](Result<std::shared_ptr<Rail>> r) { done.set_value(std::move(r)); });
     auto r = done.get_future().get();
@@ -107,7 +108,10 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   // With a cookie, the peer confirms it handled the message.
   ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == 2; }));
   EXPECT_EQ(a_events_.confirmed[1], 77u);
-  EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
+  EXPECT_EQ(accepted_[0]->hello().src_incarnation, 7u);
+  EXPECT_EQ(accepted_[0]->hello().dst_incarnation, 1u);
+  ASSERT_TRUE(accepted_[0]->hello().description);
+  EXPECT_EQ(*accepted_[0]->hello().description, (Bytes{std::byte{0x5a}, std::byte{0xa5}}));
 }
 
 TEST_F(TcpProviderTest, WriteOutsideTheRegionIsRefusedAndReportedAndTheRailStaysUp) {
@@ -189,7 +193,9 @@ class RawPeer {
     ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
   }
   void hello(const Token& t) {
-    Bytes payload = ByteWriter().raw(t.data(), t.size()).u32(0).u32(1).u32(0).u32(0).take();
+    // token | version 2 | src and dst incarnations | rail | epoch | an empty description
+    Bytes payload =
+        ByteWriter().raw(t.data(), t.size()).u16(2).u64(0).u64(1).u32(0).u32(0).u32(0).take();
     Bytes h = header(0x3252, 1, 0, 0, payload.size());
     h.insert(h.end(), payload.begin(), payload.end());
     send(h);

@@ -88,7 +88,8 @@ class VerbsProviderTest : public testing::Test {
 
   Result<std::shared_ptr<Rail>> open(const Token& token, const Bytes& endpoint) {
     std::promise<Result<std::shared_ptr<Rail>>> done;
-    RailHello hello{token, 0, 1, 0, 0};
+    RailHello hello{
+        token, 7, 1, 0, 0, std::make_shared<const Bytes>(Bytes{std::byte{0x5a}, std::byte{0xa5}})};
     a_->connect(0, endpoint, hello, milliseconds(8000),
                 [&](Result<std::shared_ptr<Rail>> r) { done.set_value(std::move(r)); });
     auto r = done.get_future().get();
@@ -168,7 +169,10 @@ TEST_F(VerbsProviderTest, WritesAndControlMessagesArriveIntactBothWays) {
                   .is_ok());
   ASSERT_TRUE(a_events_.wait([&] { return a_events_.control.size() == 1; }));
   EXPECT_EQ(a_events_.control[0], Bytes{std::byte{5}});
-  EXPECT_EQ(accepted_[0]->hello().dst_rank, 1u);
+  EXPECT_EQ(accepted_[0]->hello().src_incarnation, 7u);
+  EXPECT_EQ(accepted_[0]->hello().dst_incarnation, 1u);
+  ASSERT_TRUE(accepted_[0]->hello().description);
+  EXPECT_EQ(*accepted_[0]->hello().description, (Bytes{std::byte{0x5a}, std::byte{0xa5}}));
   EXPECT_TRUE(a_events_.failed.empty());
   EXPECT_TRUE(b_events_.failed.empty());
 }

@@ -1,6 +1,8 @@
-// The fabric: what one rank needs to move bytes to any other rank. It runs the bootstrap, opens
-// the provider on the selected rails, connects one rail per NIC pair to every peer (rail i of
-// rank a to rail i of rank b) and keeps a multi-rail channel per peer.
+// The fabric: a world of ranks over an endpoint (endpoint.h). It creates this rank's endpoint,
+// exchanges the ranks' endpoint blobs through the bootstrap, and connects one rail per NIC pair
+// to every other rank (rail i of rank a to rail i of rank b; the lower rank connects). Peer ids
+// on the endpoint are the ranks. The bootstrap's control path also carries a copy of every
+// failover message (it outlives the rails) and tells when a rank leaves.
 //
 // Messages are point-to-point and matched in order per (sender, receiver) pair, like NCCL's
 // send/recv: the n-th isend from a to b pairs with the n-th irecv at b from a, and both must give
@@ -20,51 +22,16 @@
 
 #include "r2ccl/runtime/bootstrap.h"
 #include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/endpoint.h"
 #include "r2ccl/runtime/memory.h"
+#include "r2ccl/runtime/op.h"
 #include "r2ccl/runtime/provider.h"
 #include "r2ccl/runtime/telemetry.h"
 
 namespace r2ccl {
 
-// A send or receive in progress. Completed exactly once, on the progress thread.
-class Op {
- public:
-  bool done() const;
-  Status status() const;  // only meaningful once done()
-  // Waits for completion at most `timeout`; a timeout here is an error of its own.
-  Status wait(std::chrono::milliseconds timeout);
-  void complete(Status status);  // first call wins
-  // Runs `fn` with the status once the operation completes (at once if it has): on the progress
-  // thread, so it must not block. One callback per operation.
-  void on_complete(std::function<void(const Status&)> fn);
-  // Some of its data was re-sent after a rail failed (the operation survived a failover).
-  bool replayed() const { return replayed_.load(std::memory_order_relaxed); }
-  void mark_replayed() { replayed_.store(true, std::memory_order_relaxed); }
-  // When the fabric fails the operation unless it completes; moves later while data to the peer
-  // keeps being confirmed. Waiters follow it.
-  void set_deadline(std::chrono::steady_clock::time_point t) {
-    deadline_ns_.store(t.time_since_epoch().count(), std::memory_order_relaxed);
-  }
-  std::chrono::steady_clock::time_point deadline() const {
-    return std::chrono::steady_clock::time_point(
-        std::chrono::steady_clock::duration(deadline_ns_.load(std::memory_order_relaxed)));
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::atomic<bool> done_flag_{false};  // done_, readable without the lock (the waiter's spin)
-  Status status_;
-  std::function<void(const Status&)> callback_;
-  std::atomic<bool> replayed_{false};
-  std::atomic<std::chrono::steady_clock::rep> deadline_ns_{0};
-};
-using OpPtr = std::shared_ptr<Op>;
-
-class Channel;
 class SelfChannel;
-class ProgressEngine;
+class OutOfBandSender;
 
 class Fabric {
  public:
@@ -77,6 +44,8 @@ class Fabric {
   int rank() const;
   int nranks() const;
   Bootstrap& bootstrap() { return *bootstrap_; }
+  // This rank's endpoint (peer id = rank).
+  Endpoint& endpoint() { return *endpoint_; }
   const Config& config() const { return config_; }
   // This rank's rails (local NICs), in rail order.
   const std::vector<RailNic>& nics() const;
@@ -106,7 +75,7 @@ class Fabric {
   // the application (or the collectives) share the channels without taking each other's
   // messages. The service travels in the message's first byte.
   enum class Service : std::uint8_t { kApplication = 0, kKvTransfer = 1 };
-  static constexpr std::size_t kServices = 2;
+  static constexpr std::size_t kServices = Endpoint::kServices;
   Status send_message(int peer, Service service, Bytes payload, bool control_path = false);
   Status send_message(int peer, Bytes payload, bool control_path = false) {
     return send_message(peer, Service::kApplication, std::move(payload), control_path);
@@ -129,10 +98,10 @@ class Fabric {
   // Every rail's live telemetry (plain atomics), for collectors that read it at scrape time.
   std::vector<RailTelemetryView> rail_telemetry() const;
   // How long rail failures took to detect.
-  const LatencyHistogram& failover_detection() const { return failover_detection_; }
+  const LatencyHistogram& failover_detection() const { return endpoint_->failover_detection(); }
   // Where modules above the runtime publish their counters for the monitor.
-  MetricRegistry& metrics() { return metrics_; }
-  const MetricRegistry& metrics() const { return metrics_; }
+  MetricRegistry& metrics() { return endpoint_->metrics(); }
+  const MetricRegistry& metrics() const { return endpoint_->metrics(); }
   // The first asynchronous error: a peer left, or no rail to a peer survived an operation's
   // deadline. OK while none happened.
   Status async_error() const;
@@ -143,33 +112,16 @@ class Fabric {
  private:
   Fabric();
   Status connect_all(const std::vector<Bytes>& infos);
-  void arm_watchdog();
-  void drain();  // the destructor's wait for messages already sent
-  Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
-                    const char* what) const;
+  Status check_peer(int peer, const char* what) const;
   void record_async_error(const Status& st);
 
   Config config_;
-  Token rail_token_{};  // rails carry the bootstrap token in their hello
+  std::unique_ptr<Endpoint> endpoint_;
   std::unique_ptr<Bootstrap> bootstrap_;
-  std::unique_ptr<ProgressEngine> engine_;
-  std::unique_ptr<Provider> provider_;
-  std::unique_ptr<MemoryRegistry> registry_;
-  std::unique_ptr<class Prober> prober_;
-  std::unique_ptr<class LinkWatcher> link_watcher_;
-  std::unique_ptr<class OutOfBandSender> out_of_band_;  // failover messages on the control path
-  RailEventLog events_;
-  LatencyHistogram failover_detection_;
-  MetricRegistry metrics_;
-  std::array<MessageHandler, kServices> message_handlers_;  // by service; progress thread only
-  // A message from `peer` (its service byte first), to its service's handler.
-  void deliver_message(int peer, std::span<const std::byte> message);
+  std::unique_ptr<OutOfBandSender> out_of_band_;  // failover messages on the control path
   mutable std::mutex async_mutex_;
   Status async_error_;
-  std::vector<std::unique_ptr<Channel>> channels_;  // by peer rank; null for self
-  std::unique_ptr<SelfChannel> self_;               // messages to ourselves (memcpy)
-  struct Watchdog;
-  std::unique_ptr<Watchdog> watchdog_;
+  std::unique_ptr<SelfChannel> self_;  // messages to ourselves (memcpy)
 };
 
 }  // namespace r2ccl

@@ -23,19 +23,25 @@ class ProgressEngine;
 
 class Prober {
  public:
+  // `peer` is the caller's number for the peer (echoed back in the reply, never interpreted).
   using ReplyHandler =
       std::function<void(int peer, std::uint32_t rail, std::chrono::nanoseconds rtt)>;
-  // Opens one probe socket per NIC; probes start once targets are added.
+  // Opens one probe socket per NIC; probes start once targets are added. A probe names the
+  // endpoint it is meant for by incarnation: only that endpoint answers it.
   static Result<std::unique_ptr<Prober>> open(ProgressEngine& engine,
                                               const std::vector<RailNic>& nics, const Token& token,
-                                              int my_rank, std::chrono::milliseconds interval,
+                                              std::uint64_t my_incarnation,
+                                              std::chrono::milliseconds interval,
                                               ReplyHandler on_reply);
   virtual ~Prober() = default;
   // The UDP port of NIC `device`'s probe socket (published to the peers).
   virtual std::uint16_t port(std::size_t device) const = 0;
-  // Probe `peer`'s NIC (address:port) from local device `rail` every interval. Loop thread.
-  virtual void add_target(int peer, std::uint32_t rail, const std::string& address,
-                          std::uint16_t port) = 0;
+  // Probe the NIC (address:port) of the endpoint `incarnation`, which the caller calls `peer`,
+  // from local device `rail` every interval. Loop thread.
+  virtual void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
+                          const std::string& address, std::uint16_t port) = 0;
+  // Stops probing `peer`. Loop thread.
+  virtual void remove_targets(int peer) = 0;
   virtual void stop() = 0;
 };
 

@@ -25,11 +25,15 @@ class ProgressEngine;
 
 // Who is connecting, carried in a rail's first frame and checked by the acceptor.
 struct RailHello {
+  static constexpr std::size_t kMaxDescription = 2048;
   Token token{};
-  std::uint32_t src_rank = 0;
-  std::uint32_t dst_rank = 0;
-  std::uint32_t rail = 0;   // rail index between the two ranks
-  std::uint32_t epoch = 0;  // bumped each time a rail is re-established
+  std::uint64_t src_incarnation = 0;  // the connecting endpoint
+  std::uint64_t dst_incarnation = 0;  // the endpoint it means to reach
+  std::uint32_t rail = 0;             // rail index between the two endpoints
+  std::uint32_t epoch = 0;            // bumped each time a rail is re-established
+  // The connecting endpoint's description (its blob without the token), so that an endpoint
+  // accepts peers it has never heard of. At most kMaxDescription bytes.
+  std::shared_ptr<const Bytes> description;
 };
 
 struct WriteRequest {

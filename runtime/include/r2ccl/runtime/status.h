@@ -22,6 +22,7 @@ enum class ErrorCode {
   kUnavailable,  // no usable rail / device
   kAborted,
   kInternal,
+  kClosed,  // the peer closed the connection (its process ended, or it disconnected)
 };
 
 std::string_view error_code_name(ErrorCode code);
@@ -65,6 +66,7 @@ class [[nodiscard]] Result {
   const T& operator*() const& { return value(); }
   T&& operator*() && { return std::get<T>(std::move(v_)); }
   Status status() const { return is_ok() ? Status::ok() : std::get<Status>(v_); }
+  T value_or(T fallback) const& { return is_ok() ? value() : std::move(fallback); }
 
  private:
   std::variant<T, Status> v_;

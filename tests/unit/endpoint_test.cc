@@ -1,0 +1,256 @@
+// Endpoints that were never in a world: blobs and handles, connection by blob, peers that
+// disconnect, restart as a new incarnation, connect at the same time as each other.
+#include "r2ccl/runtime/endpoint.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <future>
+#include <map>
+#include <mutex>
+
+#include "test_util.h"
+
+namespace r2ccl {
+namespace {
+
+using std::chrono::milliseconds;
+
+std::unique_ptr<Endpoint> make_endpoint(int host, const std::string& name) {
+  std::map<std::string, std::string> vars;
+  vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 20 + host);
+  vars["R2CCL_CHUNK_SIZE"] = "64K";
+  vars["R2CCL_TIMEOUT"] = "10s";
+  auto cfg = parse_config(test::env_of(vars));
+  EXPECT_TRUE(cfg.is_ok()) << cfg.status().to_string();
+  EndpointOptions o;
+  o.name = name;
+  auto e = Endpoint::create(*cfg, o);
+  EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+  return e.is_ok() ? std::move(*e) : nullptr;
+}
+
+std::vector<std::byte> pattern(std::size_t n, int seed) {
+  std::vector<std::byte> v(n);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<std::byte>((i * 131 + static_cast<std::size_t>(seed) * 17) >> 3);
+  return v;
+}
+
+// Peer events of an endpoint, waited for from the test.
+struct PeerLog {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<Endpoint::PeerEvent> events;
+  void attach(Endpoint& e) {
+    e.set_peer_handler([this](const Endpoint::PeerEvent& ev) {
+      std::lock_guard lock(m);
+      events.push_back(ev);
+      cv.notify_all();
+    });
+  }
+  // The first event of `kind`, waited for at most 10 s.
+  std::optional<Endpoint::PeerEvent> wait(Endpoint::PeerEvent::Kind kind, std::size_t nth = 0) {
+    std::unique_lock lock(m);
+    std::optional<Endpoint::PeerEvent> out;
+    cv.wait_for(lock, std::chrono::seconds(10), [&] {
+      std::size_t seen = 0;
+      for (const auto& e : events)
+        if (e.kind == kind && seen++ == nth) {
+          out = e;
+          return true;
+        }
+      return false;
+    });
+    return out;
+  }
+};
+
+// Sends n bytes a -> b (b receives from its peer id `from`), verified.
+void exchange(Endpoint& a, int to, Endpoint& b, int from, std::size_t n, int seed) {
+  auto src = pattern(n, seed);
+  std::vector<std::byte> dst(n, std::byte{0xEE});
+  auto rs = a.register_memory(src.data(), n);
+  auto rd = b.register_memory(dst.data(), n);
+  ASSERT_TRUE(rs.is_ok() && rd.is_ok());
+  auto recv = b.irecv(from, *rd, 0, n);
+  auto send = a.isend(to, *rs, 0, n);
+  ASSERT_TRUE(recv.is_ok() && send.is_ok());
+  ASSERT_TRUE(a.wait(*send).is_ok()) << a.wait(*send).to_string();
+  ASSERT_TRUE(b.wait(*recv).is_ok()) << b.wait(*recv).to_string();
+  EXPECT_EQ(src, dst);
+  (void)a.deregister_memory(*rs);
+  (void)b.deregister_memory(*rd);
+}
+
+TEST(EndpointBlob, RoundTripsAndTheHandleFitsIn128Bytes) {
+  auto a = make_endpoint(0, "prefill-0");
+  ASSERT_TRUE(a);
+  const Bytes blob = a->blob();
+  auto info = EndpointInfo::decode(blob);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_EQ(info->name, "prefill-0");
+  EXPECT_EQ(info->incarnation, a->incarnation());
+  EXPECT_NE(info->incarnation, 0u);
+  ASSERT_TRUE(info->token);
+  ASSERT_EQ(info->rails.size(), 4u);
+  EXPECT_EQ(info->rails[2].address, "127.0.20.3");
+  EXPECT_EQ(info->label(), fmt::format("peer 'prefill-0' (incarnation {:016x})", a->incarnation()));
+
+  auto handle = a->handle();
+  ASSERT_TRUE(handle.is_ok()) << handle.status().to_string();
+  EXPECT_LE(handle->size(), 128u);
+  auto h = EndpointInfo::decode(*handle);
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  EXPECT_EQ(h->incarnation, a->incarnation());
+  EXPECT_EQ(h->token, info->token);
+  ASSERT_EQ(h->rails.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(h->rails[i].address, info->rails[i].address);
+    EXPECT_EQ(h->rails[i].endpoint, info->rails[i].endpoint);
+    EXPECT_EQ(h->rails[i].probe_port, info->rails[i].probe_port);
+  }
+
+  // Text form, and what is wrong with bad input.
+  auto back = blob_from_hex(blob_to_hex(blob) + "\n");
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(*back, blob);
+  EXPECT_EQ(blob_from_hex("12z4").status().message(),
+            "endpoint blob text has 'z' at 2: not a hex digit");
+  EXPECT_NE(blob_from_hex("123").status().message().find("not an even number of hex digits"),
+            std::string::npos);
+  Bytes junk(40, std::byte{7});
+  EXPECT_EQ(EndpointInfo::decode(junk).status().message(),
+            "not an r2ccl endpoint blob or handle (wrong magic number)");
+  Bytes cut(blob.begin(), blob.begin() + 30);
+  EXPECT_FALSE(EndpointInfo::decode(cut).is_ok());
+  Bytes huge(3000, std::byte{0});
+  EXPECT_EQ(EndpointInfo::decode(huge).status().message(),
+            "endpoint blob of 3000 bytes exceeds 2048");
+  // A blob of a later version is refused, naming both versions.
+  Bytes later = blob;
+  later[4] = std::byte{9};
+  EXPECT_EQ(EndpointInfo::decode(later).status().message(),
+            "endpoint blob of version 9 (this build reads 1)");
+  EXPECT_EQ(a->connect(blob).status().message(), "that blob describes this endpoint itself");
+}
+
+TEST(Endpoint, TwoEndpointsNeverInAWorldExchangeDataOverEveryRail) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  log.attach(*a);
+  auto id = b->connect(a->blob());
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  auto joined = log.wait(Endpoint::PeerEvent::Kind::kJoined);
+  ASSERT_TRUE(joined);
+  EXPECT_EQ(joined->label, fmt::format("peer 'B' (incarnation {:016x})", b->incarnation()));
+  EXPECT_EQ(b->rails_to(*id), 4u);
+  exchange(*b, *id, *a, joined->peer, 3 * 1024 * 1024 + 5, 1);
+  exchange(*a, joined->peer, *b, *id, 2 * 1024 * 1024 + 1, 2);
+  std::map<std::uint32_t, std::uint64_t> tx;
+  for (const auto& r : b->rail_snapshot())
+    tx[r.rail] += r.tx_bytes;
+  ASSERT_EQ(tx.size(), 4u);
+  for (const auto& [rail, bytes] : tx)
+    EXPECT_GT(bytes, 0u) << "rail " << rail;
+  // Connecting again to the same endpoint gives the same peer.
+  auto again = b->connect(a->blob());
+  ASSERT_TRUE(again.is_ok());
+  EXPECT_EQ(*again, *id);
+}
+
+TEST(Endpoint, ConnectsFromTheCompactHandle) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  log.attach(*a);
+  auto id = b->connect(*a->handle());
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  auto joined = log.wait(Endpoint::PeerEvent::Kind::kJoined);
+  ASSERT_TRUE(joined);
+  exchange(*b, *id, *a, joined->peer, 1024 * 1024, 3);
+}
+
+TEST(Endpoint, OperationsWithAPeerThatLeftFailNamingIt) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  log.attach(*a);
+  ASSERT_TRUE(b->connect(a->blob()).is_ok());
+  auto joined = log.wait(Endpoint::PeerEvent::Kind::kJoined);
+  ASSERT_TRUE(joined);
+  const std::string label = joined->label;
+  std::vector<std::byte> buf(1 << 20);
+  auto reg = a->register_memory(buf.data(), buf.size());
+  ASSERT_TRUE(reg.is_ok());
+  auto pending = a->irecv(joined->peer, *reg, 0, buf.size());
+  ASSERT_TRUE(pending.is_ok());
+  b.reset();  // says goodbye
+  auto left = log.wait(Endpoint::PeerEvent::Kind::kLeft);
+  ASSERT_TRUE(left);
+  EXPECT_EQ(left->why, "it disconnected");
+  Status st = a->wait(*pending);
+  EXPECT_EQ(st.code(), ErrorCode::kAborted);
+  EXPECT_EQ(st.message(), label + " is gone: it disconnected");
+  // Later operations fail at once, naming it too.
+  auto later = a->isend(joined->peer, *reg, 0, 100);
+  ASSERT_TRUE(later.is_ok());
+  EXPECT_EQ(a->wait(*later).message(), label + " is gone: it disconnected");
+  EXPECT_EQ(a->isend(12345, *reg, 0, 1).status().message(), "send: no peer has id 12345");
+}
+
+TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  auto a = make_endpoint(0, "A");
+  auto b1 = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b1);
+  log.attach(*a);
+  ASSERT_TRUE(b1->connect(a->blob()).is_ok());
+  auto first = log.wait(Endpoint::PeerEvent::Kind::kJoined, 0);
+  ASSERT_TRUE(first);
+  // The same name again from another process (here: another endpoint, the first one still up).
+  auto b2 = make_endpoint(2, "B");
+  ASSERT_TRUE(b2);
+  auto id2 = b2->connect(a->blob());
+  ASSERT_TRUE(id2.is_ok()) << id2.status().to_string();
+  auto second = log.wait(Endpoint::PeerEvent::Kind::kJoined, 1);
+  ASSERT_TRUE(second);
+  EXPECT_NE(second->peer, first->peer);
+  auto left = log.wait(Endpoint::PeerEvent::Kind::kLeft);
+  ASSERT_TRUE(left);
+  EXPECT_EQ(left->peer, first->peer);
+  EXPECT_EQ(left->why, fmt::format("it started again as incarnation {:016x}", b2->incarnation()));
+  std::vector<std::byte> buf(64);
+  auto reg = a->register_memory(buf.data(), buf.size());
+  auto op = a->isend(first->peer, *reg, 0, 64);
+  ASSERT_TRUE(op.is_ok());
+  EXPECT_EQ(a->wait(*op).message(),
+            fmt::format("peer 'B' (incarnation {:016x}) is gone: it started again as incarnation "
+                        "{:016x}",
+                        b1->incarnation(), b2->incarnation()));
+  exchange(*b2, *id2, *a, second->peer, 1024 * 1024 + 3, 4);
+}
+
+TEST(Endpoint, TwoEndpointsConnectingToEachOtherAtOnceShareOneChannel) {
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  auto fa = std::async(std::launch::async, [&] { return a->connect(b->blob()); });
+  auto fb = std::async(std::launch::async, [&] { return b->connect(a->blob()); });
+  auto ia = fa.get();
+  auto ib = fb.get();
+  ASSERT_TRUE(ia.is_ok()) << ia.status().to_string();
+  ASSERT_TRUE(ib.is_ok()) << ib.status().to_string();
+  EXPECT_EQ(a->peers().size(), 1u);
+  EXPECT_EQ(b->peers().size(), 1u);
+  exchange(*a, *ia, *b, *ib, 2 * 1024 * 1024, 5);
+  exchange(*b, *ib, *a, *ia, 100, 6);
+}
+
+}  // namespace
+}  // namespace r2ccl
