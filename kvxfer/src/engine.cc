@@ -35,7 +35,8 @@ std::string_view request_state_name(RequestState s) {
 namespace {
 
 constexpr std::uint32_t kMetaMagic = 0x564b3252;  // "R2KV"
-constexpr std::uint32_t kMetaVersion = 1;
+constexpr std::uint32_t kMetaVersion = 2;
+constexpr auto kService = static_cast<std::uint8_t>(Fabric::Service::kKvTransfer);
 constexpr std::uint64_t kMaxWriteBytes = 4u << 20;  // coalesced writes stay below this
 constexpr std::size_t kMaxPayload = 4096;
 
@@ -148,7 +149,8 @@ struct KvEngine::Impl {
     bool control_path;
   };
 
-  Fabric& fabric;
+  Endpoint& endpoint;
+  Fabric* world = nullptr;  // when the engine runs in a world: ranks, and its control path
   EngineOptions options;
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -170,23 +172,33 @@ struct KvEngine::Impl {
   MetricRegistry::Counter* m_preserved = nullptr;
   MetricRegistry::Histogram* m_duration = nullptr;
 
-  Impl(Fabric& f, EngineOptions o) : fabric(f), options(o) {
-    auto& reg = f.metrics();
-    const std::string rank = std::to_string(f.rank());
+  Impl(Endpoint& e, Fabric* w, EngineOptions o) : endpoint(e), world(w), options(o) {
+    auto& reg = e.metrics();
+    // In a world, series are labelled by rank; otherwise by the endpoint's name.
+    const MetricRegistry::Labels who =
+        w ? MetricRegistry::Labels{{"rank", std::to_string(w->rank())}}
+          : MetricRegistry::Labels{{"endpoint", e.name()}};
+    auto with = [&](const char* k, const char* v) {
+      auto l = who;
+      l.emplace_back(k, v);
+      return l;
+    };
     m_bytes = &reg.counter("r2ccl_kv_transfer_bytes_total",
-                           "KV-cache bytes of requests that ended DONE.", {{"rank", rank}});
+                           "KV-cache bytes of requests that ended DONE.", who);
     const char* help = "KV transfer requests that ended, by status.";
-    m_done = &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "done"}});
-    m_failed =
-        &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "failed"}});
-    m_cancelled =
-        &reg.counter("r2ccl_kv_requests_total", help, {{"rank", rank}, {"status", "cancelled"}});
-    m_preserved = &reg.counter("r2ccl_kv_requests_preserved_total",
-                               "KV requests that ended DONE although a rail failed under them.",
-                               {{"rank", rank}});
-    m_duration =
-        &reg.histogram("r2ccl_kv_request_duration_seconds",
-                       "Time from a KV request's submission to its end.", {{"rank", rank}});
+    m_done = &reg.counter("r2ccl_kv_requests_total", help, with("status", "done"));
+    m_failed = &reg.counter("r2ccl_kv_requests_total", help, with("status", "failed"));
+    m_cancelled = &reg.counter("r2ccl_kv_requests_total", help, with("status", "cancelled"));
+    m_preserved =
+        &reg.counter("r2ccl_kv_requests_preserved_total",
+                     "KV requests that ended DONE although a rail failed under them.", who);
+    m_duration = &reg.histogram("r2ccl_kv_request_duration_seconds",
+                                "Time from a KV request's submission to its end.", who);
+  }
+
+  // How messages name a peer: "rank 3" in a world, "peer 'decode-1' (incarnation ...)" else.
+  std::string label(int peer) const {
+    return endpoint.peer_label(peer).value_or(fmt::format("peer {}", peer));
   }
 
   // A new request id, a connected peer, and pools that exist on both sides. Lock held.
@@ -203,8 +215,9 @@ struct KvEngine::Impl {
       return {ErrorCode::kInvalidArgument,
               fmt::format("no local KV pool {} (have {})", local_pool, pools.size())};
     if (remote_pool >= pit->second.size())
-      return {ErrorCode::kInvalidArgument, fmt::format("rank {} has no KV pool {} (it has {})",
-                                                       peer, remote_pool, pit->second.size())};
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("{} has no KV pool {} (it has {})", label(peer), remote_pool,
+                          pit->second.size())};
     return Status::ok();
   }
 
@@ -302,8 +315,8 @@ struct KvEngine::Impl {
         local = pools[r.local_pool].regions[is.write.src_buffer];
         remote = peers.at(r.peer)[r.remote_pool].buffers[is.write.dst_buffer];
       }
-      auto op = fabric.iwrite(is.peer, local, is.write.src_offset, remote, is.write.dst_offset,
-                              is.write.bytes);
+      auto op = endpoint.iwrite(is.peer, local, is.write.src_offset, remote, is.write.dst_offset,
+                                is.write.bytes);
       if (!op) {
         written(is, op.status(), false);
         continue;
@@ -407,11 +420,14 @@ struct KvEngine::Impl {
 
   void send(const std::vector<Outgoing>& out) {
     for (const auto& o : out) {
-      Status st =
-          fabric.send_message(o.peer, Fabric::Service::kKvTransfer, o.message, o.control_path);
-      if (!st && !o.control_path)
-        st = fabric.send_message(o.peer, Fabric::Service::kKvTransfer, o.message, true);
-      if (!st) R2CCL_WARN("kv: cannot notify rank {}: {}", o.peer, st.message());
+      // A world's control path works when no rail is left; an endpoint has only the rails.
+      const bool control_path = o.control_path && world != nullptr;
+      Status st = control_path
+                      ? world->send_message(o.peer, Fabric::Service::kKvTransfer, o.message, true)
+                      : endpoint.send_message(o.peer, kService, o.message);
+      if (!st && !control_path && world)
+        st = world->send_message(o.peer, Fabric::Service::kKvTransfer, o.message, true);
+      if (!st) R2CCL_WARN("kv: cannot notify {}: {}", label(o.peer), st.message());
     }
   }
 
@@ -420,7 +436,7 @@ struct KvEngine::Impl {
     const auto type = static_cast<MsgType>(r.u8());
     if (type == MsgType::kNotify) return on_notify(peer, r);
     if (type == MsgType::kPull) return on_pull(peer, r);
-    R2CCL_WARN("kv: unknown message type {} from rank {}", static_cast<int>(type), peer);
+    R2CCL_WARN("kv: unknown message type {} from {}", static_cast<int>(type), label(peer));
   }
 
   void on_notify(int peer, ByteReader& r) {
@@ -445,7 +461,7 @@ struct KvEngine::Impl {
       }
     }
     if (!r.finish("KV notification").is_ok()) {
-      R2CCL_WARN("kv: malformed notification from rank {}", peer);
+      R2CCL_WARN("kv: malformed notification from {}", label(peer));
       return;
     }
     std::lock_guard lock(mu);
@@ -532,10 +548,9 @@ struct KvEngine::Impl {
       Status st = ok ? Status::ok() : Status(ErrorCode::kProtocol, "malformed pull request");
       auto pit = peers.find(peer);
       if (st.is_ok() && pit == peers.end())
-        st = Status(
-            ErrorCode::kInvalidArgument,
-            fmt::format("rank {} is not connected here: call connect() with its metadata first",
-                        peer));
+        st = Status(ErrorCode::kInvalidArgument,
+                    fmt::format("{} is not connected here: call connect() with its metadata first",
+                                label(peer)));
       if (st.is_ok() && (src_pool >= pools.size() || dst_pool >= pit->second.size()))
         st = Status(ErrorCode::kInvalidArgument,
                     fmt::format("pull names pool {} here / {} there, which do not exist", src_pool,
@@ -568,21 +583,26 @@ struct KvEngine::Impl {
 KvEngine::KvEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 KvEngine::~KvEngine() {
-  impl_->fabric.set_message_handler(Fabric::Service::kKvTransfer, nullptr);
+  impl_->endpoint.set_message_handler(kService, nullptr);
   // Let writes in flight complete (or fail at their deadline) before the pools go away.
   std::unique_lock lock(impl_->mu);
-  impl_->cv.wait_for(lock, impl_->fabric.config().timeout + std::chrono::seconds(1), [&] {
+  impl_->cv.wait_for(lock, impl_->endpoint.config().timeout + std::chrono::seconds(1), [&] {
     return std::all_of(impl_->requests.begin(), impl_->requests.end(),
                        [](const auto& kv) { return kv.second.inflight == 0; });
   });
 }
 
-Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineOptions& options) {
-  auto impl = std::make_unique<Impl>(fabric, options);
+Result<std::unique_ptr<KvEngine>> KvEngine::create(Endpoint& endpoint, const EngineOptions& options,
+                                                   Fabric* world) {
+  auto impl = std::make_unique<Impl>(endpoint, world, options);
   Impl* raw = impl.get();
-  fabric.set_message_handler(Fabric::Service::kKvTransfer,
-                             [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
+  endpoint.set_message_handler(
+      kService, [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
   return std::unique_ptr<KvEngine>(new KvEngine(std::move(impl)));
+}
+
+Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineOptions& options) {
+  return create(fabric.endpoint(), options, &fabric);
 }
 
 Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::byte>>& buffers,
@@ -598,7 +618,7 @@ Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::b
   pool.buffers = buffers;
   pool.layout = layout;
   for (const auto& b : buffers) {
-    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->fabric.register_memory(b.data(), b.size()));
+    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->endpoint.register_memory(b.data(), b.size()));
     pool.regions.push_back(region);
   }
   std::lock_guard lock(impl_->mu);
@@ -610,7 +630,8 @@ Bytes KvEngine::metadata() const {
   ByteWriter body;
   {
     std::lock_guard lock(impl_->mu);
-    body.u32(static_cast<std::uint32_t>(impl_->fabric.rank()))
+    body.u64(impl_->endpoint.incarnation())
+        .blob(impl_->endpoint.blob())
         .u32(static_cast<std::uint32_t>(impl_->pools.size()));
     for (const auto& p : impl_->pools) {
       p.layout.encode(body);
@@ -627,31 +648,75 @@ Bytes KvEngine::metadata() const {
   return w.take();
 }
 
-Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
-  if (peer < 0 || peer >= impl_->fabric.nranks() || peer == impl_->fabric.rank())
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("connect: rank {} is not a peer (world of {} ranks)", peer,
-                        impl_->fabric.nranks())};
+namespace {
+// The checked body of KV metadata: magic, version, length and checksum verified.
+Result<Bytes> metadata_body(std::span<const std::byte> metadata) {
   ByteReader r(metadata);
   const auto magic = r.u32();
-  if (!r.ok()) return {ErrorCode::kProtocol, "KV metadata is truncated (no header)"};
-  if (magic != kMetaMagic) return {ErrorCode::kProtocol, "not r2ccl KV metadata (bad magic)"};
+  if (!r.ok()) return Status{ErrorCode::kProtocol, "KV metadata is truncated (no header)"};
+  if (magic != kMetaMagic) return Status{ErrorCode::kProtocol, "not r2ccl KV metadata (bad magic)"};
   const auto version = r.u32();
   if (version != kMetaVersion)
-    return {ErrorCode::kProtocol,
-            fmt::format("KV metadata version {} is not supported (this build reads version {})",
-                        version, kMetaVersion)};
+    return Status{
+        ErrorCode::kProtocol,
+        fmt::format("KV metadata version {} is not supported (this build reads version {})",
+                    version, kMetaVersion)};
   Bytes body = r.blob(64u << 20);
   const auto sum = r.u64();
-  if (!r.ok()) return {ErrorCode::kProtocol, "KV metadata is truncated"};
-  if (!r.at_end()) return {ErrorCode::kProtocol, "KV metadata has trailing bytes"};
+  if (!r.ok()) return Status{ErrorCode::kProtocol, "KV metadata is truncated"};
+  if (!r.at_end()) return Status{ErrorCode::kProtocol, "KV metadata has trailing bytes"};
   if (sum != XXH3_64bits(body.data(), body.size()))
-    return {ErrorCode::kProtocol, "KV metadata is corrupted (checksum mismatch)"};
+    return Status{ErrorCode::kProtocol, "KV metadata is corrupted (checksum mismatch)"};
+  return body;
+}
+}  // namespace
+
+Result<int> KvEngine::load_remote(std::span<const std::byte> metadata) {
+  R2CCL_ASSIGN_OR_RETURN(const Bytes body, metadata_body(metadata));
   ByteReader b(body);
-  const auto rank = static_cast<int>(b.u32());
-  if (rank != peer)
+  (void)b.u64();
+  const Bytes blob = b.blob(EndpointInfo::kMaxBlob);
+  if (!b.ok()) return Status(ErrorCode::kProtocol, "KV metadata is truncated (no endpoint)");
+  R2CCL_ASSIGN_OR_RETURN(const int peer, impl_->endpoint.connect(blob));
+  R2CCL_RETURN_IF_ERROR(connect(peer, metadata));
+  return peer;
+}
+
+Status KvEngine::disconnect(int peer) {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->peers.erase(peer) == 0)
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("disconnect: {} is not connected here", impl_->label(peer))};
+  }
+  if (impl_->world) return Status::ok();  // a world's channels stay
+  return impl_->endpoint.disconnect(peer);
+}
+
+Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
+  if (impl_->world && (peer < 0 || peer >= impl_->world->nranks() || peer == impl_->world->rank()))
     return {ErrorCode::kInvalidArgument,
-            fmt::format("this KV metadata is rank {}'s, not rank {}'s", rank, peer)};
+            fmt::format("connect: rank {} is not a peer (world of {} ranks)", peer,
+                        impl_->world->nranks())};
+  const auto known = impl_->endpoint.peers();
+  const auto it = std::find_if(known.begin(), known.end(),
+                               [&](const auto& p) { return p.id == peer && p.alive; });
+  if (it == known.end())
+    return {ErrorCode::kInvalidArgument, fmt::format("connect: no connected peer has id {}", peer)};
+  R2CCL_ASSIGN_OR_RETURN(const Bytes body, metadata_body(metadata));
+  ByteReader b(body);
+  const auto incarnation = b.u64();
+  (void)b.blob(EndpointInfo::kMaxBlob);  // its endpoint, for load_remote
+  if (b.ok() && incarnation != it->incarnation) {
+    std::string whose = fmt::format("incarnation {:016x}", incarnation);
+    if (incarnation == impl_->endpoint.incarnation())
+      whose = impl_->world ? fmt::format("rank {}", impl_->world->rank())
+                           : fmt::format("'{}' (this endpoint)", impl_->endpoint.name());
+    for (const auto& p : known)
+      if (p.incarnation == incarnation) whose = p.label;
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("this KV metadata is {}'s, not {}'s", whose, it->label)};
+  }
   const auto npools = b.u32();
   std::vector<Impl::RemotePool> remote;
   for (std::uint32_t i = 0; i < npools && b.ok() && i < 1024; ++i) {
@@ -668,12 +733,12 @@ Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
     const std::string diff = impl_->pools[i].layout.incompatibility(remote[i].layout);
     if (!diff.empty())
       return {ErrorCode::kInvalidArgument,
-              fmt::format("rank {}'s KV pool {} is incompatible with ours: {}", peer, i, diff)};
+              fmt::format("{}'s KV pool {} is incompatible with ours: {}", it->label, i, diff)};
     std::vector<std::uint64_t> lengths;
     for (const auto& rr : remote[i].buffers)
       lengths.push_back(rr.length);
     R2CCL_RETURN_IF_ERROR(
-        remote[i].layout.validate(lengths).with_context(fmt::format("rank {}'s pool {}", peer, i)));
+        remote[i].layout.validate(lengths).with_context(fmt::format("{}'s pool {}", it->label, i)));
   }
   impl_->peers[peer] = std::move(remote);
   return Status::ok();
@@ -791,7 +856,7 @@ Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
   encode_spans(w, spans);
   if (w.bytes().size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument, "pull: too many blocks in one request (split it)"};
-  return impl_->fabric.send_message(peer, Fabric::Service::kKvTransfer, w.take());
+  return impl_->endpoint.send_message(peer, kService, w.take());
 }
 
 Result<RequestStatus> KvEngine::status(std::uint64_t id) const {
@@ -872,8 +937,8 @@ Result<Notification> KvEngine::wait_notification(int peer, std::uint64_t id,
   };
   if (!impl_->cv.wait_for(lock, timeout, [&] { return match() != impl_->received.end(); }))
     return Status(ErrorCode::kTimeout,
-                  fmt::format("no notification for request {} from rank {} within {}ms", id, peer,
-                              timeout.count()));
+                  fmt::format("no notification for request {} from {} within {}ms", id,
+                              impl_->label(peer), timeout.count()));
   auto it = match();
   Impl::Received rec = std::move(*it);
   impl_->received.erase(it);

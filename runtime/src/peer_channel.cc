@@ -337,7 +337,7 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
     log(s.awaiting_replay.empty() ? LogLevel::kInfo : LogLevel::kWarn,
         "rail {} ({} -> {}) to {} is down: {}; fenced epoch {}, {} chunk(s) ({} bytes) to "
         "replay on {} rail(s)",
-        index, s.nic.name, s.remote.nic, peer_, reason, s.epoch, s.awaiting_replay.size(),
+        index, s.nic.name, s.remote.nic, label_, reason, s.epoch, s.awaiting_replay.size(),
         std::accumulate(s.awaiting_replay.begin(), s.awaiting_replay.end(), std::uint64_t{0},
                         [](std::uint64_t n, const InflightChunk& c) { return n + c.length; }),
         scheduler_.usable_count());

@@ -336,7 +336,9 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
           if (self->closed_) return;
           if (ec)
             return self->fail(
-                {ErrorCode::kNetwork,
+                {ec == asio::error::connection_reset || ec == asio::error::broken_pipe
+                     ? ErrorCode::kClosed
+                     : ErrorCode::kNetwork,
                  fmt::format("send failed on {}: {}", self->description_, errno_text(ec))});
           if (self->acks_wait_for_company()) return self->flush_acks_when_idle();
           self->kick();
@@ -425,7 +427,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (ec == asio::error::connection_reset)
       return fail({ErrorCode::kClosed, fmt::format("peer reset rail {}", description_)});
     if (ec == asio::error::eof)
-      return fail({ErrorCode::kProtocol, fmt::format("truncated frame on rail {}: the peer closed "
+      return fail({ErrorCode::kClosed, fmt::format("truncated frame on rail {}: the peer closed "
                                                      "the connection in the middle of a {}",
                                                      description_, what)});
     fail({ErrorCode::kNetwork,

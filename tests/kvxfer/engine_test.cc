@@ -133,6 +133,72 @@ TEST(KvEngine, PushLandsEveryBlockAndNotifiesOnceWithThePayload) {
   EXPECT_EQ(published["r2ccl_kv_request_duration_seconds_count"], 1u);
 }
 
+// The agent model: two engines on endpoints that were never in a world. The prefill side loads
+// the decode side's metadata (which carries its endpoint blob), connects, pushes, and
+// disconnects; the decode side learns of the request from its notification.
+TEST(KvEngine, EnginesOnEndpointsConnectByMetadataWithoutAWorld) {
+  auto make = [](int host, const std::string& name) {
+    std::map<std::string, std::string> vars;
+    vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 60 + host);
+    vars["R2CCL_CHUNK_SIZE"] = "64K";
+    auto cfg = parse_config(test::env_of(vars));
+    EXPECT_TRUE(cfg.is_ok());
+    EndpointOptions o;
+    o.name = name;
+    return std::move(*Endpoint::create(*cfg, o));
+  };
+  auto prefill = make(0, "prefill");
+  auto decode = make(1, "decode");
+  std::vector<Side> s(2);
+  auto pe = KvEngine::create(*prefill, EngineOptions{});
+  auto de = KvEngine::create(*decode, EngineOptions{});
+  ASSERT_TRUE(pe.is_ok() && de.is_ok());
+  s[0].engine = std::move(*pe);
+  s[1].engine = std::move(*de);
+  for (int r = 0; r < 2; ++r) {
+    auto& side = s[static_cast<std::size_t>(r)];
+    side.memory.assign(kLayers * kParts * kBlocks * kBlockBytes, std::byte{0});
+    if (r == 0) fill(side, 0);
+    auto pool =
+        side.engine->register_pool({std::span<std::byte>(side.memory)},
+                                   KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts));
+    ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  }
+  auto peer = s[0].engine->load_remote(s[1].engine->metadata());
+  ASSERT_TRUE(peer.is_ok()) << peer.status().to_string();
+  BlockSpan span{0, kLayers, {1, 2, 9}, {30, 31, 32}};
+  ASSERT_TRUE(s[0].engine->submit(5, *peer, 0, 0, {span}, text("first token")).is_ok());
+  auto st = s[0].engine->wait(5, 10s);
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kDone) << st->reason;
+  // The decode side never loaded the prefill side's metadata: it knows it as the peer that
+  // connected to its endpoint.
+  const auto peers = decode->peers();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].label,
+            fmt::format("peer 'prefill' (incarnation {:016x})", prefill->incarnation()));
+  auto note = s[1].engine->wait_notification(peers[0].id, 5, 10s);
+  ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+  EXPECT_EQ(note->state, RequestState::kDone);
+  EXPECT_EQ(note->payload, text("first token"));
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_TRUE(holds(s[1], layer, 30, 1));
+    EXPECT_TRUE(holds(s[1], layer, 31, 2));
+    EXPECT_TRUE(holds(s[1], layer, 32, 9));
+  }
+  // Metadata of a peer given to the wrong id is refused, naming both.
+  EXPECT_EQ(s[0].engine->connect(*peer, s[0].engine->metadata()).message(),
+            fmt::format("this KV metadata is 'prefill' (this endpoint)'s, not peer 'decode' "
+                        "(incarnation {:016x})'s",
+                        decode->incarnation()));
+  ASSERT_TRUE(s[0].engine->disconnect(*peer).is_ok());
+  EXPECT_EQ(
+      s[0].engine->submit(6, *peer, 0, 0, {span}).message(),
+      fmt::format("unknown peer {}: connect() with its metadata before sending to it", *peer));
+  s[0].engine.reset();
+  s[1].engine.reset();
+}
+
 TEST(KvEngine, LayerStreamingNotifiesOnlyAfterSeal) {
   auto s = make_pair_of_engines();
   ASSERT_TRUE(s[0].engine->begin(1, 1, 0, 0).is_ok());
@@ -250,7 +316,7 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
   Bytes other = meta;
   other[4] = std::byte{9};
   EXPECT_EQ(e.connect(1, other).message(),
-            "KV metadata version 9 is not supported (this build reads version 1)");
+            "KV metadata version 9 is not supported (this build reads version 2)");
   EXPECT_EQ(e.connect(1, s[0].engine->metadata()).message(),
             "this KV metadata is rank 0's, not rank 1's");
   EXPECT_EQ(e.connect(0, meta).message(), "connect: rank 0 is not a peer (world of 2 ranks)");

@@ -71,6 +71,11 @@ struct EngineOptions {
 
 class KvEngine {
  public:
+  // On an endpoint: peers are the endpoint's peer ids, connected by load_remote() (or by the
+  // endpoint itself before connect()). A failure notice then travels on the rails only.
+  static Result<std::unique_ptr<KvEngine>> create(Endpoint& endpoint, const EngineOptions& options,
+                                                  Fabric* world = nullptr);
+  // In a world: peers are ranks, and failure notices also take the world's control path.
   static Result<std::unique_ptr<KvEngine>> create(Fabric& fabric, const EngineOptions& options);
   ~KvEngine();
   KvEngine(const KvEngine&) = delete;
@@ -83,6 +88,12 @@ class KvEngine {
   Bytes metadata() const;
   // Accepts `peer`'s metadata; refuses a truncated, corrupted or incompatible blob, saying why.
   Status connect(int peer, std::span<const std::byte> metadata);
+  // The agent model (NIXL's loadRemoteMD): connects the endpoint that the metadata names (it
+  // carries its endpoint blob), accepts its pools, and returns its peer id.
+  Result<int> load_remote(std::span<const std::byte> metadata);
+  // Forgets the peer's pools and closes the endpoint's channel to it; its requests in flight
+  // fail.
+  Status disconnect(int peer);
 
   // Push, built step by step (layer streaming) ...
   Status begin(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool);
