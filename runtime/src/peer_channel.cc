@@ -165,6 +165,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   s.tel.epoch = epoch;
   s.closed_by_peer = false;
   all_closed_since_.reset();
+  s.backpressured = false;
   s.rail = std::move(rail);
   s.rail->start(&s.sink);
   const auto now = Clock::now();
@@ -234,7 +235,7 @@ std::string Channel::missing_rails() const {
 
 void Channel::update_usable(std::uint32_t index) {
   auto& s = *rails_[index];
-  const bool usable = s.rail && s.health->usable() && !dead_;
+  const bool usable = s.rail && s.health->usable() && !dead_ && !s.backpressured;
   scheduler_.set_usable(index, usable);
   s.tel.state = s.health->state();
 }
@@ -738,6 +739,12 @@ void Channel::update_degraded() {
 void Channel::tick(Clock::time_point now) {
   check_gone(now);
   if (dead_) return;
+  // A rail that refused a post for back-pressure is tried again at least every tick.
+  for (std::uint32_t i = 0; i < rails_.size(); ++i)
+    if (rails_[i]->backpressured) {
+      rails_[i]->backpressured = false;
+      update_usable(i);
+    }
   // Rail health.
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
@@ -1385,8 +1392,11 @@ void Channel::pump() {
     if (Status st = slot.rail->post_write(w); !st) {
       ledger_.confirm(w.cookie);
       scheduler_.release(*rail, c.length);
+      // Its queue is full (back-pressure): it gets no more until it confirms something. Any
+      // other error: the rail reports its failure separately.
+      if (st.code() == ErrorCode::kNoResource) slot.backpressured = true;
       scheduler_.set_usable(*rail, false);
-      continue;  // the rail reports its failure separately
+      continue;
     }
     if (replay) {
       s.op->mark_replayed();
@@ -1416,6 +1426,11 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
   const auto now = Clock::now();
   auto& s = *rails_[rail];
   s.health->on_heard(now);
+  if (s.backpressured) {  // the rail's queue moved: it takes work again
+    s.backpressured = false;
+    update_usable(rail);
+    if (!control_backlog_.empty()) flush_control();
+  }
   if ((cookie & kControlCookieBit) && (cookie & kFailoverCookieBit)) {
     failover_inflight_.erase(cookie);
     return;

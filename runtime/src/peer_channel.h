@@ -153,7 +153,10 @@ class Channel {
     std::optional<RailHealth> health;
     std::uint32_t epoch = 0;
     bool connecting = false;
-    bool closed_by_peer = false;       // its last connection ended because the peer closed it
+    bool closed_by_peer = false;  // its last connection ended because the peer closed it
+    // Its provider refused a post (kNoResource, back-pressure): no work until it confirms
+    // something, or the next tick.
+    bool backpressured = false;
     Clock::time_point next_connect{};  // re-admission attempts back off after a failure
     std::string connect_error;
     // Fence, then replay: what the rail left unconfirmed waits until the peer has fenced its

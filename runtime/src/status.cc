@@ -32,6 +32,8 @@ std::string_view error_code_name(ErrorCode code) {
       return "internal error";
     case ErrorCode::kClosed:
       return "closed";
+    case ErrorCode::kNoResource:
+      return "no resource";
   }
   return "unknown error";
 }

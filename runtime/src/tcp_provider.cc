@@ -172,8 +172,17 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     process();
   }
 
+  // Back-pressure: a post is refused (kNoResource) while this much waits to be written.
+  static constexpr std::size_t kMaxPendingBytes = std::size_t{64} << 20;
+
+  Status full() const {
+    return {ErrorCode::kNoResource,
+            fmt::format("rail {} has {} bytes queued", description_, pending_bytes_)};
+  }
+
   Status post_write(const WriteRequest& w) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
+    if (pending_bytes_ > 0 && pending_bytes_ + w.length > kMaxPendingBytes) return full();
     // Sent as fragments, so that acknowledgements and control frames queued meanwhile wait for
     // at most one fragment, not a whole chunk, on a slow link.
     std::size_t done = 0;
@@ -208,6 +217,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (message->size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
               fmt::format("control message of {} bytes exceeds {}", message->size(), kMaxControl)};
+    if (!urgent && pending_bytes_ > 0 && pending_bytes_ + message->size() > kMaxPendingBytes)
+      return full();
     FrameHeader h{FrameOp::kControl, 0, 0, 0, 0, message->size(), cookie};
     queue(h, nullptr, 0, std::move(message), urgent);
     return Status::ok();
@@ -240,6 +251,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       f.payload = f.owned->data();
       f.length = f.owned->size();
     }
+    pending_bytes_ += f.length;
     if (urgent)
       pending_.push_front(std::move(f));
     else
@@ -306,6 +318,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     std::size_t bytes = 0;
     while (!pending_.empty() && batch_.size() < kBatchFrames && bytes < kBatchBytes) {
       bytes += kHeaderSize + pending_.front().length;
+      pending_bytes_ -= pending_.front().length;
       batch_.push_back(std::move(pending_.front()));
       pending_.pop_front();
     }
@@ -428,8 +441,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       return fail({ErrorCode::kClosed, fmt::format("peer reset rail {}", description_)});
     if (ec == asio::error::eof)
       return fail({ErrorCode::kClosed, fmt::format("truncated frame on rail {}: the peer closed "
-                                                     "the connection in the middle of a {}",
-                                                     description_, what)});
+                                                   "the connection in the middle of a {}",
+                                                   description_, what)});
     fail({ErrorCode::kNetwork,
           fmt::format("receive failed on {}: {}", description_, errno_text(ec))});
   }
@@ -641,6 +654,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     socket_.set_option(asio::socket_base::linger(true, 0), ec);
     socket_.close(ec);
     pending_.clear();
+    pending_bytes_ = 0;
     delayed_acks_.clear();
   }
 
@@ -670,6 +684,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   std::optional<std::uint64_t> refused_cookie_;  // its remaining fragments are discarded
 
   std::deque<OutFrame> pending_;
+  std::size_t pending_bytes_ = 0;            // payload bytes in pending_
   std::vector<std::uint64_t> delayed_acks_;  // control acknowledgements not yet queued
   bool ack_flush_due_ = false;               // an idle flush is registered
   std::vector<OutFrame> batch_;
@@ -720,6 +735,10 @@ class TcpProvider final : public Provider {
   }
 
   std::string_view name() const override { return "tcp"; }
+  std::uint32_t api_version() const override { return kProviderApiVersion; }
+  std::uint32_t capabilities() const override {
+    return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure;
+  }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base,

@@ -787,6 +787,8 @@ class VerbsProvider final : public Provider {
   }
 
   std::string_view name() const override { return "verbs"; }
+  std::uint32_t api_version() const override { return kProviderApiVersion; }
+  std::uint32_t capabilities() const override { return kCapRemoteDirectWrite; }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base,

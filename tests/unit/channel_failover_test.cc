@@ -180,6 +180,22 @@ TEST_F(ChannelFailover, EveryByteArrivesOverEveryRail) {
   EXPECT_TRUE(r0().fatal.empty());
 }
 
+TEST_F(ChannelFailover, BackPressureHoldsChunksUntilTheRailHasRoomAndLosesNone) {
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    net_.script(i).queue_limit = 1;
+  connect();
+  auto t = start_transfer(std::size_t{3} << 20);
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+  EXPECT_TRUE(t->recv->status().is_ok()) << t->recv->status().to_string();
+  EXPECT_TRUE(t->intact());
+  EXPECT_GT(net_.refused_posts, 0u);  // the providers did push back
+  EXPECT_TRUE(r0().fatal.empty());
+  // Nothing was taken for a rail failure: no rail was fenced.
+  for (const auto& e : r0().events.snapshot())
+    EXPECT_NE(e.kind, "failed") << e.detail;
+}
+
 TEST_F(ChannelFailover, ALinkDownMidTransferIsReplayedOnTheOtherRailsWithoutAnyControlPath) {
   connect();
   auto t = start_transfer(std::size_t{4} << 20);

@@ -133,9 +133,16 @@ void FakeRail::confirm(std::uint64_t cookie) {
 
 Status FakeRail::post_write(const WriteRequest& w) {
   if (failed_) return {ErrorCode::kNetwork, "the rail is closed"};
+  const std::size_t limit = net_.script(link_->rail).queue_limit;
+  if (limit != 0 && link_->queued_writes[side_] >= limit) {
+    ++net_.refused_posts;
+    return {ErrorCode::kNoResource, "the fake rail's queue is full"};
+  }
   auto link = link_;
   const int side = side_;
+  ++link->queued_writes[side];
   net_.post(link, [link, side, w] {
+    --link->queued_writes[side];
     FakeRail* from = link->ends[side];
     FakeRail* to = link->ends[1 - side];
     if (from == nullptr || to == nullptr || to->failed_ || to->events_ == nullptr) return;

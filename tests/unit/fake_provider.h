@@ -27,6 +27,9 @@ struct LinkScript {
   bool drop_confirmations = false;  // writes and control messages land, their confirmations do not
   bool duplicate_control = false;   // every control message is delivered twice
   bool hold = false;                // deliveries wait in `held` until release()
+  // Back-pressure: at most this many writes per direction wait for delivery; a further post is
+  // refused with kNoResource (0: no limit).
+  std::size_t queue_limit = 0;
 };
 
 class FakeNetwork {
@@ -39,6 +42,7 @@ class FakeNetwork {
   // Runs events until none is left or `max` have run; returns how many ran.
   std::size_t run(std::size_t max = 1'000'000);
   std::size_t pending() const { return queue_.size(); }
+  std::size_t refused_posts = 0;  // posts refused for back-pressure (LinkScript::queue_limit)
 
   // Every connection opened on rail `rail` (the same device index on both providers).
   std::vector<std::shared_ptr<Link>> links(std::uint32_t rail) const;
@@ -74,6 +78,7 @@ struct FakeNetwork::Link {
   std::uint32_t rail = 0;
   bool closed = false;  // fenced or reset: nothing more is delivered
   FakeRail* ends[2] = {nullptr, nullptr};
+  std::size_t queued_writes[2] = {0, 0};  // posted by side i, not yet delivered
 };
 
 class FakeRail final : public Rail {
@@ -110,6 +115,8 @@ class FakeProvider final : public Provider {
  public:
   FakeProvider(FakeNetwork& net, std::uint32_t id, std::size_t rails);
   std::string_view name() const override { return "fake"; }
+  std::uint32_t api_version() const override { return kProviderApiVersion; }
+  std::uint32_t capabilities() const override { return kCapBackPressure; }
   const std::vector<RailNic>& devices() const override { return devices_; }
   Result<std::uint64_t> register_memory(std::size_t device, void* base,
                                         std::size_t length) override;

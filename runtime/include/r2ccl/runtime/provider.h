@@ -5,6 +5,9 @@
 //
 // Threading: every Rail method and every RailEvents callback runs on the progress engine's loop
 // thread. register_memory/deregister_memory may be called from any thread.
+//
+// The interface is versioned (kProviderApiVersion): the runtime refuses a provider built for
+// another version. What a provider can do beyond the minimum is in its capability flags.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,21 @@
 namespace r2ccl {
 
 class ProgressEngine;
+
+// The version of this interface; a provider reports the one it was built for.
+inline constexpr std::uint32_t kProviderApiVersion = 2;
+
+// Capability flags (Provider::capabilities()).
+enum ProviderCapability : std::uint32_t {
+  // post_urgent_control() overtakes what is already queued (else it is sent in order).
+  kCapUrgentControl = 1u << 0,
+  // on_write_confirmed() reports how long the bytes took to arrive (receive_ns).
+  kCapReceiveTiming = 1u << 1,
+  // Posts may answer kNoResource when the rail's queue is full (else they always queue).
+  kCapBackPressure = 1u << 2,
+  // Writes land in the peer's memory without its CPU (RDMA); else the peer's provider copies.
+  kCapRemoteDirectWrite = 1u << 3,
+};
 
 // Who is connecting, carried in a rail's first frame and checked by the acceptor.
 struct RailHello {
@@ -70,9 +88,13 @@ class Rail {
   // Begins delivering events; called once.
   virtual void start(RailEvents* events) = 0;
   // Queues a write; src must stay valid until it is confirmed, refused or the rail fails.
+  // kNoResource (providers with kCapBackPressure): the rail's queue is full and nothing was
+  // taken; post again once the rail confirmed something. Any other error: the rail failed (and
+  // says so through on_rail_failed).
   virtual Status post_write(const WriteRequest& write) = 0;
   // Queues a control message; with a non-zero cookie the peer confirms it (on_write_confirmed)
   // once its handler has run. Shared: the caller keeps it for a replay, and nobody copies it.
+  // kNoResource as for post_write.
   virtual Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) = 0;
   // The same, for a message that must not wait behind the data already queued on the rail (the
   // channel's failover messages); it may overtake earlier writes and control messages. Providers
@@ -100,6 +122,9 @@ class Provider {
 
   virtual ~Provider() = default;
   virtual std::string_view name() const = 0;
+  // The interface version it implements (kProviderApiVersion when built with this header).
+  virtual std::uint32_t api_version() const = 0;
+  virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
   virtual const std::vector<RailNic>& devices() const = 0;
 
   virtual Result<std::uint64_t> register_memory(std::size_t device, void* base,

@@ -23,6 +23,7 @@ enum class ErrorCode {
   kAborted,
   kInternal,
   kClosed,  // the peer closed the connection (its process ended, or it disconnected)
+  kNoResource,  // a queue is full: nothing was taken, try again later
 };
 
 std::string_view error_code_name(ErrorCode code);
