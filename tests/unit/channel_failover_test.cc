@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "fake_provider.h"
-#include "peer_channel.h"
+#include "channel/channel.h"
+#include "fake/fake_provider.h"
 #include "r2ccl/runtime/memory.h"
 
 namespace r2ccl {

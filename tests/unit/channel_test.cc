@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "r2ccl/runtime/channel.h"
+#include "channel/ledger.h"
+#include "channel/scheduler.h"
 
 namespace r2ccl {
 namespace {

@@ -1,5 +1,5 @@
 // The rail health state machine with a synthetic clock.
-#include "r2ccl/runtime/health.h"
+#include "health/health.h"
 
 #include <gtest/gtest.h>
 

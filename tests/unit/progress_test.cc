@@ -1,6 +1,6 @@
 // The progress engine: who runs the loop (a waiting caller, else the engine's thread), one
 // thread at a time, and the idle work.
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 #include <gtest/gtest.h>
 

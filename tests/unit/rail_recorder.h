@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/provider.h"
 
 namespace r2ccl::test {
 

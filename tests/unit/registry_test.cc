@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "r2ccl/runtime/memory.h"
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 namespace r2ccl {
 namespace {

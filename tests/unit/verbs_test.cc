@@ -15,8 +15,8 @@
 #include <mutex>
 #include <thread>
 
-#include "r2ccl/runtime/progress.h"
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/progress.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "rail_recorder.h"
 
 namespace r2ccl {

@@ -27,7 +27,7 @@
 #include "r2ccl/runtime/config.h"
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/op.h"
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/telemetry.h"
 
 namespace r2ccl {

@@ -25,7 +25,7 @@
 #include "r2ccl/runtime/endpoint.h"
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/op.h"
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/telemetry.h"
 
 namespace r2ccl {

@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/status.h"
 #include "r2ccl/runtime/wire.h"
 

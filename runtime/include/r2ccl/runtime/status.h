@@ -22,7 +22,7 @@ enum class ErrorCode {
   kUnavailable,  // no usable rail / device
   kAborted,
   kInternal,
-  kClosed,  // the peer closed the connection (its process ended, or it disconnected)
+  kClosed,      // the peer closed the connection (its process ended, or it disconnected)
   kNoResource,  // a queue is full: nothing was taken, try again later
 };
 

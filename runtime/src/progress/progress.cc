@@ -1,4 +1,4 @@
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 #include "r2ccl/runtime/log.h"
 

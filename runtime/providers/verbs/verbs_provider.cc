@@ -47,11 +47,11 @@
 #include <span>
 #include <unordered_map>
 
-#include "r2ccl/runtime/asio.h"
+#include "common/handshake.h"
+#include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
-#include "r2ccl/runtime/progress.h"
-#include "r2ccl/runtime/provider.h"
-#include "rail_wire.h"
+#include "r2ccl/runtime/provider/progress.h"
+#include "r2ccl/runtime/provider/provider.h"
 
 namespace r2ccl {
 namespace {

@@ -1,4 +1,4 @@
-#include "r2ccl/runtime/health.h"
+#include "health/health.h"
 
 #include <algorithm>
 

@@ -14,12 +14,12 @@
 #include <optional>
 #include <thread>
 
-#include "peer_channel.h"
-#include "r2ccl/runtime/link_watcher.h"
+#include "channel/channel.h"
+#include "health/prober.h"
 #include "r2ccl/runtime/log.h"
-#include "r2ccl/runtime/prober.h"
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/topology.h"
+#include "topology/link_watcher.h"
 
 namespace r2ccl {
 

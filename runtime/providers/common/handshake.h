@@ -8,8 +8,8 @@
 #include <optional>
 #include <string>
 
-#include "r2ccl/runtime/asio.h"
-#include "r2ccl/runtime/provider.h"
+#include "progress/asio.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {

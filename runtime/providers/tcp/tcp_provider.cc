@@ -20,12 +20,12 @@
 #include <optional>
 #include <random>
 #include <unordered_map>
-#include "r2ccl/runtime/asio.h"
+#include "progress/asio.h"
 
+#include "common/handshake.h"
 #include "r2ccl/runtime/log.h"
-#include "r2ccl/runtime/progress.h"
-#include "r2ccl/runtime/provider.h"
-#include "rail_wire.h"
+#include "r2ccl/runtime/provider/progress.h"
+#include "r2ccl/runtime/provider/provider.h"
 
 namespace r2ccl {
 namespace {

@@ -1,4 +1,4 @@
-#include "r2ccl/runtime/link_watcher.h"
+#include "topology/link_watcher.h"
 
 #include <fmt/format.h>
 #include <linux/netlink.h>
@@ -11,9 +11,9 @@
 #include <cstring>
 #include <map>
 
-#include "r2ccl/runtime/asio.h"
+#include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 namespace r2ccl {
 namespace {

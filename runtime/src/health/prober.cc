@@ -1,13 +1,13 @@
-#include "r2ccl/runtime/prober.h"
+#include "health/prober.h"
 
 #include <fmt/format.h>
 #include <sys/socket.h>
 
 #include <cstring>
 
-#include "r2ccl/runtime/asio.h"
+#include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
-#include "r2ccl/runtime/progress.h"
+#include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {

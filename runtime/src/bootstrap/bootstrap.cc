@@ -10,7 +10,7 @@
 #include <optional>
 #include <random>
 #include <thread>
-#include "r2ccl/runtime/asio.h"
+#include "progress/asio.h"
 
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/topology.h"

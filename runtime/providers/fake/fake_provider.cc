@@ -1,4 +1,4 @@
-#include "fake_provider.h"
+#include "fake/fake_provider.h"
 
 #include <fmt/format.h>
 

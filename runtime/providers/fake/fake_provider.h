@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/provider/provider.h"
 
 namespace r2ccl::testing {
 

@@ -1,4 +1,4 @@
-// The multi-rail channel to one peer (private to the runtime; the Fabric owns one per peer).
+// The multi-rail channel to one peer (private to the runtime; an Endpoint owns one per peer).
 // Everything here runs on the progress thread.
 #pragma once
 
@@ -13,11 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "r2ccl/runtime/channel.h"
-#include "r2ccl/runtime/fabric.h"
-#include "r2ccl/runtime/health.h"
+#include "channel/ledger.h"
+#include "channel/scheduler.h"
+#include "health/health.h"
 #include "r2ccl/runtime/memory.h"
-#include "r2ccl/runtime/provider.h"
+#include "r2ccl/runtime/op.h"
+#include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/telemetry.h"
 #include "r2ccl/runtime/wire.h"
 

@@ -1,0 +1,240 @@
+// The message protocol: eager messages, request-to-send / clear-to-send, and aborts on a
+// size mismatch.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "channel/channel.h"
+#include "channel/protocol.h"
+#include "r2ccl/runtime/log.h"
+
+namespace r2ccl {
+
+using std::chrono::milliseconds;
+
+Channel::Send Channel::make_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                                 Clock::time_point deadline) {
+  Send s;
+  s.op = std::move(op);
+  s.region = std::move(region);
+  s.offset = offset;
+  s.length = length;
+  s.deadline = deadline;
+  return s;
+}
+
+bool Channel::fail_if_dead(const OpPtr& op) {
+  if (!dead_) return false;
+  op->complete({ErrorCode::kAborted, fmt::format("{} is gone: {}", label_, dead_reason_)});
+  return true;
+}
+
+void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                        Clock::time_point deadline) {
+  if (fail_if_dead(op)) return;
+  const auto seq = next_send_seq_++;
+  Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
+  if (!needs_cts(length)) {
+    // Eager: the data travels inside a reliable control message (kept, and replayed on another
+    // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
+    // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
+    ByteWriter w = control_writer(ControlType::kEager, 16 + length);
+    w.u64(seq).u64(length);
+    w.raw(s.region->base + offset, length);
+    send_control(w.take(), length);
+    early_cts_.erase(seq);  // the receiver's clear-to-send is not needed
+    s.op->complete(Status::ok());
+    return;
+  }
+  sends_.emplace(seq, std::move(s));
+  {
+    ByteWriter w = control_writer(ControlType::kRts);
+    w.u64(seq).u64(length);
+    send_control(w.take());
+  }
+  if (auto it = early_cts_.find(seq); it != early_cts_.end()) {
+    Cts c = it->second;
+    early_cts_.erase(it);
+    start_send(seq, c);
+  }
+}
+
+void Channel::post_write(OpPtr op, RegionPtr region, std::size_t offset, const RemoteRegion& remote,
+                         std::size_t remote_offset, std::size_t length,
+                         Clock::time_point deadline) {
+  if (fail_if_dead(op)) return;
+  if (remote.keys.size() < rails_.size()) {
+    op->complete({ErrorCode::kInvalidArgument,
+                  fmt::format("the remote region has keys for {} rails, the channel to {} has {}",
+                              remote.keys.size(), label_, rails_.size())});
+    return;
+  }
+  if (length == 0) {
+    op->complete(Status::ok());
+    return;
+  }
+  const auto seq = ChunkImm::kOneSidedBit | next_write_seq_++;
+  Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
+  s.started = true;
+  s.cts.seq = seq;
+  s.cts.length = length;
+  s.cts.chunk = chunk_for(length);
+  s.cts.offset = remote_offset;
+  s.cts.region = remote;
+  s.nchunks = chunk_count(length, s.cts.chunk);
+  if (s.nchunks > ChunkImm::kMaxChunks) {
+    s.op->complete(
+        {ErrorCode::kInvalidArgument,
+         fmt::format("a write of {} bytes needs more than {} chunks: raise R2CCL_CHUNK_SIZE",
+                     length, ChunkImm::kMaxChunks)});
+    return;
+  }
+  sends_.emplace(seq, std::move(s));
+  ready_.push_back(seq);
+  pump();
+}
+
+void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
+                        Clock::time_point deadline) {
+  if (fail_if_dead(op)) return;
+  const auto seq = next_recv_seq_++;
+  const auto slot = ChunkImm::slot_of(seq);
+  if (recv_slots_.count(slot) != 0) {
+    op->complete({ErrorCode::kUnavailable, fmt::format("more than {} receives from {} outstanding",
+                                                       ChunkImm::kSlots, label_)});
+    return;
+  }
+  if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
+    // An eager message came first: no clear-to-send (its sender has finished).
+    Bytes data = std::move(it->second);
+    unexpected_.erase(it);
+    finish_eager(op, region, offset, length, seq, data);
+    return;
+  }
+  if (auto it = early_rts_.find(seq); it != early_rts_.end()) {
+    const auto sent = it->second;
+    early_rts_.erase(it);
+    if (!needs_cts(length)) return refuse_send(op, seq, sent, length);
+  }
+  const std::uint32_t chunk = chunk_for(length);
+  if (needs_cts(length)) {
+    // A receive of eager size waits for the data without a clear-to-send; a sender of another
+    // size announces itself (request-to-send) and is refused.
+    ByteWriter w = control_writer(ControlType::kCts);
+    w.u64(seq).u64(length).u32(chunk).u64(offset);
+    RemoteRegion{region->id, region->length, region->keys}.encode(w);
+    send_control(w.take());
+    if (length == 0) {
+      op->complete(Status::ok());
+      return;
+    }
+  }
+  Recv r;
+  r.op = std::move(op);
+  r.region = std::move(region);
+  r.seq = seq;
+  r.offset = offset;
+  r.length = length;
+  r.deadline = deadline;
+  if (needs_cts(length)) r.arrivals = ArrivalSet(chunk_count(length, chunk));  // eager: one piece
+  recv_slots_.emplace(slot, std::move(r));
+}
+
+std::size_t Channel::eager_limit() const {
+  // Both ends have the same number of rails (rail i pairs with rail i), so they agree.
+  return rails_.size() == 1 ? kEagerMaxOneRail : kEagerMax;
+}
+
+bool Channel::needs_cts(std::size_t length) const {
+  return length == 0 || length > eager_limit();
+}
+
+void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent,
+                          std::uint64_t posted) {
+  const std::string why = size_mismatch(seq, label_, ctx_.self_label, sent, posted);
+  ByteWriter w = control_writer(ControlType::kAbortSend);
+  w.u64(seq).str(why);
+  send_control(w.take());
+  op->complete({ErrorCode::kInvalidArgument, why});
+}
+
+void Channel::on_eager(std::uint64_t seq, std::span<const std::byte> data) {
+  auto it = recv_slots_.find(ChunkImm::slot_of(seq));
+  if (it == recv_slots_.end() || it->second.seq != seq) {
+    // Kept until its receive is posted (the only copy besides the one into place).
+    if (seq >= next_recv_seq_) unexpected_.emplace(seq, Bytes(data.begin(), data.end()));
+    return;  // else: the receive already ended (failed at its deadline)
+  }
+  Recv r = std::move(it->second);
+  recv_slots_.erase(it);
+  finish_eager(r.op, r.region, r.offset, r.length, seq, data);
+}
+
+void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
+                           std::size_t length, std::uint64_t seq, std::span<const std::byte> data) {
+  if (data.size() != length) {
+    op->complete({ErrorCode::kInvalidArgument,
+                  size_mismatch(seq, label_, ctx_.self_label, data.size(), length)});
+    return;
+  }
+  std::memcpy(region->base + offset, data.data(), length);
+  op->complete(Status::ok());
+}
+
+std::uint32_t Channel::chunk_for(std::size_t length) const {
+  // At most R2CCL_CHUNK_SIZE, in whole 4 KiB units, and small enough that a message gives every
+  // rail several chunks: the rails then finish a message within about one chunk of each other.
+  // (Four 100 Mbit/s rails: with two chunks per rail a 1 MiB all-reduce took 35-40 ms, with
+  // eight 22-24 ms; the links' rate allows 21.) But a chunk is not made shorter than kChunkTime
+  // on the fastest measured rail, where its fixed costs (header, confirmation, scheduling) would
+  // show: on loopback eight chunks per rail took 30-50% longer than two. Until a rail is
+  // measured, two chunks per rail.
+  constexpr std::size_t kMinChunk = 4 * 1024;
+  constexpr double kChunkTime = 100e-6;  // seconds
+  const std::size_t rails = std::max<std::size_t>(rails_.size(), 1);
+  double fastest = 0;
+  for (const auto& s : rails_)
+    fastest = std::max(fastest, s->bandwidth);
+  const std::size_t pieces = (fastest > 0 ? 8 : 2) * rails;
+  const auto floor = std::max(kMinChunk, static_cast<std::size_t>(fastest * kChunkTime));
+  std::size_t c = std::max(floor, (length + pieces - 1) / pieces);
+  c = (c + 4095) / 4096 * 4096;
+  return static_cast<std::uint32_t>(std::min(config_.chunk_size, c));
+}
+
+void Channel::start_send(std::uint64_t seq, const Cts& cts) {
+  auto it = sends_.find(seq);
+  auto& s = it->second;
+  auto finish = [&](Status st) {
+    auto op = s.op;
+    sends_.erase(it);
+    op->complete(std::move(st));
+  };
+  if (cts.length != s.length) {
+    const std::string why = size_mismatch(seq, ctx_.self_label, label_, s.length, cts.length);
+    ByteWriter w = control_writer(ControlType::kAbort);
+    w.u64(seq).str(why);
+    send_control(w.take());
+    return finish({ErrorCode::kInvalidArgument, why});
+  }
+  if (cts.region.keys.size() < rails_.size() || cts.chunk == 0)
+    return finish({ErrorCode::kProtocol, fmt::format("{} sent a malformed clear-to-send", label_)});
+  s.started = true;
+  s.cts = cts;
+  s.nchunks = chunk_count(s.length, cts.chunk);
+  if (s.nchunks > ChunkImm::kMaxChunks)
+    return finish(
+        {ErrorCode::kInvalidArgument,
+         fmt::format(
+             "a message of {} bytes needs {} chunks of {}; at most {} fit: raise R2CCL_CHUNK_SIZE",
+             s.length, s.nchunks, cts.chunk, ChunkImm::kMaxChunks)});
+  if (s.nchunks == 0) return finish(Status::ok());
+  ready_.push_back(seq);
+  pump();
+}
+
+}  // namespace r2ccl
