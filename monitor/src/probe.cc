@@ -9,22 +9,6 @@
 namespace r2ccl::mon {
 namespace {
 
-constexpr std::array<std::uint8_t, 4> kMagic = {'R', '2', 'P', 'E'};
-
-void put_be(std::uint8_t* out, std::uint64_t value, int bytes) {
-  for (int i = bytes - 1; i >= 0; --i) {
-    out[i] = static_cast<std::uint8_t>(value & 0xff);
-    value >>= 8;
-  }
-}
-
-std::uint64_t get_be(const std::uint8_t* in, int bytes) {
-  std::uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i)
-    value = (value << 8) | in[i];
-  return value;
-}
-
 bool is_ipv4(const std::string& text) {
   in_addr addr{};
   return inet_pton(AF_INET, text.c_str(), &addr) == 1;
@@ -64,35 +48,6 @@ Result<ProbeSpec> parse_probe_spec(const std::string& text, std::uint16_t defaul
   if (!is_ipv4(peer)) return bad(fmt::format("'{}' is not an IPv4 address", peer));
   spec.peer = peer;
   return spec;
-}
-
-std::array<std::uint8_t, ProbePacket::kSize> ProbePacket::encode() const {
-  std::array<std::uint8_t, kSize> out{};
-  std::copy(kMagic.begin(), kMagic.end(), out.begin());
-  out[4] = kVersion;
-  out[5] = static_cast<std::uint8_t>(type);
-  put_be(&out[8], sender_id, 4);
-  put_be(&out[12], sequence, 8);
-  put_be(&out[20], send_time_ns, 8);
-  return out;
-}
-
-std::optional<ProbePacket> ProbePacket::decode(const std::uint8_t* data, std::size_t size) {
-  if (data == nullptr || size != kSize) return std::nullopt;
-  if (!std::equal(kMagic.begin(), kMagic.end(), data)) return std::nullopt;
-  if (data[4] != kVersion) return std::nullopt;
-  ProbePacket p;
-  if (data[5] == static_cast<std::uint8_t>(Type::kRequest)) {
-    p.type = Type::kRequest;
-  } else if (data[5] == static_cast<std::uint8_t>(Type::kReply)) {
-    p.type = Type::kReply;
-  } else {
-    return std::nullopt;
-  }
-  p.sender_id = static_cast<std::uint32_t>(get_be(data + 8, 4));
-  p.sequence = get_be(data + 12, 8);
-  p.send_time_ns = get_be(data + 20, 8);
-  return p;
 }
 
 bool ProbeStats::degraded(std::size_t window_capacity) const {

@@ -186,7 +186,7 @@ void Prober::Impl::send_probe(Target& t, Clock::time_point now) {
   }
   ProbePacket packet;
   packet.type = ProbePacket::Type::kRequest;
-  packet.sender_id = t.id;
+  packet.peer = t.id;  // dst 0: any monitor answers
   packet.sequence = sequence;
   packet.send_time_ns = now_ns();
   const auto bytes = packet.encode();
@@ -219,7 +219,7 @@ void Prober::Impl::receive_replies(Target& t) {
       return;  // EAGAIN, or a queued ICMP error (ECONNREFUSED): the probe times out
     }
     auto packet = ProbePacket::decode(buf.data(), static_cast<std::size_t>(n));
-    if (!packet || packet->type != ProbePacket::Type::kReply || packet->sender_id != t.id) continue;
+    if (!packet || packet->type != ProbePacket::Type::kReply || packet->peer != t.id) continue;
     const auto at = Clock::now();
     std::lock_guard lock(mutex);
     t.window.answered(packet->sequence, at);
@@ -245,9 +245,9 @@ void Prober::Impl::answer_echoes() {
       return;
     }
     auto packet = ProbePacket::decode(buf.data(), static_cast<std::size_t>(n));
-    if (!packet || packet->type != ProbePacket::Type::kRequest) continue;
-    packet->type = ProbePacket::Type::kReply;
-    auto reply = packet->encode();
+    // Requests for a runtime endpoint (dst set) are its prober's to answer, not ours.
+    if (!packet || packet->type != ProbePacket::Type::kRequest || packet->dst != 0) continue;
+    auto reply = packet->reply().encode();
 
     // Answer from the address the request was sent to, so the reply leaves by the same NIC.
     std::optional<in_addr> local;

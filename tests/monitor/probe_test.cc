@@ -38,16 +38,25 @@ TEST(ProbeSpec, RejectsWithTheArgument) {
 TEST(ProbePacket, RoundTrip) {
   ProbePacket p;
   p.type = ProbePacket::Type::kReply;
-  p.sender_id = 0xdeadbeef;
+  p.peer = 0xdeadbeef;
+  p.tag = 7;
+  p.src = 0x1111;
+  p.dst = 0x2222;
+  p.rail = 3;
   p.sequence = 0x0102030405060708ULL;
   p.send_time_ns = 42;
   const auto bytes = p.encode();
-  EXPECT_EQ(bytes[0], 'R');
-  EXPECT_EQ(bytes[12], 0x01);  // big-endian sequence
+  ASSERT_EQ(bytes.size(), 56u);
+  EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 4), "R2PB");
+  EXPECT_EQ(bytes[40], 0x08);  // little-endian sequence
   auto q = ProbePacket::decode(bytes.data(), bytes.size());
   ASSERT_TRUE(q);
   EXPECT_EQ(q->type, ProbePacket::Type::kReply);
-  EXPECT_EQ(q->sender_id, 0xdeadbeefu);
+  EXPECT_EQ(q->peer, 0xdeadbeefu);
+  EXPECT_EQ(q->tag, 7u);
+  EXPECT_EQ(q->src, 0x1111u);
+  EXPECT_EQ(q->dst, 0x2222u);
+  EXPECT_EQ(q->rail, 3u);
   EXPECT_EQ(q->sequence, 0x0102030405060708ULL);
   EXPECT_EQ(q->send_time_ns, 42u);
 }

@@ -7,6 +7,7 @@
 
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
+#include "r2ccl/runtime/probe_protocol.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/wire.h"
 
@@ -16,51 +17,6 @@ namespace {
 namespace asio = boost::asio;
 using asio::ip::udp;
 using Clock = std::chrono::steady_clock;
-
-constexpr std::uint32_t kMagic = 0x42503252;  // "R2PB"
-constexpr std::uint8_t kPing = 1;
-constexpr std::uint8_t kPong = 2;
-constexpr std::size_t kPacketSize = 4 + 1 + 8 + 8 + 8 + 4 + 4 + 8 + 8;
-
-struct Packet {
-  std::uint8_t type = 0;
-  std::uint64_t tag = 0;
-  std::uint64_t src = 0;   // the incarnation of the endpoint that sent the ping
-  std::uint64_t dst = 0;   // the incarnation of the endpoint that answers
-  std::uint32_t peer = 0;  // the pinger's number for the answerer, echoed back
-  std::uint32_t rail = 0;
-  std::uint64_t seq = 0;
-  std::uint64_t sent_ns = 0;  // the pinger's clock
-};
-
-Bytes encode(const Packet& p) {
-  return ByteWriter()
-      .u32(kMagic)
-      .u8(p.type)
-      .u64(p.tag)
-      .u64(p.src)
-      .u64(p.dst)
-      .u32(p.peer)
-      .u32(p.rail)
-      .u64(p.seq)
-      .u64(p.sent_ns)
-      .take();
-}
-
-bool decode(const std::byte* data, std::size_t n, Packet* p) {
-  if (n != kPacketSize) return false;
-  ByteReader r(std::span<const std::byte>(data, n));
-  if (r.u32() != kMagic) return false;
-  p->type = r.u8();
-  p->tag = r.u64();
-  p->src = r.u64();
-  p->dst = r.u64();
-  p->peer = r.u32();
-  p->rail = r.u32();
-  p->seq = r.u64();
-  p->sent_ns = r.u64();
-  return r.ok() && (p->type == kPing || p->type == kPong);
-}
 
 std::uint64_t now_ns() {
   return static_cast<std::uint64_t>(
@@ -140,7 +96,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     explicit Socket(asio::io_context& io) : socket(io) {}
     udp::socket socket;
     std::uint16_t port = 0;
-    std::array<std::byte, 128> buffer{};
+    std::array<std::uint8_t, 128> buffer{};
     udp::endpoint from;
   };
   struct Target {
@@ -162,13 +118,21 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
   void send_probes() {
     for (auto& t : targets_) {
-      Packet p{kPing, tag_, me_, t.incarnation, t.peer, t.rail, ++t.seq, now_ns()};
-      send(t.rail, encode(p), t.to);
+      ProbePacket p;
+      p.type = ProbePacket::Type::kRequest;
+      p.tag = tag_;
+      p.src = me_;
+      p.dst = t.incarnation;
+      p.peer = t.peer;
+      p.rail = t.rail;
+      p.sequence = ++t.seq;
+      p.send_time_ns = now_ns();
+      send(t.rail, p, t.to);
     }
   }
 
-  void send(std::size_t device, Bytes bytes, const udp::endpoint& to) {
-    auto buf = std::make_shared<Bytes>(std::move(bytes));
+  void send(std::size_t device, const ProbePacket& packet, const udp::endpoint& to) {
+    auto buf = std::make_shared<std::array<std::uint8_t, ProbePacket::kSize>>(packet.encode());
     sockets_[device]->socket.async_send_to(asio::buffer(*buf), to,
                                            [buf](boost::system::error_code, std::size_t) {
                                              // A probe that cannot be sent (link down, black hole)
@@ -190,16 +154,16 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
   void on_packet(std::size_t device, std::size_t n) {
     auto& s = *sockets_[device];
-    Packet p;
-    if (!decode(s.buffer.data(), n, &p) || p.tag != tag_) return;
-    if (p.type == kPing && p.dst == me_) {
-      p.type = kPong;
-      send(device, encode(p), s.from);
+    const auto p = ProbePacket::decode(s.buffer.data(), n);
+    if (!p || p->tag != tag_) return;
+    if (p->type == ProbePacket::Type::kRequest && p->dst == me_) {
+      send(device, p->reply(), s.from);
       return;
     }
-    if (p.type == kPong && p.src == me_) {
-      const auto rtt = std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - p.sent_ns));
-      handler_(static_cast<int>(p.peer), p.rail, rtt);
+    if (p->type == ProbePacket::Type::kReply && p->src == me_) {
+      const auto rtt =
+          std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - p->send_time_ns));
+      handler_(static_cast<int>(p->peer), p->rail, rtt);
     }
   }
 

@@ -1,5 +1,5 @@
-// UDP echo probes between r2ccl-monitor instances: the wire format, what a `--probe` argument
-// means, and the sliding window that turns sent/answered probes into RTT and loss.
+// UDP echo probes between r2ccl-monitor instances: what a `--probe` argument means, and the sliding
+// window that turns sent/answered probes into RTT and loss.
 #pragma once
 
 #include <array>
@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "r2ccl/runtime/probe_protocol.h"
 #include "r2ccl/runtime/status.h"
 
 namespace r2ccl::mon {
@@ -37,25 +38,9 @@ struct ProbeSpec {
 Result<ProbeSpec> parse_probe_spec(const std::string& text,
                                    std::uint16_t default_port = kDefaultEchoPort);
 
-// The 32-byte probe datagram. All fields big-endian.
-//   0  magic "R2PE"   4  version (1)   5  type (1 request, 2 reply)   6  reserved (2)
-//   8  sender id (4)  12 sequence (8)  20 send time, ns (8, informative)  28 reserved (4)
-// The responder answers only well-formed requests, with the same bytes and type = reply, so it
-// never sends more than it receives and never answers a reply.
-struct ProbePacket {
-  static constexpr std::size_t kSize = 32;
-  static constexpr std::uint8_t kVersion = 1;
-  enum class Type : std::uint8_t { kRequest = 1, kReply = 2 };
-
-  Type type = Type::kRequest;
-  std::uint32_t sender_id = 0;
-  std::uint64_t sequence = 0;
-  std::uint64_t send_time_ns = 0;
-
-  std::array<std::uint8_t, kSize> encode() const;
-  // nullopt unless `data` is exactly one well-formed packet.
-  static std::optional<ProbePacket> decode(const std::uint8_t* data, std::size_t size);
-};
+// The probe datagram is the runtime's (r2ccl/runtime/probe_protocol.h): one wire format for
+// both. The monitor sends requests with dst 0 and its echo responder answers only those.
+using ProbePacket = r2ccl::ProbePacket;
 
 struct ProbeStats {
   std::uint64_t sent_total = 0;  // probes sent (or attempted) since start
