@@ -20,9 +20,9 @@
 #include <optional>
 #include <random>
 #include <unordered_map>
-#include "progress/asio.h"
 
 #include "common/handshake.h"
+#include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <poll.h>
 
 #include <condition_variable>
 #include <deque>
@@ -10,8 +11,8 @@
 #include <optional>
 #include <random>
 #include <thread>
-#include "progress/asio.h"
 
+#include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/topology.h"
 
@@ -613,14 +614,22 @@ bool read_all(int fd, void* p, std::size_t n) {
   }
   return true;
 }
-bool write_all(int fd, const void* p, std::size_t n) {
+// Writes everything, or gives up when the peer has taken nothing more for `stall` (a stopped
+// rank 0 must not hold a writer, nor the destructor that joins it, forever).
+bool write_all(int fd, const void* p, std::size_t n,
+               std::chrono::milliseconds stall = std::chrono::milliseconds(10000)) {
   const auto* b = static_cast<const std::byte*>(p);
   while (n > 0) {
-    const ssize_t put = ::send(fd, b, n, MSG_NOSIGNAL);
-    if (put <= 0) {
-      if (put < 0 && errno == EINTR) continue;
-      return false;
+    const ssize_t put = ::send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (put < 0 && errno == EINTR) continue;
+    if (put < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const int ready = ::poll(&pfd, 1, static_cast<int>(stall.count()));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready <= 0) return false;  // stalled (or poll failed)
+      continue;
     }
+    if (put <= 0) return false;
     b += put;
     n -= static_cast<std::size_t>(put);
   }
@@ -729,7 +738,8 @@ Status Bootstrap::send_to(int rank, std::span<const std::byte> message) {
                   ByteWriter().u32(static_cast<std::uint32_t>(rank)).blob(message).take());
   std::lock_guard lock(reader_->write_mutex);
   if (!write_all(conn_->socket.native_handle(), f.data(), f.size()))
-    return {ErrorCode::kNetwork, "lost the control connection to rank 0"};
+    return {ErrorCode::kNetwork,
+            "lost the control connection to rank 0 (closed, or it took nothing for 10s)"};
   return Status::ok();
 }
 
