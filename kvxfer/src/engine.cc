@@ -76,7 +76,7 @@ bool decode_spans(ByteReader& r, std::vector<BlockSpan>* out) {
 
 }  // namespace
 
-struct KvEngine::Impl {
+struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   struct Pool {
     std::vector<std::span<std::byte>> buffers;
     std::vector<RegionPtr> regions;
@@ -214,10 +214,28 @@ struct KvEngine::Impl {
     if (local_pool >= pools.size())
       return {ErrorCode::kInvalidArgument,
               fmt::format("no local KV pool {} (have {})", local_pool, pools.size())};
+    if (pools[local_pool].regions.empty())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("local KV pool {} was unregistered", local_pool)};
     if (remote_pool >= pit->second.size())
       return {ErrorCode::kInvalidArgument,
               fmt::format("{} has no KV pool {} (it has {})", label(peer), remote_pool,
                           pit->second.size())};
+    if (pit->second[remote_pool].buffers.empty())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("{}'s KV pool {} was unregistered", label(peer), remote_pool)};
+    return check_pair(peer, local_pool, pit->second[remote_pool].layout, remote_pool);
+  }
+
+  // Blocks move between a local pool and a remote one only when their shapes agree (pools of
+  // one side may differ from each other: hybrid models). Lock held.
+  Status check_pair(int peer, std::uint32_t local_pool, const KvLayout& remote,
+                    std::uint32_t remote_pool) const {
+    const std::string diff = pools[local_pool].layout.incompatibility(remote);
+    if (!diff.empty())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("KV pool {} here and {}'s pool {} are incompatible: {}", local_pool,
+                          label(peer), remote_pool, diff)};
     return Status::ok();
   }
 
@@ -309,11 +327,23 @@ struct KvEngine::Impl {
       RegionPtr local;
       RemoteRegion remote;
       {
-        // Under the lock: register_pool may grow `pools` meanwhile.
+        // Under the lock: register_pool may grow `pools` meanwhile, and the engine may be
+        // going away (its pools deregistered).
         std::lock_guard lock(mu);
         const auto& r = requests.at(is.key);
-        local = pools[r.local_pool].regions[is.write.src_buffer];
-        remote = peers.at(r.peer)[r.remote_pool].buffers[is.write.dst_buffer];
+        auto pit = peers.find(r.peer);
+        if (r.local_pool < pools.size() &&
+            is.write.src_buffer < pools[r.local_pool].regions.size() && pit != peers.end() &&
+            r.remote_pool < pit->second.size() &&
+            is.write.dst_buffer < pit->second[r.remote_pool].buffers.size()) {
+          local = pools[r.local_pool].regions[is.write.src_buffer];
+          remote = pit->second[r.remote_pool].buffers[is.write.dst_buffer];
+        }
+      }
+      if (!local) {
+        written(is, Status(ErrorCode::kAborted, "the KV pool or the peer's metadata is gone"),
+                false);
+        continue;
       }
       auto op = endpoint.iwrite(is.peer, local, is.write.src_offset, remote, is.write.dst_offset,
                                 is.write.bytes);
@@ -322,7 +352,9 @@ struct KvEngine::Impl {
         continue;
       }
       OpPtr held = *op;
-      held->on_complete([this, is, held](const Status& st) { written(is, st, held->replayed()); });
+      held->on_complete([weak = weak_from_this(), is, held](const Status& st) {
+        if (auto self = weak.lock()) self->written(is, st, held->replayed());
+      });
     }
   }
 
@@ -555,6 +587,11 @@ struct KvEngine::Impl {
         st = Status(ErrorCode::kInvalidArgument,
                     fmt::format("pull names pool {} here / {} there, which do not exist", src_pool,
                                 dst_pool));
+      if (st.is_ok() && (pools[src_pool].regions.empty() || pit->second[dst_pool].buffers.empty()))
+        st = Status(ErrorCode::kInvalidArgument,
+                    fmt::format("pull names pool {} here / {} there, one of which was unregistered",
+                                src_pool, dst_pool));
+      if (st.is_ok()) st = check_pair(peer, src_pool, pit->second[dst_pool].layout, dst_pool);
       for (const auto& s : spans) {
         if (!st.is_ok()) break;
         st = check_span(s, pools[src_pool].layout, pit->second[dst_pool].layout, "source",
@@ -580,7 +617,7 @@ struct KvEngine::Impl {
   }
 };
 
-KvEngine::KvEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+KvEngine::KvEngine(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 KvEngine::~KvEngine() {
   impl_->endpoint.set_message_handler(kService, nullptr);
@@ -590,11 +627,37 @@ KvEngine::~KvEngine() {
     return std::all_of(impl_->requests.begin(), impl_->requests.end(),
                        [](const auto& kv) { return kv.second.inflight == 0; });
   });
+  // Peers keep the metadata: from now on their writes into these pools are refused.
+  auto pools = std::move(impl_->pools);
+  lock.unlock();
+  for (auto& p : pools)
+    for (auto& r : p.regions)
+      if (r) (void)impl_->endpoint.deregister_memory(r);
+}
+
+Status KvEngine::unregister_pool(std::uint32_t pool) {
+  std::vector<RegionPtr> regions;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (pool >= impl_->pools.size() || impl_->pools[pool].regions.empty())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("unregister_pool: no KV pool {} is registered", pool)};
+    for (const auto& [key, r] : impl_->requests)
+      if (!r.ended() && r.local_pool == pool)
+        return {ErrorCode::kUnavailable,
+                fmt::format("unregister_pool: request {} still uses KV pool {}", key.id, pool)};
+    regions = std::move(impl_->pools[pool].regions);
+    impl_->pools[pool].regions.clear();
+    impl_->pools[pool].buffers.clear();
+  }
+  for (auto& r : regions)
+    R2CCL_RETURN_IF_ERROR(impl_->endpoint.deregister_memory(r).with_context("unregister_pool"));
+  return Status::ok();
 }
 
 Result<std::unique_ptr<KvEngine>> KvEngine::create(Endpoint& endpoint, const EngineOptions& options,
                                                    Fabric* world) {
-  auto impl = std::make_unique<Impl>(endpoint, world, options);
+  auto impl = std::make_shared<Impl>(endpoint, world, options);
   Impl* raw = impl.get();
   endpoint.set_message_handler(
       kService, [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
@@ -717,23 +780,37 @@ Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
     return {ErrorCode::kInvalidArgument,
             fmt::format("this KV metadata is {}'s, not {}'s", whose, it->label)};
   }
+  constexpr std::uint32_t kMaxPools = 1024, kMaxBuffers = 4096;
   const auto npools = b.u32();
+  if (b.ok() && npools > kMaxPools)
+    return {ErrorCode::kProtocol,
+            fmt::format("KV metadata names {} pools (at most {})", npools, kMaxPools)};
   std::vector<Impl::RemotePool> remote;
-  for (std::uint32_t i = 0; i < npools && b.ok() && i < 1024; ++i) {
+  for (std::uint32_t i = 0; i < npools && b.ok(); ++i) {
     Impl::RemotePool rp;
     R2CCL_ASSIGN_OR_RETURN(rp.layout, KvLayout::decode(b));
     const auto nb = b.u32();
-    for (std::uint32_t j = 0; j < nb && b.ok() && j < 4096; ++j)
+    if (b.ok() && nb > kMaxBuffers)
+      return {
+          ErrorCode::kProtocol,
+          fmt::format("KV metadata: pool {} names {} buffers (at most {})", i, nb, kMaxBuffers)};
+    for (std::uint32_t j = 0; j < nb && b.ok(); ++j)
       rp.buffers.push_back(RemoteRegion::decode(b));
     remote.push_back(std::move(rp));
   }
   R2CCL_RETURN_IF_ERROR(b.finish("KV metadata"));
+  const std::size_t rails = impl_->endpoint.rails_to(peer);
   std::lock_guard lock(impl_->mu);
-  for (std::size_t i = 0; i < remote.size() && i < impl_->pools.size(); ++i) {
-    const std::string diff = impl_->pools[i].layout.incompatibility(remote[i].layout);
-    if (!diff.empty())
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("{}'s KV pool {} is incompatible with ours: {}", it->label, i, diff)};
+  // Every remote pool is checked here (whatever pools this side has): its layout must fit its
+  // buffers, and every buffer must have a key for every rail. Whether a remote pool suits a local
+  // one is checked per request, for the pair it names.
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    for (std::size_t j = 0; j < remote[i].buffers.size(); ++j)
+      if (remote[i].buffers[j].keys.size() != rails)
+        return {ErrorCode::kInvalidArgument,
+                fmt::format("{}'s pool {} buffer {} has keys for {} rails; the channel has {}",
+                            it->label, i, j, remote[i].buffers[j].keys.size(), rails)};
+    if (remote[i].buffers.empty()) continue;  // a pool the peer unregistered
     std::vector<std::uint64_t> lengths;
     for (const auto& rr : remote[i].buffers)
       lengths.push_back(rr.length);

@@ -46,8 +46,15 @@ Status KvLayout::validate(const std::vector<std::uint64_t>& lengths) const {
         return {ErrorCode::kInvalidArgument,
                 fmt::format("KV layout: layer {} part {} has stride {} < block size {}", layer,
                             part, p.stride, block_bytes)};
-      const std::uint64_t end =
-          p.offset + static_cast<std::uint64_t>(blocks - 1) * p.stride + block_bytes;
+      // offset + (blocks - 1) * stride + block_bytes, refused where it overflows 64 bits.
+      std::uint64_t span = 0, end = 0;
+      if (__builtin_mul_overflow(static_cast<std::uint64_t>(blocks - 1), p.stride, &span) ||
+          __builtin_add_overflow(span, block_bytes, &span) ||
+          __builtin_add_overflow(p.offset, span, &end))
+        return {ErrorCode::kInvalidArgument,
+                fmt::format("KV layout: layer {} part {} (offset {}, stride {}, {} blocks of {} "
+                            "bytes) overflows 64 bits",
+                            layer, part, p.offset, p.stride, blocks, block_bytes)};
       if (end > lengths[p.buffer])
         return {
             ErrorCode::kInvalidArgument,

@@ -199,6 +199,28 @@ TEST(KvEngine, EnginesOnEndpointsConnectByMetadataWithoutAWorld) {
   s[1].engine.reset();
 }
 
+// A pool its owner unregistered takes no more writes, even from a peer that still holds the old
+// metadata; metadata taken afterwards shows it as gone.
+TEST(KvEngine, AnUnregisteredPoolTakesNoMoreWrites) {
+  auto s = make_pair_of_engines();
+  ASSERT_TRUE(s[1].engine->unregister_pool(0).is_ok());
+  std::fill(s[1].memory.begin(), s[1].memory.end(), std::byte{0x77});  // reused by its owner
+  BlockSpan span{0, kLayers, {1, 2}, {3, 4}};
+  ASSERT_TRUE(s[0].engine->submit(9, 1, 0, 0, {span}).is_ok());
+  auto st = s[0].engine->wait(9, 20s);
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kFailed);
+  EXPECT_NE(st->reason.find("not registered"), std::string::npos) << st->reason;
+  EXPECT_EQ(std::count(s[1].memory.begin(), s[1].memory.end(), std::byte{0x77}),
+            static_cast<std::ptrdiff_t>(s[1].memory.size()));
+  ASSERT_TRUE(s[0].engine->connect(1, s[1].engine->metadata()).is_ok());
+  EXPECT_EQ(s[0].engine->submit(10, 1, 0, 0, {span}).message(),
+            "rank 1's KV pool 0 was unregistered");
+  EXPECT_EQ(s[1].engine->unregister_pool(0).message(),
+            "unregister_pool: no KV pool 0 is registered");
+  EXPECT_EQ(s[1].engine->submit(11, 0, 0, 0, {span}).message(), "local KV pool 0 was unregistered");
+}
+
 TEST(KvEngine, LayerStreamingNotifiesOnlyAfterSeal) {
   auto s = make_pair_of_engines();
   ASSERT_TRUE(s[0].engine->begin(1, 1, 0, 0).is_ok());
@@ -320,7 +342,8 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
   EXPECT_EQ(e.connect(1, s[0].engine->metadata()).message(),
             "this KV metadata is rank 0's, not rank 1's");
   EXPECT_EQ(e.connect(0, meta).message(), "connect: rank 0 is not a peer (world of 2 ranks)");
-  // A peer whose pool has other block sizes is refused at connect, saying what differs.
+  // Pools of other shapes connect (asymmetric pools are normal), but blocks never move between
+  // two pools whose shapes differ: the request is refused, saying what differs.
   std::vector<std::byte> small(kLayers * kParts * kBlocks * 1024),
       big(kLayers * kParts * kBlocks * 2048);
   ASSERT_TRUE(s[1].engine
@@ -331,9 +354,26 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
                   ->register_pool({std::span<std::byte>(big)},
                                   KvLayout::layer_major(kLayers, kBlocks, 2048, kParts))
                   .is_ok());
-  EXPECT_EQ(e.connect(1, s[1].engine->metadata()).message(),
-            "rank 1's KV pool 1 is incompatible with ours: block sizes differ (2048 bytes here, "
-            "1024 there)");
+  ASSERT_TRUE(e.connect(1, s[1].engine->metadata()).is_ok());
+  const BlockSpan one{0, 1, {0}, {0}};
+  EXPECT_EQ(e.submit(90, 1, 1, 1, {one}).message(),
+            "KV pool 1 here and rank 1's pool 1 are incompatible: block sizes differ (2048 bytes "
+            "here, 1024 there)");
+  EXPECT_EQ(e.submit(91, 1, 0, 1, {one}).message(),
+            "KV pool 0 here and rank 1's pool 1 are incompatible: block sizes differ (4096 bytes "
+            "here, 1024 there)");
+  EXPECT_EQ(e.submit(92, 1, 1, 0, {one}).message(),
+            "KV pool 1 here and rank 1's pool 0 are incompatible: block sizes differ (2048 bytes "
+            "here, 4096 there)");
+  EXPECT_EQ(e.pull(93, 1, 1, 0, {one}).message(),
+            "KV pool 1 here and rank 1's pool 0 are incompatible: block sizes differ (2048 bytes "
+            "here, 4096 there)");
+  // A layout whose arithmetic overflows 64 bits is refused, not wrapped around.
+  KvLayout huge = KvLayout::layer_major(1, 3, 1024, 1);
+  huge.places[0].stride = std::uint64_t{1} << 63;
+  EXPECT_EQ(e.register_pool({std::span<std::byte>(small)}, huge).status().message(),
+            "register_pool: KV layout: layer 0 part 0 (offset 0, stride 9223372036854775808, 3 "
+            "blocks of 1024 bytes) overflows 64 bits");
   // A layout that does not fit its buffer.
   EXPECT_EQ(e.register_pool({std::span<std::byte>(small)},
                             KvLayout::layer_major(kLayers, kBlocks + 1, 1024, kParts))

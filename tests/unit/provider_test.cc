@@ -114,6 +114,37 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   EXPECT_EQ(*accepted_[0]->hello().description, (Bytes{std::byte{0x5a}, std::byte{0xa5}}));
 }
 
+// A large write streams into a region; the receiver deregisters the region mid-way (and then
+// reuses the memory): no byte of the write lands after deregister_memory returned, and a rail
+// that was streaming into it is closed, saying why.
+TEST_F(TcpProviderTest, NoByteLandsInARegionAfterItsDeregistrationReturns) {
+  constexpr std::size_t kLen = std::size_t{48} << 20;
+  std::vector<std::byte> dst(kLen, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size());
+  ASSERT_TRUE(key.is_ok());
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok());
+  rail_a_ = *r;
+  std::vector<std::byte> src(kLen, std::byte{0x5a});
+  engine_.call([&] { (void)rail_a_->post_write({src.data(), kLen, *key, 0, 1, 1}); });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto first = reinterpret_cast<volatile const std::uint8_t*>(dst.data());
+  while (*first == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  ASSERT_EQ(*first, 0x5a) << "the write never started landing";
+  ASSERT_TRUE(b_->deregister_memory(0, *key).is_ok());
+  std::fill(dst.begin(), dst.end(), std::byte{0x11});  // freed and reused by its owner
+  // Whatever was still on its way is refused or cut off: give it time to (not) arrive.
+  ASSERT_TRUE(a_events_.wait([&] {
+    return !a_events_.refused.empty() || !a_events_.failed.empty() || !a_events_.confirmed.empty();
+  }));
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0x11}), static_cast<std::ptrdiff_t>(kLen));
+  std::lock_guard l(b_events_.m);
+  for (const auto& why : b_events_.failed)
+    EXPECT_NE(why.find("that a write was landing in was deregistered"), std::string::npos) << why;
+}
+
 TEST_F(TcpProviderTest, WriteOutsideTheRegionIsRefusedAndReportedAndTheRailStaysUp) {
   std::vector<std::byte> dst(4096, std::byte{0});
   auto key = b_->register_memory(0, dst.data(), dst.size());

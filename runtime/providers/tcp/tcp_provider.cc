@@ -105,11 +105,18 @@ Result<FrameHeader> decode(const HeaderBytes& b) {
   return h;
 }
 
+class TcpRail;
+
 // Registered memory of one NIC: key -> region. Shared with that NIC's rails.
 struct KeyTable {
   std::mutex mutex;
   std::unordered_map<std::uint64_t, std::pair<std::byte*, std::size_t>> regions;
   std::mt19937_64 rng{std::random_device{}()};
+  // Regions that a rail's receive is streaming into right now (key -> how many rails), and the
+  // rails: a deregistration closes those rails before it returns, so the network never writes
+  // into memory its owner has freed.
+  std::unordered_map<std::uint64_t, int> landing;
+  std::vector<std::weak_ptr<TcpRail>> rails;
 };
 
 std::string errno_text(const error_code& ec) {
@@ -571,6 +578,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     // no copy through the batch buffer.
     const std::size_t need = len - have;
     rpos_ = rend_ = 0;  // the batch buffer is drained (have == avail())
+    start_landing(cur_.key);
     const std::array<asio::mutable_buffer, 2> into{asio::buffer(dest + have, need),
                                                    asio::buffer(rbuf_.data(), kHeaderSize)};
     asio::async_read(
@@ -580,6 +588,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         },
         [self = shared_from_this(), need](error_code ec, std::size_t n) {
           if (self->closed_) return;
+          self->end_landing();
           if (ec && n < need) return self->fail_read(ec, n, "write payload");
           self->rend_ = n - need;
           self->write_landed();
@@ -645,8 +654,36 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (ev) ev->on_rail_failed(why);
   }
 
+  // A receive streams into region `key` (outside the table's lock): deregistering it must close
+  // this rail first.
+  void start_landing(std::uint64_t key) {
+    std::lock_guard lock(keys_->mutex);
+    landing_key_ = key;
+    ++keys_->landing[key];
+  }
+  void end_landing() {
+    if (!landing_key_) return;
+    std::lock_guard lock(keys_->mutex);
+    if (auto it = keys_->landing.find(*landing_key_);
+        it != keys_->landing.end() && --it->second == 0)
+      keys_->landing.erase(it);
+    landing_key_.reset();
+  }
+
+ public:
+  // Closes the rail if a receive is streaming into region `key`; loop thread.
+  void close_if_landing_in(std::uint64_t key, const std::string& device) {
+    if (landing_key_ != key || closed_) return;
+    fail({ErrorCode::kAborted,
+          fmt::format("rail {}: the region (key 0x{:x} on {}) that a write was landing in was "
+                      "deregistered",
+                      description_, key, device)});
+  }
+
+ private:
   void close() {
     if (closed_) return;
+    end_landing();
     closed_ = true;
     error_code ec;
     // Abortive close (RST): what the kernel still holds for this connection is dropped, so no
@@ -662,6 +699,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   tcp::socket socket_;
   RailNic nic_;
   std::shared_ptr<KeyTable> keys_;
+  std::optional<std::uint64_t> landing_key_;  // see start_landing
   std::shared_ptr<AtomicProviderCounters> counters_;
   RailHello hello_;
   std::string description_;
@@ -759,11 +797,32 @@ class TcpProvider final : public Provider {
     if (device >= state_.size())
       return {ErrorCode::kInvalidArgument, fmt::format("no device {}", device)};
     auto& t = *state_[device]->keys;
-    std::lock_guard lock(t.mutex);
-    if (t.regions.erase(key) == 0)
-      return {ErrorCode::kNotFound,
-              fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
+    std::vector<std::shared_ptr<TcpRail>> rails;
+    {
+      std::lock_guard lock(t.mutex);
+      if (t.regions.erase(key) == 0)
+        return {ErrorCode::kNotFound,
+                fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
+      if (t.landing.count(key) == 0) return Status::ok();  // no write is streaming into it
+      for (const auto& w : t.rails)
+        if (auto r = w.lock()) rails.push_back(std::move(r));
+    }
+    // Receives copy into memory only on the loop thread: once these rails are closed there, no
+    // byte reaches the region any more.
+    const std::string device_name = devices_[device].name;
+    engine_.call([&] {
+      for (auto& r : rails)
+        r->close_if_landing_in(key, device_name);
+    });
     return Status::ok();
+  }
+
+  // New rails join their device's table (for deregistration); dead ones are pruned.
+  void track(std::size_t device, const std::shared_ptr<TcpRail>& rail) {
+    auto& t = *state_[device]->keys;
+    std::lock_guard lock(t.mutex);
+    std::erase_if(t.rails, [](const std::weak_ptr<TcpRail>& w) { return w.expired(); });
+    t.rails.push_back(rail);
   }
 
   Bytes endpoint(std::size_t device) const override {
@@ -863,6 +922,7 @@ class TcpProvider final : public Provider {
                   auto rail =
                       std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
                                                 state_[device]->keys, counters_, hello);
+                  track(device, rail);
                   (*finish)(std::shared_ptr<Rail>(rail));
                 });
           });
@@ -924,6 +984,7 @@ class TcpProvider final : public Provider {
                              auto rail = std::make_shared<TcpRail>(
                                  engine_, std::move(hs->socket), devices_[device],
                                  state_[device]->keys, counters_, hello);
+                             track(device, rail);
                              // The handshake reply goes first: the handler may queue frames on the
                              // rail at once.
                              rail->send_hello_ack();

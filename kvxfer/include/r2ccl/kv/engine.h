@@ -84,6 +84,10 @@ class KvEngine {
   // Registers a pool's buffers on every rail; returns its id (0, 1, ...).
   Result<std::uint32_t> register_pool(const std::vector<std::span<std::byte>>& buffers,
                                       const KvLayout& layout);
+  // Deregisters a pool (refused while a request uses it): peers can no longer write into it,
+  // and its id is not reused. Metadata taken afterwards shows it as gone. The destructor
+  // deregisters every pool.
+  Status unregister_pool(std::uint32_t pool);
   // Versioned, checksummed description of this side's pools and their remote keys.
   Bytes metadata() const;
   // Accepts `peer`'s metadata; refuses a truncated, corrupted or incompatible blob, saying why.
@@ -125,8 +129,10 @@ class KvEngine {
 
  private:
   struct Impl;
-  explicit KvEngine(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit KvEngine(std::shared_ptr<Impl> impl);
+  // Shared with the completion callbacks of its writes (they hold it weakly), so that one that
+  // fires after the engine is gone finds nothing instead of freed memory.
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace r2ccl::kv
