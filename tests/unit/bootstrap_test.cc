@@ -1,4 +1,9 @@
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <future>
@@ -128,6 +133,72 @@ TEST(Bootstrap, WrongTokenIsRefusedAndRankZeroTimesOutNamingIt) {
       << m;
   EXPECT_NE(m.find("refused: 127.0.0.1:"), std::string::npos) << m;
   EXPECT_NE(m.find("wrong bootstrap token"), std::string::npos) << m;
+}
+
+// A raw TCP connection to rank 0's listener (retried while it starts); -1 if it never answers.
+int connect_raw(std::uint16_t port) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < until) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
+    ::close(fd);
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return -1;
+}
+
+// Whether the peer closed the connection within `limit` (reading and discarding what it sent).
+bool closed_within(int fd, milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  char buf[512];
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) > 0 && ::recv(fd, buf, sizeof buf, 0) <= 0) return true;
+  }
+  return false;
+}
+
+// Before its hello is accepted a connection is bounded: a frame over 4 KiB is not allocated but
+// dropped, a connection that says nothing is dropped at the hello deadline, and the rendezvous
+// of the real ranks is not disturbed.
+TEST(Bootstrap, UnauthenticatedConnectionsAreBoundedAndDropped) {
+  const auto port = test::free_port();
+  auto f0 = join_async(options(0, 2, port, milliseconds(15000)));
+  const int big = connect_raw(port);
+  ASSERT_GE(big, 0);
+  // Header: magic "R2BS", type 1 (hello), version 1, length 1 GiB.
+  Bytes h = ByteWriter().u32(0x53423252).u16(1).u16(1).u32(1u << 30).take();
+  ASSERT_EQ(::send(big, h.data(), h.size(), MSG_NOSIGNAL), static_cast<ssize_t>(h.size()));
+  EXPECT_TRUE(closed_within(big, milliseconds(3000)));
+  ::close(big);
+  const int idle = connect_raw(port);
+  ASSERT_GE(idle, 0);
+  EXPECT_TRUE(closed_within(idle, milliseconds(13000)));  // the hello deadline is 10 s
+  ::close(idle);
+  auto b1 = Bootstrap::join(options(1, 2, port), info_of(1));
+  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
+  auto b0 = f0.get();
+  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+}
+
+// A unique-id world whose size on the wire is out of range is refused, not allocated.
+TEST(Bootstrap, AWorldSizeOutOfRangeIsRefused) {
+  auto id = UniqueId::create("127.0.0.1");
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  auto cfg = parse_config(test::env_of({}));
+  ASSERT_TRUE(cfg.is_ok());
+  auto o = BootstrapOptions::from_unique_id(*id, 1, 1 << 20, *cfg);
+  ASSERT_TRUE(o.is_ok()) << o.status().to_string();
+  o->timeout = milliseconds(3000);
+  auto b = Bootstrap::join(*o, info_of(1));
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_NE(b.status().message().find("a world of 1048576 ranks (1..65536 are possible)"),
+            std::string::npos)
+      << b.status().message();
 }
 
 TEST(Bootstrap, MismatchedWorldSizeIsRefused) {

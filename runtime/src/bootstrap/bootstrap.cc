@@ -124,8 +124,10 @@ class BootstrapRoot {
       boost::system::error_code ec;
       acceptor_.close(ec);
       deadline_.cancel();
-      for (auto& s : sessions_)
+      for (auto& s : sessions_) {
+        s->hello_timer.cancel();
         s->socket.close(ec);
+      }
       sessions_.clear();
     });
     work_.reset();
@@ -135,9 +137,17 @@ class BootstrapRoot {
   const HostPort& address() const { return bound_; }
 
  private:
+  // Before its hello is accepted, a connection may send at most this much, must say hello within
+  // kHelloDeadline, and at most kMaxUnauthenticated such connections are kept.
+  static constexpr std::size_t kMaxHelloFrame = 4096;
+  static constexpr milliseconds kHelloDeadline{10000};
+  static constexpr std::size_t kMaxUnauthenticated = 64;
+  static constexpr int kMaxRanks = 1 << 16;
+
   struct Session {
-    explicit Session(asio::io_context& io) : socket(io) {}
+    explicit Session(asio::io_context& io) : socket(io), hello_timer(io) {}
     tcp::socket socket;
+    asio::steady_timer hello_timer;
     std::string peer;
     int rank = -1;
     std::array<std::byte, kHeaderSize> header{};
@@ -164,7 +174,21 @@ class BootstrapRoot {
       if (!ec) on_deadline();
     });
     accept();
-    thread_ = std::thread([this] { io_.run(); });
+    // Nothing thrown in a handler may end the process: the rendezvous fails instead.
+    thread_ = std::thread([this] {
+      while (true) {
+        try {
+          io_.run();
+          return;
+        } catch (const std::exception& e) {
+          R2CCL_ERROR("bootstrap root: {}", e.what());
+          if (!failed_) {
+            failed_ = true;
+            failure_ = fmt::format("rank 0's rendezvous hit an error: {}", e.what());
+          }
+        }
+      }
+    });
   }
 
   void accept() {
@@ -177,7 +201,25 @@ class BootstrapRoot {
       boost::system::error_code nd;
       session->socket.set_option(tcp::no_delay(true), nd);
       session->peer = endpoint_text(session->socket);
+      const auto unauthenticated = std::count_if(sessions_.begin(), sessions_.end(),
+                                                 [](const SessionPtr& s) { return s->rank < 0; });
+      if (static_cast<std::size_t>(unauthenticated) >= kMaxUnauthenticated) {
+        R2CCL_WARN(
+            "bootstrap root: dropped a connection from {}: {} connections have not said "
+            "hello yet",
+            session->peer, unauthenticated);
+        boost::system::error_code e;
+        session->socket.close(e);
+        return accept();
+      }
       sessions_.push_back(session);
+      session->hello_timer.expires_after(kHelloDeadline);
+      session->hello_timer.async_wait([this, session](boost::system::error_code e) {
+        if (e || session->rank >= 0 || session->closing) return;
+        R2CCL_WARN("bootstrap root: dropped {}: no valid hello within {}ms", session->peer,
+                   kHelloDeadline.count());
+        drop(session);
+      });
       read(session);
       accept();
     });
@@ -191,6 +233,13 @@ class BootstrapRoot {
           if (!h) {
             R2CCL_WARN("bootstrap root: dropped connection from {}: {}", s->peer,
                        h.status().message());
+            return drop(s);
+          }
+          if (s->rank < 0 && h->length > kMaxHelloFrame) {
+            R2CCL_WARN(
+                "bootstrap root: dropped {}: a frame of {} bytes before its hello was "
+                "accepted (at most {})",
+                s->peer, h->length, kMaxHelloFrame);
             return drop(s);
           }
           s->payload.assign(h->length, std::byte{0});
@@ -224,6 +273,7 @@ class BootstrapRoot {
   }
   void drop(const SessionPtr& s) {
     boost::system::error_code ec;
+    s->hello_timer.cancel();
     s->socket.close(ec);
     std::erase(sessions_, s);
   }
@@ -259,6 +309,10 @@ class BootstrapRoot {
       return;
     }
     if (nranks_ == 0) {  // unique-id launch: the first rank to arrive sets the world size
+      if (nranks < 1 || nranks > kMaxRanks) {
+        refuse(s, fmt::format("a world of {} ranks (1..{} are possible)", nranks, kMaxRanks));
+        return;
+      }
       nranks_ = nranks;
       by_rank_.assign(static_cast<std::size_t>(nranks_), nullptr);
     }
@@ -285,6 +339,7 @@ class BootstrapRoot {
       return;
     }
     s->rank = rank;
+    s->hello_timer.cancel();
     slot = s;
     info_.resize(static_cast<std::size_t>(nranks_));
     info_[static_cast<std::size_t>(rank)] = std::move(info);
@@ -643,7 +698,19 @@ void Bootstrap::start_reader() {
   conn_->socket.non_blocking(false, ec);
   conn_->socket.native_non_blocking(false, ec);
   reader_ = std::make_unique<Reader>();
-  reader_->thread = std::thread([this] { reader_loop(); });
+  reader_->thread = std::thread([this] {
+    try {
+      reader_loop();
+    } catch (const std::exception& e) {  // no exception ends the process from this thread
+      R2CCL_ERROR("bootstrap: the control path's reader stopped: {}", e.what());
+      Reader& rd = *reader_;
+      {
+        std::lock_guard lock(rd.mutex);
+        rd.failure = fmt::format("the control path's reader stopped: {}", e.what());
+      }
+      rd.cv.notify_all();
+    }
+  });
 }
 
 void Bootstrap::reader_loop() {
@@ -888,7 +955,11 @@ Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
   r.u64();
   const auto n = r.u32();
   std::vector<Bytes> out;
-  for (std::uint32_t i = 0; i < n; ++i)
+  if (r.ok() && n != static_cast<std::uint32_t>(nranks_))
+    return Status(ErrorCode::kProtocol,
+                  fmt::format("control-path all-gather #{}: rank 0 sent {} entries for {} ranks",
+                              seq, n, nranks_));
+  for (std::uint32_t i = 0; i < n && r.ok(); ++i)
     out.push_back(r.blob());
   R2CCL_RETURN_IF_ERROR(r.finish("control-path all-gather result"));
   return out;
