@@ -69,6 +69,9 @@ add_library(r2ccl_asio INTERFACE)
 target_link_libraries(r2ccl_asio INTERFACE Boost::boost Threads::Threads)
 target_compile_definitions(r2ccl_asio INTERFACE BOOST_ASIO_NO_DEPRECATED BOOST_ASIO_DISABLE_BOOST_REGEX)
 
+# OpenSSL's libcrypto: HMAC-SHA256 for the challenge-response of every hello (the token never
+# crosses the wire) and the probe tag derived from the token.
+r2ccl_dependency(OPENSSL DEBIAN libssl-dev PKGCONFIG libcrypto)
 # hwloc: NUMA and PCI locality of NICs.
 r2ccl_dependency(HWLOC DEBIAN libhwloc-dev PKGCONFIG hwloc)
 # rdma-core's libibverbs: the verbs provider. Optional: without it r2ccl builds without verbs.

@@ -6,6 +6,9 @@
 # r2_init TAG: a scratch directory in $work, removed on exit together with the testbed.
 r2_init() {
   work=$(mktemp -d "/tmp/r2ccl-$1.XXXXXX")
+  # One random token for the job's ranks (they are on the testbed's non-loopback addresses).
+  R2CCL_BOOTSTRAP_TOKEN=${R2CCL_BOOTSTRAP_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}
+  export R2CCL_BOOTSTRAP_TOKEN
   created=
   trap r2_cleanup EXIT
   trap 'exit 130' INT

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -206,8 +207,13 @@ def random_port() -> int:
     return random.randint(20000, 60999)
 
 
+# The job token of every launch from this test process (ranks on testbed addresses need one).
+JOB_TOKEN = secrets.token_hex(16)
+
+
 def rank_env(rank: int, nranks: int, bootstrap: str, **extra: str) -> Dict[str, str]:
-    env = {"R2CCL_RANK": str(rank), "R2CCL_NRANKS": str(nranks), "R2CCL_BOOTSTRAP": bootstrap}
+    env = {"R2CCL_RANK": str(rank), "R2CCL_NRANKS": str(nranks), "R2CCL_BOOTSTRAP": bootstrap,
+           "R2CCL_BOOTSTRAP_TOKEN": JOB_TOKEN}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

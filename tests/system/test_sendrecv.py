@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from r2ccl_testbed import (PERF, Proc, Testbed, describe, free_port, launch_ranks, load_json,
+from r2ccl_testbed import (JOB_TOKEN, PERF, Proc, Testbed, describe, free_port, launch_ranks, load_json,
                            loopback_nics, perf_ranks, random_port, rank_env)
 
 CHECK_LINE = "# Check: every byte verified on every rank"
@@ -257,6 +257,7 @@ def test_mpirun_two_ranks(perf):
     with Testbed(hosts=2, nics=4) as tb:
         argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2",
                 "-x", f"R2CCL_BOOTSTRAP={tb.mgmt_addr(0)}:{random_port()}",
+                "-x", f"R2CCL_BOOTSTRAP_TOKEN={JOB_TOKEN}",
                 str(PERF), "sendrecv", "-b", "1K", "-e", "1M", "-c", "1"]
         (r,) = launch_ranks([Proc(argv=argv, host=0, name="mpirun")], testbed=tb, timeout=120)
     assert r.returncode == 0, r.describe()

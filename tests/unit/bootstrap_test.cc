@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <future>
+#include <map>
 #include <thread>
 
 #include "r2ccl/runtime/bootstrap.h"
@@ -170,8 +171,8 @@ TEST(Bootstrap, UnauthenticatedConnectionsAreBoundedAndDropped) {
   auto f0 = join_async(options(0, 2, port, milliseconds(15000)));
   const int big = connect_raw(port);
   ASSERT_GE(big, 0);
-  // Header: magic "R2BS", type 1 (hello), version 1, length 1 GiB.
-  Bytes h = ByteWriter().u32(0x53423252).u16(1).u16(1).u32(1u << 30).take();
+  // Header: magic "R2BS", type 1 (hello), version 2, length 1 GiB.
+  Bytes h = ByteWriter().u32(0x53423252).u16(1).u16(2).u32(1u << 30).take();
   ASSERT_EQ(::send(big, h.data(), h.size(), MSG_NOSIGNAL), static_cast<ssize_t>(h.size()));
   EXPECT_TRUE(closed_within(big, milliseconds(3000)));
   ::close(big);
@@ -183,6 +184,29 @@ TEST(Bootstrap, UnauthenticatedConnectionsAreBoundedAndDropped) {
   ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
   auto b0 = f0.get();
   ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+}
+
+// A job on an address outside loopback does not start without a token, unless told to by name.
+TEST(Bootstrap, NoTokenOutsideLoopbackIsRefusedUnlessTheUserOptsOut) {
+  std::map<std::string, std::string> vars{
+      {"R2CCL_RANK", "0"}, {"R2CCL_NRANKS", "2"}, {"R2CCL_BOOTSTRAP", "198.18.7.1:29500"}};
+  auto cfg = parse_config(test::env_of(vars));
+  ASSERT_TRUE(cfg.is_ok()) << cfg.status().to_string();
+  auto o = BootstrapOptions::from_config(*cfg);
+  ASSERT_FALSE(o.is_ok());
+  EXPECT_EQ(o.status().code(), ErrorCode::kConfig);
+  EXPECT_NE(o.status().message().find("R2CCL_BOOTSTRAP_TOKEN is not set, and rank 0 "
+                                      "(198.18.7.1:29500) is reachable outside loopback"),
+            std::string::npos)
+      << o.status().message();
+  vars["R2CCL_INSECURE_NO_TOKEN"] = "1";
+  EXPECT_TRUE(BootstrapOptions::from_config(*parse_config(test::env_of(vars))).is_ok());
+  vars.erase("R2CCL_INSECURE_NO_TOKEN");
+  vars["R2CCL_BOOTSTRAP_TOKEN"] = "00112233445566778899aabbccddeeff";
+  EXPECT_TRUE(BootstrapOptions::from_config(*parse_config(test::env_of(vars))).is_ok());
+  vars.erase("R2CCL_BOOTSTRAP_TOKEN");
+  vars["R2CCL_BOOTSTRAP"] = "127.0.0.1:29500";  // loopback: only this host's processes
+  EXPECT_TRUE(BootstrapOptions::from_config(*parse_config(test::env_of(vars))).is_ok());
 }
 
 // A unique-id world whose size on the wire is out of range is refused, not allocated.

@@ -17,8 +17,8 @@ namespace {
 
 using std::chrono::milliseconds;
 
-std::unique_ptr<Endpoint> make_endpoint(int host, const std::string& name) {
-  std::map<std::string, std::string> vars;
+std::unique_ptr<Endpoint> make_endpoint(int host, const std::string& name,
+                                        std::map<std::string, std::string> vars = {}) {
   vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 20 + host);
   vars["R2CCL_CHUNK_SIZE"] = "64K";
   vars["R2CCL_TIMEOUT"] = "10s";
@@ -160,6 +160,24 @@ TEST(Endpoint, TwoEndpointsNeverInAWorldExchangeDataOverEveryRail) {
   auto again = b->connect(a->blob());
   ASSERT_TRUE(again.is_ok());
   EXPECT_EQ(*again, *id);
+}
+
+// A blob whose token was changed does not get in: every rail's hello fails the challenge, and
+// the connection attempt ends with the reason.
+TEST(Endpoint, ABlobWithAnotherTokenDoesNotConnect) {
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B", {{"R2CCL_CONNECT_TIMEOUT", "1s"}});
+  ASSERT_TRUE(a && b);
+  auto info = EndpointInfo::decode(a->blob());
+  ASSERT_TRUE(info.is_ok());
+  (*info->token)[0] ^= 0xff;
+  auto id = b->connect(info->encode(true));
+  ASSERT_FALSE(id.is_ok());
+  EXPECT_NE(id.status().message().find("could not open any rail"), std::string::npos)
+      << id.status().message();
+  EXPECT_NE(id.status().message().find("wrong token"), std::string::npos) << id.status().message();
+  EXPECT_GE(a->provider_counters().dropped_connections, 1u);
+  EXPECT_TRUE(a->peers().empty());
 }
 
 TEST(Endpoint, ConnectsFromTheCompactHandle) {

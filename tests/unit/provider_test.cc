@@ -3,14 +3,19 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <future>
 #include <mutex>
 
+#include "common/handshake.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "rail_recorder.h"
@@ -223,17 +228,25 @@ class RawPeer {
   void send(const Bytes& b) {
     ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
   }
+  // Reads the acceptor's challenge and answers it with a hello made with token `t`.
   void hello(const Token& t) {
-    // token | version 2 | src and dst incarnations | rail | epoch | an empty description
-    Bytes payload =
-        ByteWriter().raw(t.data(), t.size()).u16(2).u64(0).u64(1).u32(0).u32(0).u32(0).take();
-    Bytes h = header(0x3252, 1, 0, 0, payload.size());
-    h.insert(h.end(), payload.begin(), payload.end());
-    send(h);
+    ASSERT_EQ(read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
+    crypto::Nonce challenge{};
+    std::memcpy(challenge.data(), last_.data() + 40, challenge.size());
+    RailHello h;
+    h.token = t;
+    h.dst_incarnation = 1;
+    crypto::Nonce client{};
+    auto payload = encode_hello(h, challenge, &client);
+    ASSERT_TRUE(payload.is_ok());
+    Bytes frame = header(0x3252, 1, 0, 0, payload->size());
+    frame.insert(frame.end(), payload->begin(), payload->end());
+    send(frame);
   }
-  // Bytes read until EOF, reset or `want` bytes; -1 on timeout.
+  // Bytes read until EOF, reset or `want` bytes (kept in last_); -1 on timeout.
   ssize_t read_some(std::size_t want) {
-    std::vector<std::byte> buf(want);
+    std::vector<std::byte>& buf = last_;
+    buf.assign(want, std::byte{0});
     std::size_t got = 0;
     while (got < want) {
       ssize_t n = ::recv(fd_, buf.data() + got, want - got, 0);
@@ -249,6 +262,7 @@ class RawPeer {
   void close_now() { ::shutdown(fd_, SHUT_RDWR); }
 
  private:
+  std::vector<std::byte> last_;
   int fd_ = -1;
   bool connected_ = false;
 };
@@ -263,8 +277,56 @@ TEST_F(TcpProviderTest, AConnectionWithoutTheTokenIsDropped) {
 
   RawPeer q(b_->endpoint(0));
   q.send(Bytes(40, std::byte{0x11}));  // not even a hello
-  EXPECT_EQ(q.read_some(40), 0);
+  // The challenge, then the connection closes.
+  EXPECT_EQ(q.read_some(40 + kChallengeSize + 1), static_cast<ssize_t>(40 + kChallengeSize));
   EXPECT_EQ(b_->counters().dropped_connections, 2u);
+}
+
+// The connector answers the challenge with an HMAC: the token's bytes appear nowhere in what it
+// sends, and a listener that does not know the token cannot complete the handshake.
+TEST_F(TcpProviderTest, TheTokenNeverCrossesTheWire) {
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.53", &a.sin_addr);
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(lfd, 1), 0);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const Token token = token_of(7);
+  RailHello hello;
+  hello.token = token;
+  hello.dst_incarnation = 1;
+  std::promise<Status> result;
+  a_->connect(0, encode_endpoint("127.0.0.53", ntohs(a.sin_port)), hello, milliseconds(5000),
+              [&](Result<std::shared_ptr<Rail>> r) { result.set_value(r.status()); });
+  const int fd = ::accept(lfd, nullptr, nullptr);
+  ASSERT_GE(fd, 0);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  Bytes challenge = RawPeer::header(0x3252, 7, 0, 0, kChallengeSize);
+  challenge.resize(challenge.size() + kChallengeSize, std::byte{0x42});
+  ASSERT_EQ(::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(challenge.size()));
+  std::vector<std::byte> got;
+  std::array<std::byte, 4096> buf{};
+  while (true) {  // the hello frame, until the connector waits for the acknowledgement
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 300) <= 0) break;
+    const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
+    if (n <= 0) break;
+    got.insert(got.end(), buf.begin(), buf.begin() + n);
+  }
+  ASSERT_GT(got.size(), 40u) << "no hello came";
+  const std::vector<std::byte> secret(token.size(), std::byte{7});
+  EXPECT_EQ(std::search(got.begin(), got.end(), secret.begin(), secret.end()), got.end());
+  ::close(fd);  // no acknowledgement: the connector gives up
+  auto fut = result.get_future();
+  ASSERT_EQ(fut.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const Status st = fut.get();
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("during the handshake"), std::string::npos) << st.message();
+  ::close(lfd);
 }
 
 TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
@@ -273,7 +335,7 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
   rail_a_ = *good;
   RawPeer p(b_->endpoint(0));
   p.hello(token_of(7));
-  ASSERT_EQ(p.read_some(40), 40);  // HELLO_ACK
+  ASSERT_EQ(p.read_some(40 + kAckSize), 72);  // HELLO_ACK and its proof
   ASSERT_TRUE(b_events_.wait([&] { return accepted_.size() == 2; }));
   p.send(RawPeer::header(0xdead, 3, 0, 0, 0));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 1; }));
@@ -284,14 +346,14 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
   // An unknown op and an oversized control message are malformed too.
   RawPeer q(b_->endpoint(0));
   q.hello(token_of(7));
-  ASSERT_EQ(q.read_some(40), 40);
+  ASSERT_EQ(q.read_some(40 + kAckSize), 72);
   q.send(RawPeer::header(0x3252, 77, 0, 0, 0));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 2; }));
   EXPECT_NE(b_events_.failed[1].find("unknown frame op 77"), std::string::npos)
       << b_events_.failed[1];
   RawPeer s(b_->endpoint(0));
   s.hello(token_of(7));
-  ASSERT_EQ(s.read_some(40), 40);
+  ASSERT_EQ(s.read_some(40 + kAckSize), 72);
   s.send(RawPeer::header(0x3252, 6, 0, 0, 1ull << 40));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 3; }));
   EXPECT_NE(b_events_.failed[2].find("control message of 1099511627776 bytes"), std::string::npos)
@@ -311,7 +373,7 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
 TEST_F(TcpProviderTest, ATruncatedFrameClosesThatRail) {
   RawPeer p(b_->endpoint(0));
   p.hello(token_of(7));
-  ASSERT_EQ(p.read_some(40), 40);
+  ASSERT_EQ(p.read_some(40 + kAckSize), 72);
   Bytes h = RawPeer::header(0x3252, 6, 0, 0, 100);
   h.resize(h.size() + 10, std::byte{1});  // 10 of the 100 announced bytes
   p.send(h);

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/handshake.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "rail_recorder.h"
@@ -273,9 +274,9 @@ Bytes frame(const Bytes& body) {
   w.u32(0x52325642).u32(static_cast<std::uint32_t>(body.size())).raw(body.data(), body.size());
   return w.take();
 }
-Bytes hello_and_qp(const Token& t, std::uint32_t qpn, const std::string& gid_ipv4) {
+// A queue pair's connection details as the handshake carries them.
+Bytes qp_info(std::uint32_t qpn, const std::string& gid_ipv4) {
   ByteWriter w;
-  w.raw(t.data(), t.size()).u32(1).u32(0).u32(0).u32(0);
   std::array<std::uint8_t, 16> gid{};
   gid[10] = gid[11] = 0xff;
   in_addr a{};
@@ -283,6 +284,34 @@ Bytes hello_and_qp(const Token& t, std::uint32_t qpn, const std::string& gid_ipv
   std::memcpy(&gid[12], &a, 4);
   w.u32(qpn).u32(0x1234).u16(0).u8(3).raw(gid.data(), gid.size());
   return w.take();
+}
+
+// The connector's hello (answering `challenge` with token `t`) followed by its QP details.
+Bytes hello_and_qp(const Token& t, const crypto::Nonce& challenge, std::uint32_t qpn,
+                   const std::string& gid_ipv4) {
+  RailHello h;
+  h.token = t;
+  h.dst_incarnation = 1;
+  crypto::Nonce client{};
+  Bytes out = *encode_hello(h, challenge, &client);
+  const Bytes q = qp_info(qpn, gid_ipv4);
+  out.insert(out.end(), q.begin(), q.end());
+  return out;
+}
+
+// Reads one handshake frame (u32 magic | u32 length | body); its body, empty on error.
+Bytes read_frame(int fd) {
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::array<std::byte, 8> head{};
+  if (::recv(fd, head.data(), head.size(), MSG_WAITALL) != 8) return {};
+  ByteReader r(head);
+  r.u32();
+  Bytes body(r.u32());
+  if (body.size() > 4096 ||
+      ::recv(fd, body.data(), body.size(), MSG_WAITALL) != static_cast<ssize_t>(body.size()))
+    return {};
+  return body;
 }
 
 std::pair<std::string, std::uint16_t> parse_endpoint(const Bytes& ep) {
@@ -321,7 +350,11 @@ Bytes read_all(int fd) {
 TEST_F(VerbsProviderTest, APeerThatSendsABadQpnIsRefusedWithTheReason) {
   const int fd = tcp_connect(b_->endpoint(0));
   ASSERT_GE(fd, 0);
-  const Bytes f = frame(hello_and_qp(token_of(7), 0, a_->devices()[0].address));
+  const Bytes challenge_bytes = read_frame(fd);
+  ASSERT_EQ(challenge_bytes.size(), kChallengeSize);
+  crypto::Nonce challenge{};
+  std::memcpy(challenge.data(), challenge_bytes.data(), challenge.size());
+  const Bytes f = frame(hello_and_qp(token_of(7), challenge, 0, a_->devices()[0].address));
   ASSERT_EQ(::write(fd, f.data(), f.size()), static_cast<ssize_t>(f.size()));
   const Bytes reply = read_all(fd);
   ::close(fd);
@@ -352,12 +385,23 @@ class FakeAcceptor {
     thread_ = std::thread([this, qpn, gid_ipv4] {
       const int c = ::accept(fd_, nullptr, nullptr);
       if (c < 0) return;
-      std::array<std::byte, 256> buf{};
-      (void)::read(c, buf.data(), buf.size());
+      crypto::Nonce challenge{};
+      challenge.fill(0x42);
+      const Bytes cf = frame(Bytes(reinterpret_cast<const std::byte*>(challenge.data()),
+                                   reinterpret_cast<const std::byte*>(challenge.data()) + 16));
+      (void)::write(c, cf.data(), cf.size());
+      const Bytes hello = read_frame(c);
+      auto accepted = accept_hello(hello, token_of(7), challenge);
+      if (!accepted) {
+        ::close(c);
+        return;
+      }
       ByteWriter w;
       w.u8(1);
-      const Bytes q = hello_and_qp(token_of(7), qpn, gid_ipv4);
-      w.raw(q.data() + 32, q.size() - 32);  // the QP part only
+      const Bytes ack = *encode_ack(token_of(7), accepted->client, challenge);
+      w.raw(ack.data(), ack.size());
+      const Bytes q = qp_info(qpn, gid_ipv4);
+      w.raw(q.data(), q.size());
       const Bytes f = frame(w.take());
       (void)::write(c, f.data(), f.size());
       std::this_thread::sleep_for(std::chrono::milliseconds(200));

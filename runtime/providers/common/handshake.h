@@ -1,4 +1,4 @@
-// What the socket-handshaking providers (tcp, verbs) share: the rail hello's encoding, the
+// What the socket-handshaking providers (tcp, verbs) share: the authenticated rail handshake, the
 // endpoint a provider publishes (an IPv4 address and a TCP port), and the provider counters.
 #pragma once
 
@@ -8,48 +8,45 @@
 #include <optional>
 #include <string>
 
+#include "core/crypto.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {
 
-// token (16) | u16 version | u64 src incarnation | u64 dst incarnation | u32 rail | u32 epoch |
-// blob description, little-endian.
-constexpr std::uint16_t kHelloVersion = 2;
-constexpr std::size_t kHelloMinSize = 16 + 2 + 8 + 8 + 4 + 4 + 4;
+// The rail handshake of the socket-handshaking providers, a challenge-response so that the job's
+// token never crosses the wire:
+//   acceptor -> connector: the challenge, a fresh random nonce (kChallengeSize bytes)
+//   connector -> acceptor: the hello: u16 version | u64 src incarnation | u64 dst incarnation |
+//     u32 rail | u32 epoch | blob description | client nonce (16) | MAC (32), little-endian;
+//     MAC = HMAC-SHA256(token, "r2ccl rail hello" | challenge | every hello byte before the MAC)
+//   acceptor -> connector: the acknowledgement, kAckSize bytes:
+//     HMAC-SHA256(token, "r2ccl rail ack" | client nonce | challenge)
+// A hello replayed from another connection fails its fresh challenge; the acknowledgement
+// proves to the connector that the acceptor holds the token too.
+constexpr std::uint16_t kHelloVersion = 3;
+constexpr std::size_t kChallengeSize = sizeof(crypto::Nonce);
+constexpr std::size_t kAckSize = sizeof(crypto::Mac);
+constexpr std::size_t kHelloMinSize = 2 + 8 + 8 + 4 + 4 + 4 + kChallengeSize + kAckSize;
 constexpr std::size_t kHelloMaxSize = kHelloMinSize + RailHello::kMaxDescription;
 
-inline void write_hello(ByteWriter& w, const RailHello& h) {
-  w.raw(h.token.data(), h.token.size())
-      .u16(kHelloVersion)
-      .u64(h.src_incarnation)
-      .u64(h.dst_incarnation)
-      .u32(h.rail)
-      .u32(h.epoch);
-  if (h.description)
-    w.blob(*h.description);
-  else
-    w.blob(Bytes{});
-}
-
-// A hello, or an error naming what was wrong with it (r's error state says so too).
-inline Result<RailHello> read_hello(ByteReader& r) {
-  RailHello h;
-  r.raw(h.token.data(), h.token.size());
-  const auto version = r.u16();
-  if (r.ok() && version != kHelloVersion)
-    return Status(
-        ErrorCode::kProtocol,
-        fmt::format("rail hello of version {} (this build speaks {})", version, kHelloVersion));
-  h.src_incarnation = r.u64();
-  h.dst_incarnation = r.u64();
-  h.rail = r.u32();
-  h.epoch = r.u32();
-  h.description = std::make_shared<const Bytes>(r.blob(RailHello::kMaxDescription));
-  if (!r.ok()) return Status(ErrorCode::kProtocol, "malformed rail hello");
-  return h;
-}
+// The connector's hello for the acceptor's challenge; `client` receives its nonce.
+Result<Bytes> encode_hello(const RailHello& hello, const crypto::Nonce& challenge,
+                           crypto::Nonce* client);
+struct AcceptedHello {
+  RailHello hello;  // with the acceptor's token
+  crypto::Nonce client{};
+  std::size_t size = 0;  // bytes of `data` it took (more may follow: the verbs handshake's)
+};
+// The acceptor's checks, before anything else is done with the connection: the hello parses
+// and its MAC proves the token. The error names what was wrong.
+Result<AcceptedHello> accept_hello(std::span<const std::byte> data, const Token& token,
+                                   const crypto::Nonce& challenge);
+Result<Bytes> encode_ack(const Token& token, const crypto::Nonce& client,
+                         const crypto::Nonce& challenge);
+Status check_ack(std::span<const std::byte> ack, const Token& token, const crypto::Nonce& client,
+                 const crypto::Nonce& challenge);
 
 inline Bytes encode_endpoint(const std::string& address, std::uint16_t port) {
   return ByteWriter().str(address).u16(port).take();

@@ -60,6 +60,7 @@ enum class FrameOp : std::uint8_t {
   kWriteAck = 4,
   kWriteNack = 5,
   kControl = 6,
+  kChallenge = 7,  // the acceptor's first frame: the handshake's nonce (common/handshake.h)
 };
 
 struct FrameHeader {
@@ -231,8 +232,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     return Status::ok();
   }
 
-  void send_hello_ack() {
-    queue(FrameHeader{FrameOp::kHelloAck, 0, 0, 0, 0, 0, 0}, nullptr, 0, {});
+  void send_hello_ack(Bytes ack) {
+    const std::size_t n = ack.size();
+    queue(FrameHeader{FrameOp::kHelloAck, 0, 0, 0, 0, n, 0}, nullptr, 0,
+          std::make_shared<const Bytes>(std::move(ack)));
   }
 
   void fence() override {
@@ -489,6 +492,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         return take_payload(cur_.length, [this] { on_control(payload_); });
       case FrameOp::kHelloAck:
       case FrameOp::kHello:
+      case FrameOp::kChallenge:
         return malformed("handshake frame after the handshake");
     }
     return malformed(fmt::format("unknown frame op {}", static_cast<int>(cur_.op)));
@@ -863,8 +867,30 @@ class TcpProvider final : public Provider {
     HeaderBytes header{};
     Bytes payload;
     Bytes out;
+    crypto::Nonce challenge{};
+    crypto::Nonce client{};
     bool done = false;
   };
+
+  // Reads one handshake frame of `op` with a payload of [min, max] bytes into hs->payload.
+  template <typename Done>
+  static void read_handshake_frame(const std::shared_ptr<Handshake>& hs, FrameOp op,
+                                   std::size_t min, std::size_t max, Done done) {
+    asio::async_read(hs->socket, asio::buffer(hs->header),
+                     [hs, op, min, max, done](error_code ec, std::size_t) {
+                       if (hs->done) return;
+                       if (ec) return done(ec, false);
+                       auto h = decode(hs->header);
+                       if (!h || h->op != op || h->length < min || h->length > max)
+                         return done(make_error_code(boost::system::errc::protocol_error), false);
+                       hs->payload.resize(h->length);
+                       asio::async_read(hs->socket, asio::buffer(hs->payload),
+                                        [hs, done](error_code ec2, std::size_t) {
+                                          if (hs->done) return;
+                                          done(ec2, !ec2);
+                                        });
+                     });
+  }
 
   void start_connect(std::size_t device, tcp::endpoint ep, RailHello hello,
                      std::chrono::milliseconds timeout, ConnectHandler handler) {
@@ -894,36 +920,45 @@ class TcpProvider final : public Provider {
       if (hs->done) return;
       if (ec) return fail(ec.message());
       tune(hs->socket);
-      ByteWriter hw;
-      write_hello(hw, hello);
-      Bytes payload = hw.take();
-      HeaderBytes h = encode(FrameHeader{FrameOp::kHello, 0, 0, 0, 0, payload.size(), 0});
-      hs->out.assign(h.begin(), h.end());
-      hs->out.insert(hs->out.end(), payload.begin(), payload.end());
-      asio::async_write(
-          hs->socket, asio::buffer(hs->out),
-          [this, hs, fail, finish, hello, device](error_code ec2, std::size_t) {
-            if (hs->done) return;
-            if (ec2) return fail(ec2.message());
-            asio::async_read(
-                hs->socket, asio::buffer(hs->header),
-                [this, hs, fail, finish, hello, device](error_code ec3, std::size_t) {
+      // The acceptor's challenge first; the hello answers it.
+      read_handshake_frame(
+          hs, FrameOp::kChallenge, kChallengeSize, kChallengeSize,
+          [this, hs, fail, finish, hello, device](error_code ec1, bool ok) {
+            if (!ok)
+              return fail(ec1 == asio::error::eof ? "the peer closed the connection before its "
+                                                    "challenge"
+                                                  : "no valid challenge: " + ec1.message());
+            std::memcpy(hs->challenge.data(), hs->payload.data(), kChallengeSize);
+            auto payload = encode_hello(hello, hs->challenge, &hs->client);
+            if (!payload) return fail(payload.status().message());
+            HeaderBytes h = encode(FrameHeader{FrameOp::kHello, 0, 0, 0, 0, payload->size(), 0});
+            hs->out.assign(h.begin(), h.end());
+            hs->out.insert(hs->out.end(), payload->begin(), payload->end());
+            asio::async_write(
+                hs->socket, asio::buffer(hs->out),
+                [this, hs, fail, finish, hello, device](error_code ec2, std::size_t) {
                   if (hs->done) return;
-                  if (ec3)
-                    return fail(
-                        ec3 == asio::error::eof
-                            ? "the peer closed the connection during the handshake (wrong token?)"
-                            : ec3.message());
-                  auto h3 = decode(hs->header);
-                  if (!h3 || h3->op != FrameOp::kHelloAck || h3->length != 0)
-                    return fail("malformed handshake reply");
-                  hs->done = true;
-                  hs->timer.cancel();
-                  auto rail =
-                      std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
-                                                state_[device]->keys, counters_, hello);
-                  track(device, rail);
-                  (*finish)(std::shared_ptr<Rail>(rail));
+                  if (ec2) return fail(ec2.message());
+                  read_handshake_frame(
+                      hs, FrameOp::kHelloAck, kAckSize, kAckSize,
+                      [this, hs, fail, finish, hello, device](error_code ec3, bool ok3) {
+                        if (!ok3)
+                          return fail(ec3 == asio::error::eof
+                                          ? "the peer closed the connection during the handshake "
+                                            "(wrong token?)"
+                                          : "malformed handshake reply: " + ec3.message());
+                        if (Status st =
+                                check_ack(hs->payload, hello.token, hs->client, hs->challenge);
+                            !st)
+                          return fail(st.message());
+                        hs->done = true;
+                        hs->timer.cancel();
+                        auto rail = std::make_shared<TcpRail>(
+                            engine_, std::move(hs->socket), devices_[device], state_[device]->keys,
+                            counters_, hello);
+                        track(device, rail);
+                        (*finish)(std::shared_ptr<Rail>(rail));
+                      });
                 });
           });
     });
@@ -959,40 +994,41 @@ class TcpProvider final : public Provider {
     hs->timer.async_wait([drop](error_code e) {
       if (!e) drop("no hello within 5s");
     });
-    asio::async_read(
-        hs->socket, asio::buffer(hs->header), [this, hs, drop, device](error_code e, std::size_t) {
-          if (hs->done) return;
-          if (e) return drop(fmt::format("closed before its hello ({})", e.message()));
-          auto h = decode(hs->header);
-          if (!h || h->op != FrameOp::kHello || h->length < kHelloMinSize ||
-              h->length > kHelloMaxSize)
-            return drop("malformed hello");
-          hs->payload.resize(h->length);
-          asio::async_read(hs->socket, asio::buffer(hs->payload),
-                           [this, hs, drop, device](error_code e2, std::size_t) {
-                             if (hs->done) return;
-                             if (e2) return drop(fmt::format("truncated hello ({})", e2.message()));
-                             ByteReader r(hs->payload);
-                             auto parsed = read_hello(r);
-                             if (!parsed) return drop(parsed.status().message());
-                             if (Status st = r.finish("rail hello"); !st) return drop(st.message());
-                             const RailHello hello = std::move(*parsed);
-                             if (hello.token != token_) return drop("wrong token");
-                             if (!accept_handler_) return drop("not accepting rails yet");
-                             hs->done = true;
-                             hs->timer.cancel();
-                             auto rail = std::make_shared<TcpRail>(
-                                 engine_, std::move(hs->socket), devices_[device],
-                                 state_[device]->keys, counters_, hello);
-                             track(device, rail);
-                             // The handshake reply goes first: the handler may queue frames on the
-                             // rail at once.
-                             rail->send_hello_ack();
-                             if (!accept_handler_(rail)) {
-                               counters_->dropped_connections.fetch_add(1);
-                               rail->fence();
-                             }
-                           });
+    // The challenge goes first; the connector's hello must answer it.
+    auto challenge = crypto::make_nonce();
+    if (!challenge) return drop(challenge.status().message());
+    hs->challenge = *challenge;
+    HeaderBytes ch = encode(FrameHeader{FrameOp::kChallenge, 0, 0, 0, 0, kChallengeSize, 0});
+    hs->out.assign(ch.begin(), ch.end());
+    for (auto b : hs->challenge)
+      hs->out.push_back(std::byte{b});
+    asio::async_write(hs->socket, asio::buffer(hs->out), [drop](error_code e, std::size_t) {
+      if (e) drop(fmt::format("cannot send the challenge ({})", e.message()));
+    });
+    read_handshake_frame(
+        hs, FrameOp::kHello, kHelloMinSize, kHelloMaxSize,
+        [this, hs, drop, device](error_code e, bool ok) {
+          if (!ok)
+            return drop(e == asio::error::eof || e == asio::error::connection_reset
+                            ? fmt::format("closed before its hello ({})", e.message())
+                            : "malformed hello");
+          auto accepted = accept_hello(hs->payload, token_, hs->challenge);
+          if (!accepted) return drop(accepted.status().message());
+          if (accepted->size != hs->payload.size()) return drop("malformed hello (trailing bytes)");
+          auto ack = encode_ack(token_, accepted->client, hs->challenge);
+          if (!ack) return drop(ack.status().message());
+          if (!accept_handler_) return drop("not accepting rails yet");
+          hs->done = true;
+          hs->timer.cancel();
+          auto rail = std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
+                                                state_[device]->keys, counters_, accepted->hello);
+          track(device, rail);
+          // The handshake reply goes first: the handler may queue frames on the rail at once.
+          rail->send_hello_ack(std::move(*ack));
+          if (!accept_handler_(rail)) {
+            counters_->dropped_connections.fetch_add(1);
+            rail->fence();
+          }
         });
   }
 

@@ -344,8 +344,9 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   // Connector: sends READY; `done` runs when the peer's NIC acknowledged it (or it failed).
   void send_ready(std::function<void(Status)> done) {
     ready_done_ = std::move(done);
+    // READY carries the two incarnations only (never the token): its arrival is what counts.
     ByteWriter w;
-    write_hello(w, hello_);
+    w.u64(hello_.src_incarnation).u64(hello_.dst_incarnation);
     send_fragment(SlotType::kReady, 0, 0, w.bytes());
   }
   // Acceptor: runs when READY arrives.
@@ -874,6 +875,8 @@ class VerbsProvider final : public Provider {
     Bytes body;
     Bytes out;
     std::shared_ptr<VerbsRail> rail;
+    crypto::Nonce challenge{};
+    crypto::Nonce client{};
     bool done = false;
   };
 
@@ -1057,46 +1060,59 @@ class VerbsProvider final : public Provider {
     hs->timer.async_wait([fail, timeout](error_code ec) {
       if (!ec) fail(fmt::format("no handshake within {}ms", timeout.count()));
     });
-    ByteWriter w;
-    write_hello(w, hello);
-    rail->local().encode(w);
-    hs->out = frame(w.take());
-    hs->socket.async_connect(ep, [this, hs, fail, finish, device](error_code ec) {
+    hs->socket.async_connect(ep, [this, hs, fail, finish, device, hello](error_code ec) {
       if (hs->done) return;
       if (ec) return fail(ec.message());
-      asio::async_write(
-          hs->socket, asio::buffer(hs->out),
-          [this, hs, fail, finish, device](error_code e2, std::size_t) {
-            if (hs->done) return;
-            if (e2) return fail(e2.message());
-            read_frame(hs, [this, hs, fail, finish, device](error_code e3, bool ok) {
-              if (!ok)
-                return fail(e3 == asio::error::eof || !e3
-                                ? "the peer closed the handshake (wrong token, or it refused the "
-                                  "rail)"
-                                : e3.message());
-              ByteReader r(hs->body);
-              const auto accepted = r.u8();
-              if (accepted == 0) return fail("the peer refused: " + r.str(1024));
-              const auto remote = QpInfo::decode(r);
-              if (!r.finish("verbs handshake reply").is_ok())
-                return fail("malformed handshake reply");
-              error_code e;
-              hs->socket.close(e);
-              if (Status st = hs->rail->connect_qp(remote); !st) return fail(st.message());
-              auto ready = hs->rail;
-              ready->arm();
-              ready->send_ready([this, hs, fail, finish, device, ready](Status st) {
-                if (hs->done) return;
-                if (!st) return fail(st.message());
-                hs->done = true;
-                hs->timer.cancel();
-                hs->rail.reset();
-                track(device, ready);
-                (*finish)(std::shared_ptr<Rail>(ready));
+      // The acceptor's challenge first (common/handshake.h); the hello answers it.
+      read_frame(hs, [this, hs, fail, finish, device, hello](error_code e1, bool ok1) {
+        if (!ok1 || hs->body.size() != kChallengeSize)
+          return fail("no valid challenge from the peer" + (e1 ? ": " + e1.message() : ""));
+        std::memcpy(hs->challenge.data(), hs->body.data(), kChallengeSize);
+        auto hello_bytes = encode_hello(hello, hs->challenge, &hs->client);
+        if (!hello_bytes) return fail(hello_bytes.status().message());
+        ByteWriter w;
+        w.raw(hello_bytes->data(), hello_bytes->size());
+        hs->rail->local().encode(w);
+        hs->out = frame(w.take());
+        asio::async_write(
+            hs->socket, asio::buffer(hs->out),
+            [this, hs, fail, finish, device, hello](error_code e2, std::size_t) {
+              if (hs->done) return;
+              if (e2) return fail(e2.message());
+              read_frame(hs, [this, hs, fail, finish, device, hello](error_code e3, bool ok) {
+                if (!ok)
+                  return fail(e3 == asio::error::eof || !e3
+                                  ? "the peer closed the handshake (wrong token, or it refused "
+                                    "the rail)"
+                                  : e3.message());
+                ByteReader r(hs->body);
+                const auto accepted = r.u8();
+                if (accepted == 0) return fail("the peer refused: " + r.str(1024));
+                Bytes ack(kAckSize);
+                r.raw(ack.data(), ack.size());
+                if (!r.ok()) return fail("malformed handshake reply");
+                if (Status st = check_ack(ack, hello.token, hs->client, hs->challenge); !st)
+                  return fail(st.message());
+                const auto remote = QpInfo::decode(r);
+                if (!r.finish("verbs handshake reply").is_ok())
+                  return fail("malformed handshake reply");
+                error_code e;
+                hs->socket.close(e);
+                if (Status st = hs->rail->connect_qp(remote); !st) return fail(st.message());
+                auto ready = hs->rail;
+                ready->arm();
+                ready->send_ready([this, hs, fail, finish, device, ready](Status st) {
+                  if (hs->done) return;
+                  if (!st) return fail(st.message());
+                  hs->done = true;
+                  hs->timer.cancel();
+                  hs->rail.reset();
+                  track(device, ready);
+                  (*finish)(std::shared_ptr<Rail>(ready));
+                });
               });
             });
-          });
+      });
     });
   }
 
@@ -1131,15 +1147,26 @@ class VerbsProvider final : public Provider {
     hs->timer.async_wait([drop](error_code e) {
       if (!e) drop("no handshake within 5s");
     });
+    // The challenge goes first; the connector's hello must answer it.
+    auto challenge = crypto::make_nonce();
+    if (!challenge) return drop(challenge.status().message());
+    hs->challenge = *challenge;
+    hs->out = frame(
+        Bytes(reinterpret_cast<const std::byte*>(hs->challenge.data()),
+              reinterpret_cast<const std::byte*>(hs->challenge.data()) + hs->challenge.size()));
+    asio::async_write(hs->socket, asio::buffer(hs->out), [drop](error_code e, std::size_t) {
+      if (e) drop(fmt::format("cannot send the challenge ({})", e.message()));
+    });
     read_frame(hs, [this, hs, drop, device](error_code e, bool ok) {
       if (!ok) return drop(fmt::format("malformed or truncated handshake ({})", e.message()));
-      ByteReader r(hs->body);
-      auto parsed = read_hello(r);
-      if (!parsed) return drop(parsed.status().message());
-      const RailHello hello = std::move(*parsed);
+      auto accepted = accept_hello(hs->body, token_, hs->challenge);
+      if (!accepted) return drop(accepted.status().message());
+      const RailHello hello = accepted->hello;
+      ByteReader r(std::span<const std::byte>(hs->body).subspan(accepted->size));
       const QpInfo peer = QpInfo::decode(r);
       if (!r.finish("verbs handshake").is_ok()) return drop("malformed handshake");
-      if (hello.token != token_) return drop("wrong token");
+      auto ack = encode_ack(token_, accepted->client, hs->challenge);
+      if (!ack) return drop(ack.status().message());
       if (!accept_handler_) return drop("not accepting rails yet");
       auto refuse = [this, hs, drop](const std::string& why) {
         ByteWriter w;
@@ -1166,7 +1193,7 @@ class VerbsProvider final : public Provider {
       });
       rail->arm();
       ByteWriter w;
-      w.u8(1);
+      w.u8(1).raw(ack->data(), ack->size());
       rail->local().encode(w);
       hs->out = frame(w.take());
       asio::async_write(hs->socket, asio::buffer(hs->out), [hs, drop](error_code e2, std::size_t) {

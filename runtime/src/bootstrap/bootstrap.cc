@@ -5,6 +5,7 @@
 #include <poll.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -12,6 +13,7 @@
 #include <random>
 #include <thread>
 
+#include "core/crypto.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/topology.h"
@@ -26,7 +28,7 @@ using std::chrono::milliseconds;
 namespace {
 
 constexpr std::uint32_t kMagic = 0x53423252;  // "R2BS"
-constexpr std::uint16_t kVersion = 1;
+constexpr std::uint16_t kVersion = 2;
 constexpr std::size_t kHeaderSize = 12;
 constexpr std::uint32_t kMaxFrame = 64u << 20;
 
@@ -39,7 +41,24 @@ enum class FrameType : std::uint16_t {
   kSend = 6,        // rank -> root: destination rank, message
   kDeliver = 7,     // root -> rank: source rank, message
   kPeerLeft = 8,    // root -> rank: a rank left the control path, and why
+  kChallenge = 9,   // root -> rank, first: a nonce the hello must answer
 };
+
+// The hello answers the root's challenge with an HMAC of the job's token, which itself never
+// crosses the wire; the welcome carries the root's own proof:
+//   hello: u32 version | u32 rank | u32 nranks | blob info | client nonce (16) | MAC (32),
+//     MAC = HMAC-SHA256(token, "r2ccl bootstrap hello" | challenge | the hello's bytes before it)
+//   welcome: MAC (32) = HMAC-SHA256(token, "r2ccl bootstrap welcome" | client nonce |
+//     challenge) | u32 n | n x blob
+constexpr std::string_view kHelloLabel = "r2ccl bootstrap hello";
+constexpr std::string_view kWelcomeLabel = "r2ccl bootstrap welcome";
+
+std::span<const std::uint8_t> u8span(std::string_view s) {
+  return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
+}
+std::span<const std::uint8_t> u8span(std::span<const std::byte> b) {
+  return {reinterpret_cast<const std::uint8_t*>(b.data()), b.size()};
+}
 
 std::array<std::byte, kHeaderSize> encode_header(FrameType type, std::size_t len) {
   ByteWriter w;
@@ -148,6 +167,8 @@ class BootstrapRoot {
     explicit Session(asio::io_context& io) : socket(io), hello_timer(io) {}
     tcp::socket socket;
     asio::steady_timer hello_timer;
+    crypto::Nonce challenge{};
+    crypto::Nonce client{};
     std::string peer;
     int rank = -1;
     std::array<std::byte, kHeaderSize> header{};
@@ -220,6 +241,16 @@ class BootstrapRoot {
                    kHelloDeadline.count());
         drop(session);
       });
+      auto challenge = crypto::make_nonce();
+      if (!challenge) {
+        R2CCL_WARN("bootstrap root: {}", challenge.status().message());
+        drop(session);
+        return accept();
+      }
+      session->challenge = *challenge;
+      send(session, FrameType::kChallenge,
+           Bytes(reinterpret_cast<const std::byte*>(challenge->data()),
+                 reinterpret_cast<const std::byte*>(challenge->data()) + challenge->size()));
       read(session);
       accept();
     });
@@ -289,16 +320,21 @@ class BootstrapRoot {
   void on_hello(const SessionPtr& s) {
     ByteReader r(s->payload);
     const auto version = r.u32();
-    Token token{};
-    r.raw(token.data(), token.size());
     const int rank = static_cast<int>(r.u32());
     const int nranks = static_cast<int>(r.u32());
     Bytes info = r.blob();
+    r.raw(s->client.data(), s->client.size());
+    const std::size_t signed_size = s->payload.size() - r.remaining();
+    crypto::Mac mac{};
+    r.raw(mac.data(), mac.size());
     if (!r.finish("bootstrap hello").is_ok() || version != kVersion) {
       refuse(s, "malformed bootstrap hello");
       return;
     }
-    if (token != token_) {
+    auto want =
+        crypto::hmac(token_, {u8span(kHelloLabel), s->challenge,
+                              u8span(std::span<const std::byte>(s->payload).first(signed_size))});
+    if (!want || !crypto::equal(mac, *want)) {
       refuse(s,
              "wrong bootstrap token: it does not match rank 0's (check R2CCL_BOOTSTRAP_TOKEN or "
              "the unique id)");
@@ -352,9 +388,17 @@ class BootstrapRoot {
       w.u32(static_cast<std::uint32_t>(nranks_));
       for (const auto& i : info_)
         w.blob(i);
-      Bytes welcome = w.take();
-      for (auto& peer : by_rank_)
-        send(peer, FrameType::kWelcome, welcome);
+      const Bytes all = w.take();
+      for (auto& peer : by_rank_) {
+        auto proof = crypto::hmac(token_, {u8span(kWelcomeLabel), peer->client, peer->challenge});
+        if (!proof) {
+          send(peer, FrameType::kError, ByteWriter().str(proof.status().message()).take());
+          continue;
+        }
+        ByteWriter welcome(proof->size() + all.size());
+        welcome.raw(proof->data(), proof->size()).raw(all.data(), all.size());
+        send(peer, FrameType::kWelcome, welcome.take());
+      }
     }
   }
 
@@ -529,6 +573,15 @@ Result<BootstrapOptions> BootstrapOptions::from_config(const Config& config) {
   o.nranks = *config.nranks;
   o.root = *config.bootstrap;
   o.token = config.bootstrap_token;
+  const bool loopback = o.root.host.rfind("127.", 0) == 0 || o.root.host == "localhost";
+  if (o.token == Token{} && !loopback && !config.insecure_no_token)
+    return Status(
+        ErrorCode::kConfig,
+        fmt::format("R2CCL_BOOTSTRAP_TOKEN is not set, and rank 0 ({}) is reachable outside "
+                    "loopback: give every rank the same token (32 hex digits, e.g. from "
+                    "`openssl rand -hex 16`), or set R2CCL_INSECURE_NO_TOKEN=1 to let anyone who "
+                    "reaches its ports join",
+                    o.root.to_string()));
   o.timeout = config.bootstrap_timeout;
   o.socket_ifname = config.socket_ifname;
   return o;
@@ -894,12 +947,26 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   c.socket.set_option(tcp::no_delay(true), ec);
   b->control_address_ = c.socket.local_endpoint(ec).address().to_string();
 
+  auto challenge_frame =
+      c.receive(deadline, fmt::format("rank 0's challenge ({})", o.root.to_string()));
+  if (!challenge_frame)
+    return challenge_frame.status().with_context(fmt::format("rank {} bootstrap", o.rank));
+  if (challenge_frame->first != FrameType::kChallenge ||
+      challenge_frame->second.size() != sizeof(crypto::Nonce))
+    return Status(ErrorCode::kProtocol, "rank 0 did not open with a challenge");
+  crypto::Nonce challenge{};
+  std::memcpy(challenge.data(), challenge_frame->second.data(), challenge.size());
+  R2CCL_ASSIGN_OR_RETURN(const crypto::Nonce client, crypto::make_nonce());
   ByteWriter hello;
   hello.u32(kVersion)
-      .raw(o.token.data(), o.token.size())
       .u32(static_cast<std::uint32_t>(o.rank))
       .u32(static_cast<std::uint32_t>(o.nranks))
-      .blob(local_info);
+      .blob(local_info)
+      .raw(client.data(), client.size());
+  R2CCL_ASSIGN_OR_RETURN(
+      auto mac, crypto::hmac(o.token, {u8span(kHelloLabel), challenge,
+                                       u8span(std::span<const std::byte>(hello.bytes()))}));
+  hello.raw(mac.data(), mac.size());
   R2CCL_RETURN_IF_ERROR(c.send(FrameType::kHello, hello.take()));
   // The root enforces the deadline and names the missing ranks; wait a little longer for its word.
   auto reply =
@@ -909,6 +976,15 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   if (reply->first != FrameType::kWelcome)
     return Status(ErrorCode::kProtocol, "rank 0 answered the hello with an unexpected frame");
   ByteReader r(reply->second);
+  crypto::Mac proof{};
+  r.raw(proof.data(), proof.size());
+  R2CCL_ASSIGN_OR_RETURN(auto expected,
+                         crypto::hmac(o.token, {u8span(kWelcomeLabel), client, challenge}));
+  if (!r.ok() || !crypto::equal(proof, expected))
+    return Status(ErrorCode::kBootstrap,
+                  fmt::format("the process at {} does not know this job's token (its welcome "
+                              "does not prove it)",
+                              o.root.to_string()));
   const auto n = r.u32();
   if (n != static_cast<std::uint32_t>(o.nranks))
     return Status(ErrorCode::kProtocol, "rank 0's welcome has the wrong world size");

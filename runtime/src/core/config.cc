@@ -22,9 +22,14 @@ constexpr ConfigEntry kTable[] = {
      "World size, ≥ 1. Under mpirun taken from `OMPI_COMM_WORLD_SIZE` / `PMI_SIZE` when unset."},
     {"R2CCL_BOOTSTRAP", "(none)",
      "`host:port` where rank 0 listens for the rendezvous (e.g. `198.19.0.1:29500`)."},
-    {"R2CCL_BOOTSTRAP_TOKEN", "all zero",
-     "128-bit rendezvous token as 32 hex digits; every rank must use the same one. Connections "
-     "without it are dropped."},
+    {"R2CCL_BOOTSTRAP_TOKEN", "(none)",
+     "The job's 128-bit token as 32 hex digits (e.g. `openssl rand -hex 16`), the same on every "
+     "rank. Every hello (bootstrap, rails) answers a challenge with an HMAC of it; the token "
+     "itself never crosses the wire. Required when rank 0 is not on loopback, unless "
+     "`R2CCL_INSECURE_NO_TOKEN=1`. Launches by unique id carry a random one."},
+    {"R2CCL_INSECURE_NO_TOKEN", "0",
+     "`1`: run a job reachable outside loopback without `R2CCL_BOOTSTRAP_TOKEN` (anyone who "
+     "reaches its ports can join it)."},
     {"R2CCL_BOOTSTRAP_TIMEOUT", "30s",
      "How long the rendezvous may take (reaching rank 0, all ranks joining). Duration: `500ms`, "
      "`30s`, `2m`."},
@@ -394,6 +399,11 @@ Result<Config> parse_config(const EnvLookup& env) {
         std::any_of(std::begin(parts), std::end(parts), [](unsigned x) { return x > 255; }))
       return bad("R2CCL_METRICS_ADDR", *v, "an IPv4 address such as 127.0.0.1 or 0.0.0.0");
     c.metrics_addr = a;
+  }
+  if (auto v = get("R2CCL_INSECURE_NO_TOKEN")) {
+    const std::string t = trim(*v);
+    if (t != "0" && t != "1") return bad("R2CCL_INSECURE_NO_TOKEN", *v, "0 or 1");
+    c.insecure_no_token = t == "1";
   }
   if (auto v = get("R2CCL_KV_VERIFY")) {
     const std::string t = trim(*v);

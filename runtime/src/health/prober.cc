@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "core/crypto.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/probe_protocol.h"
@@ -33,7 +34,12 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
         interval_(interval),
         timer_(engine.io()),
         handler_(std::move(handler)) {
-    std::memcpy(&tag_, token.data(), sizeof tag_);
+    // The tag is derived from the token (an HMAC), never a part of it: probes go out in the clear.
+    static constexpr std::string_view kLabel = "r2ccl probe tag";
+    if (auto mac = crypto::hmac(
+            token, {std::span<const std::uint8_t>(
+                       reinterpret_cast<const std::uint8_t*>(kLabel.data()), kLabel.size())}))
+      std::memcpy(&tag_, mac->data(), sizeof tag_);
   }
 
   Status open(const std::vector<RailNic>& nics) {

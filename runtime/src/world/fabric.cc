@@ -218,7 +218,9 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   R2CCL_ASSIGN_OR_RETURN(f->endpoint_, Endpoint::create(config, std::move(options)));
   Fabric* self = f.get();
   f->endpoint_->set_fatal_handler([self](const Status& st) { self->record_async_error(st); });
-  R2CCL_ASSIGN_OR_RETURN(f->bootstrap_, Bootstrap::join(boot, f->endpoint_->blob()));
+  // The ranks share the job's token already: the blob they exchange leaves it out.
+  R2CCL_ASSIGN_OR_RETURN(f->bootstrap_,
+                         Bootstrap::join(boot, f->endpoint_->info().encode(/*with_token=*/false)));
   f->out_of_band_ = std::make_unique<OutOfBandSender>(*f->bootstrap_);
   f->endpoint_->set_out_of_band([oob = f->out_of_band_.get()](int peer, Bytes message) {
     return oob->post(peer, std::move(message));
