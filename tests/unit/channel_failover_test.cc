@@ -196,6 +196,28 @@ TEST_F(ChannelFailover, BackPressureHoldsChunksUntilTheRailHasRoomAndLosesNone) 
     EXPECT_NE(e.kind, "failed") << e.detail;
 }
 
+// A peer that announces a clear-to-send far beyond the receives it can have posted breaks the
+// protocol: the channel says so (the job's error) and treats it as gone, instead of keeping
+// whatever a peer-chosen sequence number asks it to keep.
+TEST_F(ChannelFailover, AClearToSendFarAheadIsAProtocolViolationNotAnEntryKeptForever) {
+  connect();
+  ByteWriter w;
+  w.u64(1).u8(1);  // control message #1 of rank 1, a clear-to-send
+  w.u64(std::uint64_t{1} << 40).u64(100).u32(65536).u64(0);
+  RemoteRegion{1, 100, std::vector<std::uint64_t>(kRails, 1)}.encode(w);
+  auto link = net_.links(0).at(0);
+  testing::FakeRail* from_rank1 = link->ends[1];
+  ASSERT_NE(from_rank1, nullptr);
+  ASSERT_TRUE(from_rank1->post_control(std::make_shared<const Bytes>(w.take()), 0).is_ok());
+  ASSERT_TRUE(drive([&] { return !r0().fatal.empty(); }));
+  EXPECT_NE(r0().fatal[0].message().find(
+                "rank 1 sent a clear-to-send for message #1099511627776, 1099511627776 ahead of "
+                "the next send here (at most 4095)"),
+            std::string::npos)
+      << r0().fatal[0].message();
+  EXPECT_TRUE(r0().channel->dead());
+}
+
 TEST_F(ChannelFailover, ALinkDownMidTransferIsReplayedOnTheOtherRailsWithoutAnyControlPath) {
   connect();
   auto t = start_transfer(std::size_t{4} << 20);

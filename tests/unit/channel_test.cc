@@ -2,6 +2,7 @@
 
 #include "channel/ledger.h"
 #include "channel/scheduler.h"
+#include "r2ccl/runtime/telemetry.h"
 
 namespace r2ccl {
 namespace {
@@ -134,6 +135,19 @@ TEST(RailScheduler, UnmeasuredRailsCountAsFastAsTheBestMeasuredOne) {
   EXPECT_EQ(picks[2], 10);
   s.clear_bandwidth(0);
   EXPECT_DOUBLE_EQ(s.bandwidth(0), 1e9);  // now the best measured one is rail 2
+}
+
+// The rail event log keeps the latest events, oldest dropped first, and counts what it dropped.
+TEST(RailEventLog, KeepsTheLatestEventsAndCountsTheDropped) {
+  RailEventLog log;
+  const std::size_t n = RailEventLog::kMaxEvents + 5;
+  for (std::size_t i = 0; i < n; ++i)
+    log.add(RailEvent{static_cast<std::int64_t>(i), 1, 0, "eth1", "failed", ""});
+  const auto events = log.snapshot();
+  ASSERT_EQ(events.size(), RailEventLog::kMaxEvents);
+  EXPECT_EQ(events.front().wall_ns, 5);
+  EXPECT_EQ(events.back().wall_ns, static_cast<std::int64_t>(n - 1));
+  EXPECT_EQ(log.dropped(), 5u);
 }
 
 }  // namespace

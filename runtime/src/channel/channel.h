@@ -261,6 +261,10 @@ class Channel {
   void on_arrived(std::uint32_t rail, std::uint32_t imm, std::size_t length);
   void on_rail_failed(std::uint32_t rail, const Status& why);
   void check_gone(Clock::time_point now);  // gone_on_close
+  // The peer broke the protocol: the job's error, and the peer is treated as gone.
+  void protocol_violation(const std::string& what);
+  // Messages announced (request-to-send) ahead of the receives posted here, at most.
+  static constexpr std::uint64_t kEarlyWindow = 65536;
 
   ChannelContext ctx_;
   const Config& config_;

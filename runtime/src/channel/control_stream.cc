@@ -76,14 +76,10 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
     if (control_reorder_.count(seq) != 0) return;
     if (seq - control_next_ > kControlReorderWindow ||
         control_reorder_bytes_ + message.size() > kControlReorderBytes) {
-      const Status why(
-          ErrorCode::kProtocol,
+      protocol_violation(
           fmt::format("{} sent control message #{} while #{} is missing: more "
                       "than {} messages or {} bytes ahead of the gap",
                       label_, seq, control_next_, kControlReorderWindow, kControlReorderBytes));
-      R2CCL_WARN("{}", why.message());
-      if (ctx_.on_fatal) ctx_.on_fatal(why);
-      on_peer_left(why.message());
       return;
     }
     control_reorder_bytes_ += message.size();
@@ -115,10 +111,17 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
       R2CCL_WARN("{} sent a malformed clear-to-send on rail {}", label_, rail);
       return;
     }
-    if (sends_.count(c.seq) != 0)
+    if (sends_.count(c.seq) != 0) {
       start_send(c.seq, c);
-    else if (c.seq >= next_send_seq_)
+    } else if (c.seq >= next_send_seq_) {
+      // A receiver has at most ChunkImm::kSlots receives posted: a clear-to-send further ahead of
+      // this side's sends is not one a peer following the protocol sends.
+      if (c.seq - next_send_seq_ >= ChunkImm::kSlots)
+        return protocol_violation(fmt::format(
+            "{} sent a clear-to-send for message #{}, {} ahead of the next send here (at most {})",
+            label_, c.seq, c.seq - next_send_seq_, ChunkImm::kSlots));
       early_cts_[c.seq] = c;
+    }
     // else: the send already ended (it failed)
     return;
   }
@@ -151,6 +154,10 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
       }
       // else: the clear-to-send already went; the sender checks the length against it
     } else if (seq2 >= next_recv_seq_) {
+      if (seq2 - next_recv_seq_ >= kEarlyWindow)
+        return protocol_violation(
+            fmt::format("{} announced message #{}, {} ahead of the next receive here (at most {})",
+                        label_, seq2, seq2 - next_recv_seq_, kEarlyWindow));
       early_rts_[seq2] = length;
     }
     return;
@@ -197,6 +204,13 @@ void Channel::send_user_message(std::uint8_t service, std::span<const std::byte>
   ByteWriter w = control_writer(ControlType::kUser, 1 + payload.size());
   w.u8(service).raw(payload.data(), payload.size());
   send_control(w.take());
+}
+
+void Channel::protocol_violation(const std::string& what) {
+  const Status why(ErrorCode::kProtocol, what);
+  R2CCL_WARN("{}", what);
+  if (ctx_.on_fatal) ctx_.on_fatal(why);
+  on_peer_left(what);
 }
 
 }  // namespace r2ccl

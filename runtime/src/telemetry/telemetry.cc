@@ -79,12 +79,21 @@ void MetricRegistry::for_each(const std::function<void(const Counter&)>& counter
 
 void RailEventLog::add(RailEvent event) {
   std::lock_guard lock(mutex_);
-  if (events_.size() < kMaxEvents) events_.push_back(std::move(event));
+  if (events_.size() >= kMaxEvents) {
+    events_.pop_front();
+    ++dropped_;
+  }
+  events_.push_back(std::move(event));
 }
 
 std::vector<RailEvent> RailEventLog::snapshot() const {
   std::lock_guard lock(mutex_);
-  return events_;
+  return {events_.begin(), events_.end()};
+}
+
+std::uint64_t RailEventLog::dropped() const {
+  std::lock_guard lock(mutex_);
+  return dropped_;
 }
 
 }  // namespace r2ccl

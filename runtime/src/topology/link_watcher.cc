@@ -46,10 +46,43 @@ class NetlinkWatcher final : public LinkWatcher,
     stream_.async_read_some(
         boost::asio::buffer(buffer_),
         [self = shared_from_this()](boost::system::error_code ec, std::size_t n) {
-          if (ec || self->stopped_) return;
+          if (self->stopped_) return;
+          if (ec == boost::asio::error::no_buffer_space) {
+            // The kernel dropped link events (a storm filled the socket's buffer): what changed
+            // meanwhile is read from the interfaces themselves.
+            R2CCL_WARN(
+                "link watcher: the kernel dropped link events (ENOBUFS); re-reading the "
+                "state of every interface");
+            self->resync();
+            return self->arm();
+          }
+          if (ec) {
+            if (ec != boost::asio::error::operation_aborted)
+              R2CCL_WARN("link watcher stopped ({}); link failures are found by probes only",
+                         ec.message());
+            return;
+          }
           self->parse(n);
           self->arm();
         });
+  }
+
+  // Every interface's state now, reported where it differs from what was last known (an
+  // interface never heard of is reported only when it is down: up is what is assumed).
+  void resync() {
+    struct if_nameindex* all = ::if_nameindex();
+    if (all == nullptr) return;
+    for (auto* i = all; i->if_index != 0 && i->if_name != nullptr; ++i) {
+      const std::string name = i->if_name;
+      auto running = interface_running(name);
+      if (!running) continue;
+      auto it = last_.find(name);
+      if (it == last_.end() ? *running : it->second == *running) continue;
+      last_[name] = *running;
+      R2CCL_INFO("link watcher: {} is {} (after the resync)", name, *running ? "up" : "down");
+      handler_(name, *running);
+    }
+    ::if_freenameindex(all);
   }
 
   void stop() override {
@@ -75,7 +108,11 @@ class NetlinkWatcher final : public LinkWatcher,
       std::string name;
       int attr_len = static_cast<int>(IFLA_PAYLOAD(h));
       for (auto* a = IFLA_RTA(ifi); RTA_OK(a, attr_len); a = RTA_NEXT(a, attr_len))
-        if (a->rta_type == IFLA_IFNAME) name = static_cast<const char*>(RTA_DATA(a));
+        if (a->rta_type == IFLA_IFNAME) {
+          // Bounded by the attribute's payload, not by a terminator the kernel may not have sent.
+          const auto* data = static_cast<const char*>(RTA_DATA(a));
+          name.assign(data, ::strnlen(data, RTA_PAYLOAD(a)));
+        }
       if (name.empty()) continue;
       const bool running = h->nlmsg_type == RTM_NEWLINK && (ifi->ifi_flags & IFF_UP) &&
                            (ifi->ifi_flags & IFF_RUNNING);

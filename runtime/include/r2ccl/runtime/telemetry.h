@@ -131,15 +131,18 @@ struct RailEvent {
   std::string detail;
 };
 
+// The latest kMaxEvents rail events (a ring: the oldest go first), and how many were dropped.
 class RailEventLog {
  public:
   static constexpr std::size_t kMaxEvents = 100000;
   void add(RailEvent event);
   std::vector<RailEvent> snapshot() const;
+  std::uint64_t dropped() const;
 
  private:
   mutable std::mutex mutex_;
-  std::vector<RailEvent> events_;
+  std::deque<RailEvent> events_;
+  std::uint64_t dropped_ = 0;
 };
 
 }  // namespace r2ccl
