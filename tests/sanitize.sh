@@ -5,7 +5,8 @@
 #   tests/sanitize.sh SOURCE_DIR BUILD_DIR
 #
 # hwloc's PCI plugin (libpciaccess) leaks about 1 KB per topology load inside that library; it is
-# turned off for these runs (HWLOC_COMPONENTS=-pci) so that any leak reported is r2ccl's.
+# turned off for these runs (HWLOC_COMPONENTS=-pci) so that any leak reported is r2ccl's; what
+# OpenSSL keeps per thread is suppressed (tests/lsan-suppressions.txt) for the same reason.
 set -euo pipefail
 src=$1
 build=$2
@@ -19,6 +20,7 @@ if [[ ! -f $build/build.ninja ]]; then
 fi
 cmake --build "$build" --target "${targets[@]}" -- -j"$(nproc)" >/dev/null
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 HWLOC_COMPONENTS=-pci
+export LSAN_OPTIONS=suppressions=$src/tests/lsan-suppressions.txt:print_suppressions=0
 failed=0
 for t in "${targets[@]}"; do
   if out=$(timeout 600 "$build/bin/$t" 2>&1); then

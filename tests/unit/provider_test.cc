@@ -43,7 +43,8 @@ class TcpProviderTest : public testing::Test {
     b_->set_accept_handler([this](std::shared_ptr<Rail> r) {
       std::lock_guard l(m_);
       r->start(&b_events_);
-      accepted_.push_back(std::move(r));
+      // Under the recorder's lock, and notified: a test may be waiting for it.
+      b_events_.push([&] { accepted_.push_back(std::move(r)); });
       return true;
     });
   }
@@ -282,51 +283,77 @@ TEST_F(TcpProviderTest, AConnectionWithoutTheTokenIsDropped) {
   EXPECT_EQ(b_->counters().dropped_connections, 2u);
 }
 
-// The connector answers the challenge with an HMAC: the token's bytes appear nowhere in what it
-// sends, and a listener that does not know the token cannot complete the handshake.
-TEST_F(TcpProviderTest, TheTokenNeverCrossesTheWire) {
+// Plays the acceptor for one connection of `connector` (a raw listener on 127.0.0.53): sends the
+// challenge `nonce`, records what the connector sends until it waits for the acknowledgement,
+// then closes; `result` is the connect's outcome.
+Bytes record_hello(Provider& connector, const Token& token, std::byte nonce, Status* result) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   inet_pton(AF_INET, "127.0.0.53", &a.sin_addr);
-  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(lfd, 1), 0);
+  EXPECT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  EXPECT_EQ(::listen(lfd, 1), 0);
   socklen_t len = sizeof a;
-  ASSERT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  const Token token = token_of(7);
+  EXPECT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
   RailHello hello;
   hello.token = token;
   hello.dst_incarnation = 1;
-  std::promise<Status> result;
-  a_->connect(0, encode_endpoint("127.0.0.53", ntohs(a.sin_port)), hello, milliseconds(5000),
-              [&](Result<std::shared_ptr<Rail>> r) { result.set_value(r.status()); });
-  const int fd = ::accept(lfd, nullptr, nullptr);
-  ASSERT_GE(fd, 0);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  Bytes challenge = RawPeer::header(0x3252, 7, 0, 0, kChallengeSize);
-  challenge.resize(challenge.size() + kChallengeSize, std::byte{0x42});
-  ASSERT_EQ(::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(challenge.size()));
+  std::promise<Status> done;
+  connector.connect(0, encode_endpoint("127.0.0.53", ntohs(a.sin_port)), hello, milliseconds(5000),
+                    [&](Result<std::shared_ptr<Rail>> r) { done.set_value(r.status()); });
   std::vector<std::byte> got;
-  std::array<std::byte, 4096> buf{};
-  while (true) {  // the hello frame, until the connector waits for the acknowledgement
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 300) <= 0) break;
-    const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
-    if (n <= 0) break;
-    got.insert(got.end(), buf.begin(), buf.begin() + n);
+  const int fd = ::accept(lfd, nullptr, nullptr);
+  if (fd >= 0) {
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    Bytes challenge = RawPeer::header(0x3252, 7, 0, 0, kChallengeSize);
+    challenge.resize(challenge.size() + kChallengeSize, nonce);
+    (void)::send(fd, challenge.data(), challenge.size(), MSG_NOSIGNAL);
+    std::array<std::byte, 4096> buf{};
+    while (true) {  // the hello frame, until the connector waits for the acknowledgement
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 300) <= 0) break;
+      const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
+      if (n <= 0) break;
+      got.insert(got.end(), buf.begin(), buf.begin() + n);
+    }
+    ::close(fd);  // no acknowledgement: the connector gives up
   }
+  auto fut = done.get_future();
+  *result = fut.wait_for(std::chrono::seconds(10)) == std::future_status::ready
+                ? fut.get()
+                : Status(ErrorCode::kTimeout, "the connect did not end");
+  ::close(lfd);
+  return got;
+}
+
+// The connector answers the challenge with an HMAC: the token's bytes appear nowhere in what it
+// sends, and a listener that does not know the token cannot complete the handshake.
+TEST_F(TcpProviderTest, TheTokenNeverCrossesTheWire) {
+  const Token token = token_of(7);
+  Status st;
+  const Bytes got = record_hello(*a_, token, std::byte{0x42}, &st);
   ASSERT_GT(got.size(), 40u) << "no hello came";
   const std::vector<std::byte> secret(token.size(), std::byte{7});
   EXPECT_EQ(std::search(got.begin(), got.end(), secret.begin(), secret.end()), got.end());
-  ::close(fd);  // no acknowledgement: the connector gives up
-  auto fut = result.get_future();
-  ASSERT_EQ(fut.wait_for(std::chrono::seconds(10)), std::future_status::ready);
-  const Status st = fut.get();
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("during the handshake"), std::string::npos) << st.message();
-  ::close(lfd);
+}
+
+// A genuine hello recorded from one connection does not open another: every acceptor's
+// challenge is fresh, so the replayed MAC does not answer it.
+TEST_F(TcpProviderTest, AReplayedHelloIsRefused) {
+  Status st;
+  const Bytes recorded = record_hello(*a_, token_of(7), std::byte{0x42}, &st);
+  ASSERT_GT(recorded.size(), 40u);
+  RawPeer p(b_->endpoint(0));
+  ASSERT_TRUE(p.connected());
+  ASSERT_EQ(p.read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
+  p.send(recorded);
+  EXPECT_EQ(p.read_some(40), 0);  // closed without a handshake reply
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
+  std::lock_guard l(m_);
+  EXPECT_TRUE(accepted_.empty());
 }
 
 TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {

@@ -18,7 +18,6 @@
 #include <deque>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <unordered_map>
 
 #include "common/handshake.h"
@@ -112,7 +111,6 @@ class TcpRail;
 struct KeyTable {
   std::mutex mutex;
   std::unordered_map<std::uint64_t, std::pair<std::byte*, std::size_t>> regions;
-  std::mt19937_64 rng{std::random_device{}()};
   // Regions that a rail's receive is streaming into right now (key -> how many rails), and the
   // rails: a deregistration closes those rails before it returns, so the network never writes
   // into memory its owner has freed.
@@ -789,9 +787,11 @@ class TcpProvider final : public Provider {
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
     auto& t = *state_[device]->keys;
     std::lock_guard lock(t.mutex);
+    // Keys are 64 random bits from the kernel: a peer cannot guess another region's key.
     std::uint64_t key = 0;
     do {
-      key = t.rng();
+      R2CCL_RETURN_IF_ERROR(crypto::random_bytes(
+          std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(&key), sizeof key)));
     } while (key == 0 || t.regions.count(key) != 0);
     t.regions[key] = {static_cast<std::byte*>(base), length};
     return key;
