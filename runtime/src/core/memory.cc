@@ -72,4 +72,16 @@ std::size_t MemoryRegistry::size() const {
   return regions_.size();
 }
 
+Status check_region(const RegionPtr& region, std::size_t offset, std::size_t length,
+                    const char* what) {
+  if (!region)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the buffer is not registered (null region)", what)};
+  if (offset > region->length || length > region->length - offset)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: {} bytes at offset {} exceed the registered region of {} bytes", what,
+                        length, offset, region->length)};
+  return Status::ok();
+}
+
 }  // namespace r2ccl

@@ -741,38 +741,32 @@ Status Endpoint::check_args(int peer, const RegionPtr& region, std::size_t offse
                   ? fmt::format("{}: peer {} left long ago", what, peer)
                   : fmt::format("{}: no peer has id {}", what, peer)};
   }
-  if (!region)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: the buffer is not registered (null region)", what)};
-  if (offset > region->length || length > region->length - offset)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: {} bytes at offset {} exceed the registered region of {} bytes", what,
-                        length, offset, region->length)};
-  return Status::ok();
+  return check_region(region, offset, length, what);
+}
+
+template <typename Post>
+OpPtr Endpoint::start_op(Post post) {
+  auto op = std::make_shared<Op>();
+  const auto deadline = Clock::now() + config_.timeout;
+  op->set_deadline(deadline);
+  engine_->submit([op, deadline, post = std::move(post)] { post(op, deadline); });
+  return op;
 }
 
 Result<OpPtr> Endpoint::isend(int peer, const RegionPtr& region, std::size_t offset,
                               std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "send"));
-  auto op = std::make_shared<Op>();
-  const auto deadline = Clock::now() + config_.timeout;
-  op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, length, peer, deadline] {
-    channel(peer)->post_send(op, region, offset, length, deadline);
+  return start_op([this, region, offset, length, peer](OpPtr op, Clock::time_point deadline) {
+    channel(peer)->post_send(std::move(op), region, offset, length, deadline);
   });
-  return op;
 }
 
 Result<OpPtr> Endpoint::irecv(int peer, const RegionPtr& region, std::size_t offset,
                               std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "receive"));
-  auto op = std::make_shared<Op>();
-  const auto deadline = Clock::now() + config_.timeout;
-  op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, length, peer, deadline] {
-    channel(peer)->post_recv(op, region, offset, length, deadline);
+  return start_op([this, region, offset, length, peer](OpPtr op, Clock::time_point deadline) {
+    channel(peer)->post_recv(std::move(op), region, offset, length, deadline);
   });
-  return op;
 }
 
 Result<OpPtr> Endpoint::iwrite(int peer, const RegionPtr& region, std::size_t offset,
@@ -783,13 +777,11 @@ Result<OpPtr> Endpoint::iwrite(int peer, const RegionPtr& region, std::size_t of
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("write: {} bytes at offset {} exceed {}'s region of {} bytes", length,
                               remote_offset, peer_label(peer).value_or("the peer"), remote.length));
-  auto op = std::make_shared<Op>();
-  const auto deadline = Clock::now() + config_.timeout;
-  op->set_deadline(deadline);
-  engine_->submit([this, op, region, offset, remote, remote_offset, length, peer, deadline] {
-    channel(peer)->post_write(op, region, offset, remote, remote_offset, length, deadline);
+  return start_op([this, region, offset, remote, remote_offset, length, peer](
+                      OpPtr op, Clock::time_point deadline) {
+    channel(peer)->post_write(std::move(op), region, offset, remote, remote_offset, length,
+                              deadline);
   });
-  return op;
 }
 
 Status Endpoint::send_message(int peer, std::uint8_t service, Bytes payload) {

@@ -337,20 +337,6 @@ Status Fabric::check_peer(int peer, const char* what) const {
   return Status::ok();
 }
 
-namespace {
-Status check_region(const RegionPtr& region, std::size_t offset, std::size_t length,
-                    const char* what) {
-  if (!region)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: the buffer is not registered (null region)", what)};
-  if (offset > region->length || length > region->length - offset)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: {} bytes at offset {} exceed the registered region of {} bytes", what,
-                        length, offset, region->length)};
-  return Status::ok();
-}
-}  // namespace
-
 Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offset,
                             std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_peer(peer, "send"));

@@ -193,6 +193,9 @@ class Endpoint {
   Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                     const char* what) const;
   void arm_watchdog();
+  // A new operation with its deadline, handed to `post(op, deadline)` on the loop.
+  template <typename Post>
+  OpPtr start_op(Post post);
   // After it left: probes stop, the handler hears of it, the oldest departed are forgotten.
   void retire(int peer, const std::string& why);
 

@@ -31,6 +31,10 @@ struct RemoteRegion {
   static RemoteRegion decode(ByteReader& r);
 };
 
+// Whether [offset, offset + length) lies in the registered region; the error names `what`.
+Status check_region(const RegionPtr& region, std::size_t offset, std::size_t length,
+                    const char* what);
+
 class MemoryRegistry {
  public:
   explicit MemoryRegistry(Provider& provider) : provider_(provider) {}
