@@ -10,6 +10,7 @@
 // both entry points so each gets its own code.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define R2CCL_X86_DISPATCH 1
+#include <cpuid.h>
 #endif
 #define R2CCL_INLINE [[gnu::always_inline]] inline
 
@@ -76,6 +77,7 @@ R2CCL_INLINE std::uint16_t bf16_out(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return static_cast<std::uint16_t>(u >> 16);
 }
+#ifdef __FLT16_MANT_DIG__  // the compiler has _Float16 (GCC 12; clang from 15 on x86)
 R2CCL_INLINE float f16_in(std::uint16_t h) {
   _Float16 v;
   std::memcpy(&v, &h, sizeof v);
@@ -87,6 +89,50 @@ R2CCL_INLINE std::uint16_t f16_out(float f) {
   std::memcpy(&h, &v, sizeof h);
   return h;
 }
+#else  // IEEE binary16 by hand, rounding to nearest even as the hardware does
+R2CCL_INLINE float f16_in(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);  // inf, NaN
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;  // zero
+  } else {     // subnormal: normalise
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+R2CCL_INLINE std::uint16_t f16_out(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const auto sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  const std::uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // overflow: inf
+  if (abs < 0x38800000u) {  // a subnormal half (or zero)
+    if (abs < 0x33000000u) return sign;
+    const std::uint32_t exp = abs >> 23, man = (abs & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 126 - exp;  // 14 + (112 - exp) + 1 - 1
+    std::uint32_t half = man >> shift;
+    const std::uint32_t rest = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1u))) ++half;
+    return static_cast<std::uint16_t>(sign | half);
+  }
+  std::uint32_t half = ((abs >> 13) - (112u << 10));
+  const std::uint32_t rest = abs & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<std::uint16_t>(sign | half);
+}
+#endif
 
 // 16-bit floats: widen a block to float, reduce, round back.
 template <bool kBf16, class Op>
@@ -184,8 +230,12 @@ __attribute__((target("avx2,f16c,fma"))) void avg_avx2(void* buf, std::size_t co
   avg_body(buf, count, t, n);
 }
 bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-                          __builtin_cpu_supports("fma");
+  // F16C from cpuid (leaf 1, ECX bit 29): not every compiler's __builtin_cpu_supports knows it.
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & (1u << 29)) != 0;
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
   return yes;
 }
 #endif

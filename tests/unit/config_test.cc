@@ -134,6 +134,26 @@ TEST(Config, SizesAndDurations) {
   EXPECT_EQ(format_size(1000), "1000");
 }
 
+// A variable bounded by another follows it when only the other is set, so that no single
+// setting makes an inconsistent configuration.
+TEST(Config, BoundedVariablesFollowTheirBoundWhenUnset) {
+  auto slow_probes = parse_config(test::env_of({{"R2CCL_PROBE_INTERVAL", "1s"}}));
+  ASSERT_TRUE(slow_probes.is_ok()) << slow_probes.status().to_string();
+  EXPECT_EQ(slow_probes->probe_timeout, std::chrono::milliseconds(10000));
+  auto long_holddown = parse_config(test::env_of({{"R2CCL_HOLDDOWN", "60s"}}));
+  ASSERT_TRUE(long_holddown.is_ok());
+  EXPECT_EQ(long_holddown->holddown_max, std::chrono::milliseconds(60000));
+  auto big_chunks = parse_config(test::env_of({{"R2CCL_CHUNK_SIZE", "64M"}}));
+  ASSERT_TRUE(big_chunks.is_ok());
+  EXPECT_EQ(big_chunks->rail_window, std::size_t{64} << 20);
+  // Set explicitly, the bound is still enforced, naming the variable.
+  auto both = parse_config(
+      test::env_of({{"R2CCL_PROBE_INTERVAL", "1s"}, {"R2CCL_PROBE_TIMEOUT", "500ms"}}));
+  ASSERT_FALSE(both.is_ok());
+  EXPECT_NE(both.status().message().find("R2CCL_PROBE_TIMEOUT"), std::string::npos)
+      << both.status().message();
+}
+
 // The README's configuration table is the one the code has.
 TEST(Config, ReadmeCarriesTheSameTable) {
   std::ifstream in(std::string(R2CCL_SOURCE_DIR) + "/README.md");

@@ -112,6 +112,21 @@ TEST(EndpointBlob, RoundTripsAndTheHandleFitsIn128Bytes) {
     EXPECT_EQ(h->rails[i].probe_port, info->rails[i].probe_port);
   }
 
+  // A handle is refused, saying why, when it names no rail, more rails than fit, or a provider
+  // that does not exist (byte 5: provider, byte 6: rails).
+  Bytes none = *handle;
+  none[6] = std::byte{0};
+  EXPECT_EQ(EndpointInfo::decode(none).status().message(),
+            "endpoint handle names 0 rails (1 to 12)");
+  Bytes many = *handle;
+  many[6] = std::byte{200};
+  EXPECT_EQ(EndpointInfo::decode(many).status().message(),
+            "endpoint handle names 200 rails (1 to 12)");
+  Bytes odd = *handle;
+  odd[5] = std::byte{7};
+  EXPECT_EQ(EndpointInfo::decode(odd).status().message(),
+            "endpoint handle names provider 7 (0: tcp, 1: verbs)");
+
   // Text form, and what is wrong with bad input.
   auto back = blob_from_hex(blob_to_hex(blob) + "\n");
   ASSERT_TRUE(back.is_ok());

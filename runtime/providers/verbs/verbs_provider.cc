@@ -277,7 +277,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
       return fail_code("moving the queue pair to INIT", e);
     slots_.resize((kSendSlots + kRqDepth) * kSlot);
     slots_mr_.reset(
-        ibv_reg_mr(dev_->pd.get(), slots_.data(), slots_.size(), IBV_ACCESS_LOCAL_WRITE));
+        ibv_reg_mr(dev_->pd.get(), slots_.data(), slots_.size(), int{IBV_ACCESS_LOCAL_WRITE}));
     if (!slots_mr_) return fail_errno("registering the control buffers");
     for (std::uint32_t i = 0; i < kSendSlots; ++i)
       free_slots_.push_back(i);
@@ -1168,7 +1168,7 @@ class VerbsProvider final : public Provider {
       auto ack = encode_ack(token_, accepted->client, hs->challenge);
       if (!ack) return drop(ack.status().message());
       if (!accept_handler_) return drop("not accepting rails yet");
-      auto refuse = [this, hs, drop](const std::string& why) {
+      auto refuse = [hs, drop](const std::string& why) {
         ByteWriter w;
         w.u8(0).str(why);
         hs->out = frame(w.take());

@@ -13,6 +13,7 @@
 #include <random>
 #include <thread>
 
+#include "bootstrap/frames.h"
 #include "core/crypto.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
@@ -25,81 +26,15 @@ using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+using namespace bootstrap_wire;  // NOLINT: the bootstrap speaks its own wire format
+
 namespace {
-
-constexpr std::uint32_t kMagic = 0x53423252;  // "R2BS"
-constexpr std::uint16_t kVersion = 2;
-constexpr std::size_t kHeaderSize = 12;
-constexpr std::uint32_t kMaxFrame = 64u << 20;
-
-enum class FrameType : std::uint16_t {
-  kHello = 1,       // rank -> root: version, token, rank, nranks, info
-  kWelcome = 2,     // root -> rank: every rank's info
-  kError = 3,       // root -> rank: why it was refused or why the job failed
-  kColl = 4,        // rank -> root: seq, blob
-  kCollResult = 5,  // root -> rank: seq, every rank's blob
-  kSend = 6,        // rank -> root: destination rank, message
-  kDeliver = 7,     // root -> rank: source rank, message
-  kPeerLeft = 8,    // root -> rank: a rank left the control path, and why
-  kChallenge = 9,   // root -> rank, first: a nonce the hello must answer
-};
-
-// The hello answers the root's challenge with an HMAC of the job's token, which itself never
-// crosses the wire; the welcome carries the root's own proof:
-//   hello: u32 version | u32 rank | u32 nranks | blob info | client nonce (16) | MAC (32),
-//     MAC = HMAC-SHA256(token, "r2ccl bootstrap hello" | challenge | the hello's bytes before it)
-//   welcome: MAC (32) = HMAC-SHA256(token, "r2ccl bootstrap welcome" | client nonce |
-//     challenge) | u32 n | n x blob
-constexpr std::string_view kHelloLabel = "r2ccl bootstrap hello";
-constexpr std::string_view kWelcomeLabel = "r2ccl bootstrap welcome";
 
 std::span<const std::uint8_t> u8span(std::string_view s) {
   return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
 }
 std::span<const std::uint8_t> u8span(std::span<const std::byte> b) {
   return {reinterpret_cast<const std::uint8_t*>(b.data()), b.size()};
-}
-
-std::array<std::byte, kHeaderSize> encode_header(FrameType type, std::size_t len) {
-  ByteWriter w;
-  w.u32(kMagic)
-      .u16(static_cast<std::uint16_t>(type))
-      .u16(kVersion)
-      .u32(static_cast<std::uint32_t>(len));
-  std::array<std::byte, kHeaderSize> h{};
-  std::memcpy(h.data(), w.bytes().data(), kHeaderSize);
-  return h;
-}
-
-struct Header {
-  FrameType type;
-  std::uint32_t length;
-};
-
-Result<Header> decode_header(const std::array<std::byte, kHeaderSize>& h) {
-  ByteReader r(h);
-  const auto magic = r.u32();
-  const auto type = r.u16();
-  const auto version = r.u16();
-  const auto len = r.u32();
-  if (magic != kMagic)
-    return Status(ErrorCode::kProtocol, "not an r2ccl bootstrap connection (bad magic)");
-  if (version != kVersion)
-    return Status(
-        ErrorCode::kProtocol,
-        fmt::format("bootstrap protocol version {} (this build speaks {})", version, kVersion));
-  if (len > kMaxFrame)
-    return Status(ErrorCode::kProtocol,
-                  fmt::format("bootstrap frame of {} bytes is too large", len));
-  return Header{static_cast<FrameType>(type), len};
-}
-
-Bytes frame(FrameType type, const Bytes& payload) {
-  auto h = encode_header(type, payload.size());
-  Bytes out(kHeaderSize + payload.size());
-  std::memcpy(out.data(), h.data(), kHeaderSize);
-  if (!payload.empty()) std::memcpy(out.data() + kHeaderSize, payload.data(), payload.size());
-  return out;
 }
 
 std::string endpoint_text(const tcp::socket& s) {
@@ -161,7 +96,6 @@ class BootstrapRoot {
   static constexpr std::size_t kMaxHelloFrame = 4096;
   static constexpr milliseconds kHelloDeadline{10000};
   static constexpr std::size_t kMaxUnauthenticated = 64;
-  static constexpr int kMaxRanks = 1 << 16;
 
   struct Session {
     explicit Session(asio::io_context& io) : socket(io), hello_timer(io) {}
@@ -318,19 +252,17 @@ class BootstrapRoot {
   }
 
   void on_hello(const SessionPtr& s) {
-    ByteReader r(s->payload);
-    const auto version = r.u32();
-    const int rank = static_cast<int>(r.u32());
-    const int nranks = static_cast<int>(r.u32());
-    Bytes info = r.blob();
-    r.raw(s->client.data(), s->client.size());
-    const std::size_t signed_size = s->payload.size() - r.remaining();
-    crypto::Mac mac{};
-    r.raw(mac.data(), mac.size());
-    if (!r.finish("bootstrap hello").is_ok() || version != kVersion) {
-      refuse(s, "malformed bootstrap hello");
+    auto parsed = parse_hello(s->payload);
+    if (!parsed) {
+      refuse(s, parsed.status().message());
       return;
     }
+    const int rank = parsed->rank;
+    const int nranks = parsed->nranks;
+    Bytes info = std::move(parsed->info);
+    s->client = parsed->client;
+    const std::size_t signed_size = parsed->signed_size;
+    const crypto::Mac& mac = parsed->mac;
     auto want =
         crypto::hmac(token_, {u8span(kHelloLabel), s->challenge,
                               u8span(std::span<const std::byte>(s->payload).first(signed_size))});
@@ -403,10 +335,10 @@ class BootstrapRoot {
   }
 
   void on_coll(const SessionPtr& s) {
-    ByteReader r(s->payload);
-    const auto seq = r.u64();
-    Bytes blob = r.blob();
-    if (!r.finish("bootstrap all-gather").is_ok()) return drop(s);
+    auto parsed = parse_coll(s->payload);
+    if (!parsed) return drop(s);
+    const auto seq = parsed->seq;
+    Bytes blob = std::move(parsed->blob);
     auto& slots = colls_[seq];
     slots.resize(static_cast<std::size_t>(nranks_));
     slots[static_cast<std::size_t>(s->rank)] = std::move(blob);
@@ -424,10 +356,10 @@ class BootstrapRoot {
 
   // Point-to-point control messages are relayed: rank -> root -> rank.
   void on_send(const SessionPtr& s) {
-    ByteReader r(s->payload);
-    const auto dst = r.u32();
-    Bytes msg = r.blob();
-    if (!r.finish("bootstrap send").is_ok()) return drop(s);
+    auto parsed = parse_send(s->payload);
+    if (!parsed) return drop(s);
+    const auto dst = parsed->dst;
+    Bytes msg = std::move(parsed->message);
     if (dst >= by_rank_.size() || !by_rank_[dst]) return;  // gone: the sender hears PEER_LEFT
     send(by_rank_[dst], FrameType::kDeliver,
          ByteWriter().u32(static_cast<std::uint32_t>(s->rank)).blob(msg).take());
@@ -503,10 +435,6 @@ std::map<Token, std::shared_ptr<BootstrapRoot>> g_pending_roots;
 // ---------------------------------------------------------------------------------------------
 // UniqueId
 
-namespace {
-constexpr std::uint32_t kIdMagic = 0x44493252;  // "R2ID"
-}
-
 Result<UniqueId> UniqueId::create(const std::string& bind_host) {
   Token token{};
   std::random_device rd;
@@ -531,16 +459,10 @@ Result<UniqueId> UniqueId::create(const std::string& bind_host) {
 
 namespace {
 Status decode_id(const UniqueId& id, HostPort* at, Token* token) {
-  ByteReader r(std::span<const std::byte>(reinterpret_cast<const std::byte*>(id.bytes.data()),
-                                          id.bytes.size()));
-  if (r.u32() != kIdMagic)
-    return {ErrorCode::kInvalidArgument, "not an r2ccl unique id (bad magic)"};
-  at->host = r.str(64);
-  at->port = r.u16();
-  r.raw(token->data(), token->size());
-  if (!r.ok() || at->host.empty())
-    return {ErrorCode::kInvalidArgument, "malformed r2ccl unique id"};
-  return Status::ok();
+  return bootstrap_wire::decode_id(
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(id.bytes.data()),
+                                 id.bytes.size()),
+      at, token);
 }
 }  // namespace
 
@@ -672,10 +594,9 @@ struct Bootstrap::Connection {
       return h.status();
     }
     if (h->type == FrameType::kError) {
-      ByteReader r(payload);
-      std::string why = r.str();
+      auto why = parse_error(payload);
       broken = true;
-      return Status(ErrorCode::kBootstrap, why);
+      return Status(ErrorCode::kBootstrap, why ? *why : why.status().message());
     }
     return std::make_pair(h->type, std::move(payload));
   }
@@ -694,6 +615,7 @@ struct Bootstrap::Reader {
   MessageHandler on_message;
   PeerLeftHandler on_peer_left;
   std::deque<std::pair<int, Bytes>> early;  // messages before a handler was set
+  static constexpr std::size_t kMaxEarlyMessages = 65536;
 };
 
 Bootstrap::Bootstrap() = default;
@@ -787,41 +709,50 @@ void Bootstrap::reader_loop() {
     Bytes payload(h->length);
     if (!read_all(fd, payload.data(), payload.size()))
       return fail("lost the control connection to rank 0");
-    ByteReader r(payload);
     switch (h->type) {
       case FrameType::kCollResult: {
-        const auto seq = r.u64();
+        // Only an answer to an all-gather this rank started is kept.
+        const auto seq = coll_result_seq(payload);
+        if (!seq || *seq == 0 || *seq > coll_seq_.load())
+          return fail("rank 0 sent the result of an all-gather this rank never started");
         {
           std::lock_guard lock(rd.mutex);
-          rd.results[seq] = std::move(payload);
+          rd.results[*seq] = std::move(payload);
         }
         rd.cv.notify_all();
         break;
       }
       case FrameType::kDeliver: {
-        const int src = static_cast<int>(r.u32());
-        Bytes msg = r.blob();
+        auto d = parse_deliver(payload);
+        if (!d) return fail(d.status().message());
         std::lock_guard hl(rd.handler_mutex);
-        if (rd.on_message)
-          rd.on_message(src, std::move(msg));
-        else
-          rd.early.emplace_back(src, std::move(msg));
+        if (rd.on_message) {
+          rd.on_message(d->src, std::move(d->message));
+        } else {
+          if (rd.early.size() >= Reader::kMaxEarlyMessages)
+            return fail(
+                fmt::format("more than {} control messages arrived before this rank set a handler",
+                            Reader::kMaxEarlyMessages));
+          rd.early.emplace_back(d->src, std::move(d->message));
+        }
         break;
       }
       case FrameType::kPeerLeft: {
-        const int who = static_cast<int>(r.u32());
-        std::string why = r.str();
+        auto p = parse_peer_left(payload);
+        if (!p) return fail(p.status().message());
         {
           std::lock_guard lock(rd.mutex);
-          rd.left[who] = why;
+          rd.left[p->rank] = p->why;
         }
         rd.cv.notify_all();
         std::lock_guard hl(rd.handler_mutex);
-        if (rd.on_peer_left) rd.on_peer_left(who, why);
+        if (rd.on_peer_left) rd.on_peer_left(p->rank, p->why);
         break;
       }
-      case FrameType::kError:
-        return fail(r.str());
+      case FrameType::kError: {
+        auto why = parse_error(payload);
+        return fail(why ? *why : why.status().message());
+      }
       default:
         return fail(fmt::format("rank 0 sent an unexpected control frame (type {})",
                                 static_cast<int>(h->type)));
@@ -975,22 +906,15 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   if (!reply) return reply.status().with_context(fmt::format("rank {} bootstrap", o.rank));
   if (reply->first != FrameType::kWelcome)
     return Status(ErrorCode::kProtocol, "rank 0 answered the hello with an unexpected frame");
-  ByteReader r(reply->second);
-  crypto::Mac proof{};
-  r.raw(proof.data(), proof.size());
+  auto welcome = parse_welcome(reply->second, o.nranks);
   R2CCL_ASSIGN_OR_RETURN(auto expected,
                          crypto::hmac(o.token, {u8span(kWelcomeLabel), client, challenge}));
-  if (!r.ok() || !crypto::equal(proof, expected))
+  if (!welcome || !crypto::equal(welcome->proof, expected))
     return Status(ErrorCode::kBootstrap,
                   fmt::format("the process at {} does not know this job's token (its welcome "
                               "does not prove it)",
                               o.root.to_string()));
-  const auto n = r.u32();
-  if (n != static_cast<std::uint32_t>(o.nranks))
-    return Status(ErrorCode::kProtocol, "rank 0's welcome has the wrong world size");
-  for (std::uint32_t i = 0; i < n; ++i)
-    b->rank_info_.push_back(r.blob());
-  R2CCL_RETURN_IF_ERROR(r.finish("bootstrap welcome"));
+  b->rank_info_ = std::move(welcome->info);
   R2CCL_DEBUG("bootstrap: rank {} of {} joined via {}", o.rank, o.nranks, b->control_address_);
   b->start_reader();
   return b;
@@ -1027,17 +951,10 @@ Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
   Bytes payload = std::move(it->second);
   rd.results.erase(it);
   lock.unlock();
-  ByteReader r(payload);
-  r.u64();
-  const auto n = r.u32();
-  std::vector<Bytes> out;
-  if (r.ok() && n != static_cast<std::uint32_t>(nranks_))
+  auto out = parse_coll_result(payload, nranks_);
+  if (!out)
     return Status(ErrorCode::kProtocol,
-                  fmt::format("control-path all-gather #{}: rank 0 sent {} entries for {} ranks",
-                              seq, n, nranks_));
-  for (std::uint32_t i = 0; i < n && r.ok(); ++i)
-    out.push_back(r.blob());
-  R2CCL_RETURN_IF_ERROR(r.finish("control-path all-gather result"));
+                  fmt::format("control-path all-gather #{}: {}", seq, out.status().message()));
   return out;
 }
 

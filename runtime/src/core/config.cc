@@ -55,8 +55,9 @@ constexpr ConfigEntry kTable[] = {
      "Largest chunk a message is cut into for striping over the rails, 4K–64M (smaller "
      "messages use smaller chunks, down to 4K, so that each still spans every rail)."},
     {"R2CCL_RAIL_WINDOW", "2M (tcp), 8M (verbs)",
-     "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE, ≤ 1G. verbs gets more: "
-     "its writes are confirmed by the NIC's acknowledgement, a round trip after the last byte."},
+     "Unconfirmed bytes allowed in flight on one rail, ≥ R2CCL_CHUNK_SIZE (unset: at least the "
+     "chunk size), ≤ 1G. verbs gets more: its writes are confirmed by the NIC's acknowledgement, "
+     "a round trip after the last byte."},
     {"R2CCL_TIMEOUT", "30s",
      "Deadline of every operation: past it, unless data to the peer is still being confirmed "
      "(slow is not dead), the operation fails with an error naming the peer and every rail tried."},
@@ -65,13 +66,15 @@ constexpr ConfigEntry kTable[] = {
      "Interval of the liveness and RTT probes sent on every rail, busy or idle, 1ms–10s."},
     {"R2CCL_PROBE_TIMEOUT", "200ms",
      "A rail from which nothing (probe reply or data) arrives for this long is declared DOWN "
-     "(black-hole detection); half of it makes the rail SUSPECT. At least 2× the probe interval."},
+     "(black-hole detection); half of it makes the rail SUSPECT. At least 2× the probe interval "
+     "(unset: at least 10× it)."},
     {"R2CCL_STALL_TIMEOUT", "2s",
      "A rail with unconfirmed data and no confirmation for this long is declared DOWN."},
     {"R2CCL_HOLDDOWN", "1s",
      "How long a failed rail must answer every probe, link up, before it is used again; doubles "
      "with each flap and halves after each stable hold-down period."},
-    {"R2CCL_HOLDDOWN_MAX", "30s", "Upper bound of the doubling hold-down."},
+    {"R2CCL_HOLDDOWN_MAX", "30s",
+     "Upper bound of the doubling hold-down, at least R2CCL_HOLDDOWN (unset: at least it)."},
     {"R2CCL_READMIT_PROBES", "5",
      "Consecutive good probes (at least) a failed rail needs before re-admission, 1–1000."},
     {"R2CCL_DEGRADED_RATIO", "0.5",
@@ -361,14 +364,18 @@ Result<Config> parse_config(const EnvLookup& env) {
   };
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
   if (c.provider == "verbs") c.rail_window = 8u << 20;
+  // A variable bounded by another follows it when it is not set itself.
+  c.rail_window = std::max(c.rail_window, c.chunk_size);
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window));
 
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_INTERVAL", milliseconds(1), c.probe_interval));
   if (c.probe_interval > milliseconds(10000))
     return bad("R2CCL_PROBE_INTERVAL", *get("R2CCL_PROBE_INTERVAL"), "a duration from 1ms to 10s");
+  c.probe_timeout = std::max(c.probe_timeout, 10 * c.probe_interval);
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_TIMEOUT", 2 * c.probe_interval, c.probe_timeout));
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_STALL_TIMEOUT", milliseconds(10), c.stall_timeout));
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN", milliseconds(0), c.holddown));
+  c.holddown_max = std::max(c.holddown_max, c.holddown);
   R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN_MAX", c.holddown, c.holddown_max));
   if (auto v = get("R2CCL_READMIT_PROBES")) {
     auto n = parse_int(trim(*v));

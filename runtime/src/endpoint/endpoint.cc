@@ -84,8 +84,16 @@ Result<EndpointInfo> decode_handle(std::span<const std::byte> bytes) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("endpoint handle of version {} (this build reads {})", version,
                               EndpointInfo::kVersion));
-  info.provider = r.u8() == 1 ? "verbs" : "tcp";
+  const auto provider = r.u8();
+  if (r.ok() && provider > 1)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("endpoint handle names provider {} (0: tcp, 1: verbs)", provider));
+  info.provider = provider == 1 ? "verbs" : "tcp";
   const auto n = r.u8();
+  constexpr std::size_t kMostRails = (EndpointInfo::kHandleSize - kHandleHeader) / kHandleRail;
+  if (r.ok() && (n == 0 || n > kMostRails))
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("endpoint handle names {} rails (1 to {})", n, kMostRails));
   info.incarnation = r.u64();
   Token token{};
   r.raw(token.data(), token.size());

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -94,36 +95,15 @@ class NetlinkWatcher final : public LinkWatcher,
   }
 
  private:
-  // The rtnetlink macros are C: they cast the old way.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wold-style-cast"
-#pragma GCC diagnostic ignored "-Wcast-align"
-#pragma GCC diagnostic ignored "-Wsign-compare"
   void parse(std::size_t n) {
-    std::size_t len = n;
-    for (auto* h = reinterpret_cast<nlmsghdr*>(buffer_.data()); NLMSG_OK(h, len);
-         h = NLMSG_NEXT(h, len)) {
-      if (h->nlmsg_type != RTM_NEWLINK && h->nlmsg_type != RTM_DELLINK) continue;
-      auto* ifi = static_cast<ifinfomsg*>(NLMSG_DATA(h));
-      std::string name;
-      int attr_len = static_cast<int>(IFLA_PAYLOAD(h));
-      for (auto* a = IFLA_RTA(ifi); RTA_OK(a, attr_len); a = RTA_NEXT(a, attr_len))
-        if (a->rta_type == IFLA_IFNAME) {
-          // Bounded by the attribute's payload, not by a terminator the kernel may not have sent.
-          const auto* data = static_cast<const char*>(RTA_DATA(a));
-          name.assign(data, ::strnlen(data, RTA_PAYLOAD(a)));
-        }
-      if (name.empty()) continue;
-      const bool running = h->nlmsg_type == RTM_NEWLINK && (ifi->ifi_flags & IFF_UP) &&
-                           (ifi->ifi_flags & IFF_RUNNING);
+    parse_link_messages(buffer_.data(), n, [this](const std::string& name, bool running) {
       auto it = last_.find(name);
-      if (it != last_.end() && it->second == running) continue;
+      if (it != last_.end() && it->second == running) return;
       last_[name] = running;
       R2CCL_DEBUG("link watcher: {} is {}", name, running ? "up" : "down");
       handler_(name, running);
-    }
+    });
   }
-#pragma GCC diagnostic pop
 
   ProgressEngine& engine_;
   boost::asio::posix::stream_descriptor stream_;
@@ -134,6 +114,35 @@ class NetlinkWatcher final : public LinkWatcher,
 };
 
 }  // namespace
+
+// The rtnetlink macros are C: they cast the old way.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wold-style-cast"
+#pragma GCC diagnostic ignored "-Wcast-align"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+void parse_link_messages(const char* buffer, std::size_t n,
+                         const std::function<void(const std::string& ifname, bool running)>& each) {
+  // NLMSG_OK takes a signed length on some C libraries: keep it in range.
+  int len = static_cast<int>(std::min<std::size_t>(n, 1u << 30));
+  for (auto* h = reinterpret_cast<const nlmsghdr*>(buffer); NLMSG_OK(h, len);
+       h = NLMSG_NEXT(h, len)) {
+    if (h->nlmsg_type != RTM_NEWLINK && h->nlmsg_type != RTM_DELLINK) continue;
+    if (h->nlmsg_len < NLMSG_LENGTH(sizeof(ifinfomsg))) continue;  // too short for its header
+    const auto* ifi = static_cast<const ifinfomsg*>(NLMSG_DATA(h));
+    std::string name;
+    int attr_len = static_cast<int>(IFLA_PAYLOAD(h));
+    for (auto* a = IFLA_RTA(ifi); RTA_OK(a, attr_len); a = RTA_NEXT(a, attr_len))
+      if (a->rta_type == IFLA_IFNAME) {
+        // Bounded by the attribute's payload, not by a terminator the kernel may not have sent.
+        const auto* data = static_cast<const char*>(RTA_DATA(a));
+        name.assign(data, ::strnlen(data, RTA_PAYLOAD(a)));
+      }
+    if (name.empty()) continue;
+    each(name, h->nlmsg_type == RTM_NEWLINK && (ifi->ifi_flags & IFF_UP) &&
+                   (ifi->ifi_flags & IFF_RUNNING));
+  }
+}
+#pragma GCC diagnostic pop
 
 Result<std::unique_ptr<LinkWatcher>> LinkWatcher::start(ProgressEngine& engine, Handler handler) {
   auto w = std::make_shared<NetlinkWatcher>(engine, std::move(handler));

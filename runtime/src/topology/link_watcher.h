@@ -24,6 +24,12 @@ class LinkWatcher {
   virtual void stop() = 0;
 };
 
+// Reads one buffer of rtnetlink messages (as the kernel sent them, `n` bytes) and calls `each`
+// for every link message that names an interface: its name and whether it is up and running.
+// Every length is checked against the buffer before use.
+void parse_link_messages(const char* buffer, std::size_t n,
+                         const std::function<void(const std::string& ifname, bool running)>& each);
+
 // The current operational state of an interface (IFF_RUNNING), or an error if it does not exist.
 Result<bool> interface_running(const std::string& ifname);
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -91,7 +92,7 @@ class Bootstrap {
   void reader_loop();
   int rank_ = -1;
   int nranks_ = 0;
-  std::uint64_t coll_seq_ = 0;
+  std::atomic<std::uint64_t> coll_seq_{0};
   std::string control_address_;
   std::vector<Bytes> rank_info_;
   std::shared_ptr<BootstrapRoot> root_;  // rank 0 only

@@ -55,7 +55,7 @@ struct EndpointInfo {
   // A blob or a handle (told apart by their first bytes); an error says what was wrong.
   static Result<EndpointInfo> decode(std::span<const std::byte> bytes);
   Bytes encode(bool with_token) const;
-  // The compact form (at most kHandleSize bytes): no names, at most 11 IPv4 rails.
+  // The compact form (at most kHandleSize bytes): no names, at most 12 IPv4 rails.
   Result<Bytes> encode_handle() const;
   // How errors and logs name it: "peer 'decode-3' (incarnation 5f2c09a1e3b74d10)".
   std::string label() const;
