@@ -534,9 +534,20 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (fragments_bytes_ == 0) write_started_ = std::chrono::steady_clock::now();
     if (cur_.length > kMaxWrite)
       return malformed(fmt::format("write of {} bytes exceeds {}", cur_.length, kMaxWrite));
+    if (refused_cookie_ && *refused_cookie_ == cur_.cookie) {
+      // A later fragment of a write already refused: discard it too, quietly.
+      drained_ = 0;
+      return drain({});
+    }
+    refused_cookie_.reset();
+    const std::size_t len = cur_.length;
+    const std::size_t have = std::min(len, avail());
     std::byte* dest = nullptr;
     std::string refusal;
     {
+      // The region is resolved, the buffered bytes copied and a write that streams on marked
+      // as landing under one hold of the lock: a deregistration either happens before (and the
+      // write is refused) or sees the landing (and closes this rail before it returns).
       std::lock_guard lock(keys_->mutex);
       auto it = keys_->regions.find(cur_.key);
       if (it == keys_->regions.end()) {
@@ -551,14 +562,13 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
             cur_.length, cur_.offset, it->second.second, cur_.key, nic_.name);
       } else {
         dest = it->second.first + cur_.offset;
+        std::memcpy(dest, rbuf_.data() + rpos_, have);
+        if (have < len) {
+          landing_key_ = cur_.key;
+          ++keys_->landing[cur_.key];
+        }
       }
     }
-    if (refused_cookie_ && *refused_cookie_ == cur_.cookie) {
-      // A later fragment of a write already refused: discard it too, quietly.
-      drained_ = 0;
-      return drain({});
-    }
-    refused_cookie_.reset();
     if (!refusal.empty()) {
       counters_->refused_writes.fetch_add(1);
       R2CCL_WARN("refused a remote write on rail {}: {}", description_, refusal);
@@ -567,9 +577,6 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       drained_ = 0;
       return drain(refusal);
     }
-    const std::size_t len = cur_.length;
-    const std::size_t have = std::min(len, avail());
-    std::memcpy(dest, rbuf_.data() + rpos_, have);
     rpos_ += have;
     if (have == len) {
       write_landed();
@@ -580,7 +587,6 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     // no copy through the batch buffer.
     const std::size_t need = len - have;
     rpos_ = rend_ = 0;  // the batch buffer is drained (have == avail())
-    start_landing(cur_.key);
     const std::array<asio::mutable_buffer, 2> into{asio::buffer(dest + have, need),
                                                    asio::buffer(rbuf_.data(), kHeaderSize)};
     asio::async_read(
@@ -658,11 +664,6 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   // A receive streams into region `key` (outside the table's lock): deregistering it must close
   // this rail first.
-  void start_landing(std::uint64_t key) {
-    std::lock_guard lock(keys_->mutex);
-    landing_key_ = key;
-    ++keys_->landing[key];
-  }
   void end_landing() {
     if (!landing_key_) return;
     std::lock_guard lock(keys_->mutex);
@@ -701,7 +702,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   tcp::socket socket_;
   RailNic nic_;
   std::shared_ptr<KeyTable> keys_;
-  std::optional<std::uint64_t> landing_key_;  // see start_landing
+  std::optional<std::uint64_t> landing_key_;  // the region a write streams into (on_write)
   std::shared_ptr<AtomicProviderCounters> counters_;
   RailHello hello_;
   std::string description_;
