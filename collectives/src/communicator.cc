@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "r2ccl/coll/reduce.h"
 #include "r2ccl/runtime/log.h"
@@ -81,18 +84,24 @@ bool same(const Header& a, const Header& b) {
 }
 
 // Registrations of the caller's buffers for one operation.
+// The regions of one operation: a buffer inside one of the communicator's registered buffers
+// uses it; any other is registered for the operation and deregistered after it.
 struct Registered {
   Fabric& fabric;
+  std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)> lookup;
   std::vector<RegionPtr> regions;
   ~Registered() {
     for (auto& r : regions)
       (void)fabric.deregister_memory(r);
   }
-  Result<RegionPtr> add(const void* p, std::size_t bytes) {
-    if (!p || bytes == 0) return RegionPtr{};
-    R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes));
+  // The region and the buffer's offset in it.
+  Result<std::pair<RegionPtr, std::size_t>> add(const void* p, std::size_t bytes,
+                                                MemoryAccess access) {
+    if (!p || bytes == 0) return std::pair<RegionPtr, std::size_t>{};
+    if (auto hit = lookup(p, bytes); hit.first) return hit;
+    R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes, access));
     regions.push_back(r);
-    return r;
+    return std::pair<RegionPtr, std::size_t>{r, 0};
   }
 };
 
@@ -352,7 +361,7 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   auto& bsend = bound[static_cast<int>(Buf::kSend)];
   auto& brecv = bound[static_cast<int>(Buf::kRecv)];
   auto& bscratch = bound[static_cast<int>(Buf::kScratch)];
-  Registered reg{*fabric_, {}};
+  Registered reg{*fabric_, [this](const void* at, std::size_t n) { return registered(at, n); }, {}};
   // Small operations run in this communicator's own registered memory: the caller's buffers
   // are copied in and the result copied out, which costs less than registering them (a system
   // call and pinning under verbs) for each operation.
@@ -387,10 +396,13 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
       std::memcpy(base + bsend.base, send, sb);
   } else {
     if (sb > 0) {
-      R2CCL_ASSIGN_OR_RETURN(bsend.region, reg.add(send, sb));
+      // The send buffer is only read (plans never receive into it): peers get no write access.
+      R2CCL_ASSIGN_OR_RETURN(auto at, reg.add(send, sb, MemoryAccess::kLocal));
+      std::tie(bsend.region, bsend.base) = at;
     }
     if (rb > 0) {
-      R2CCL_ASSIGN_OR_RETURN(brecv.region, reg.add(recv, rb));
+      R2CCL_ASSIGN_OR_RETURN(auto at, reg.add(recv, rb, MemoryAccess::kRemoteWrite));
+      std::tie(brecv.region, brecv.base) = at;
     }
   }
   auto at = [&](const Ref& ref) -> const Bound& { return bound[static_cast<int>(ref.buf)]; };
@@ -487,12 +499,14 @@ Status Communicator::group_end() {
 }
 
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
-  Registered reg{*fabric_, {}};
+  Registered reg{*fabric_, [this](const void* at, std::size_t n) { return registered(at, n); }, {}};
   R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
   Transfers transfers;
   for (const auto& o : list) {
-    R2CCL_ASSIGN_OR_RETURN(auto region, reg.add(o.buf, o.bytes));
-    transfers.push_back({!o.is_send, o.peer, region ? region : empty, 0, o.bytes});
+    R2CCL_ASSIGN_OR_RETURN(
+        auto at,
+        reg.add(o.buf, o.bytes, o.is_send ? MemoryAccess::kLocal : MemoryAccess::kRemoteWrite));
+    transfers.push_back({!o.is_send, o.peer, at.first ? at.first : empty, at.second, o.bytes});
   }
   return post_and_wait(*fabric_, transfers);
 }
@@ -547,9 +561,53 @@ Result<std::unique_ptr<Communicator>> Communicator::split(int color, int key) {
   return create(cfg, opts);
 }
 
+Result<Communicator::BufferHandle> Communicator::register_buffer(void* base, std::size_t bytes) {
+  if (base == nullptr || bytes == 0)
+    return Status(ErrorCode::kInvalidArgument, "register_buffer: a null or empty buffer");
+  const auto* b = static_cast<const std::byte*>(base);
+  std::lock_guard lock(buffers_mutex_);
+  // Registered buffers do not overlap, so that the one holding an operation's buffer is unique.
+  auto next = buffers_.lower_bound(b);
+  const bool overlaps_next = next != buffers_.end() && next->first < b + bytes;
+  const bool overlaps_prev =
+      next != buffers_.begin() && std::prev(next)->first + std::prev(next)->second->length > b;
+  if (overlaps_next || overlaps_prev)
+    return Status(ErrorCode::kInvalidArgument,
+                  "register_buffer: the buffer overlaps one that is registered already");
+  R2CCL_ASSIGN_OR_RETURN(auto region,
+                         fabric_->register_memory(base, bytes, MemoryAccess::kRemoteWrite));
+  buffers_.emplace(b, region);
+  return static_cast<BufferHandle>(region->id);
+}
+
+Status Communicator::deregister_buffer(BufferHandle handle) {
+  RegionPtr region;
+  {
+    std::lock_guard lock(buffers_mutex_);
+    auto it = std::find_if(buffers_.begin(), buffers_.end(),
+                           [&](const auto& kv) { return kv.second->id == handle; });
+    if (it == buffers_.end())
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("deregister_buffer: no buffer is registered with handle {}", handle)};
+    region = std::move(it->second);
+    buffers_.erase(it);
+  }
+  return fabric_->deregister_memory(region);
+}
+
+std::pair<RegionPtr, std::size_t> Communicator::registered(const void* p, std::size_t bytes) const {
+  const auto* b = static_cast<const std::byte*>(p);
+  std::lock_guard lock(buffers_mutex_);
+  auto it = buffers_.upper_bound(b);
+  if (it == buffers_.begin()) return {};
+  --it;
+  const auto offset = static_cast<std::size_t>(b - it->first);
+  if (offset > it->second->length || bytes > it->second->length - offset) return {};
+  return {it->second, offset};
+}
+
 void Communicator::abort() {
-  if (aborted_) return;
-  aborted_ = true;
+  if (aborted_.exchange(true)) return;
   fabric_->abort(fmt::format("the communicator was aborted on rank {}", rank()));
 }
 

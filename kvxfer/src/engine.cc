@@ -8,7 +8,9 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <thread>
 
 #include "r2ccl/runtime/log.h"
 
@@ -158,10 +160,20 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   std::map<int, std::vector<RemotePool>> peers;
   std::map<Key, Request> requests;
   std::map<int, PeerQueue> queues;
-  std::deque<Received> received;
+  std::deque<Received> received;  // verified, for poll_notifications / wait_notification
   static constexpr std::size_t kHistory = 1u << 16;  // ended requests kept for status()
   std::deque<Key> ended;
-  std::function<void(const Notification&)> callback;  // runs under `mu`
+  // Notifications from peers go from the progress loop to a worker thread, which verifies them
+  // (R2CCL_KV_VERIFY) without the engine's lock and hands them to the callback outside it, or
+  // queues them in `received`. Both queues are bounded: past kMaxQueued a notification is
+  // dropped, saying so.
+  std::function<void(const Notification&)> callback;
+  std::deque<Received> inbox;
+  static constexpr std::size_t kMaxQueued = 1u << 16;
+  std::condition_variable inbox_cv;
+  bool stopping = false;
+  std::map<std::uint32_t, int> verifying;  // pool -> verifications under way
+  std::thread worker;
   EngineCounters counters;
 
   // Published for the monitor (r2ccl_kv_*).
@@ -497,11 +509,47 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       return;
     }
     std::lock_guard lock(mu);
-    // The end of a pull this side asked for?
+    if (inbox.size() >= kMaxQueued) {
+      R2CCL_WARN("kv: dropped a notification from {}: {} are waiting to be handled already",
+                 label(peer), inbox.size());
+      return;
+    }
+    inbox.push_back(std::move(rec));
+    inbox_cv.notify_one();
+  }
+
+  // The worker: verification and callbacks off the progress loop and outside `mu`.
+  void work() {
+    std::unique_lock lock(mu);
+    while (true) {
+      inbox_cv.wait(lock, [&] { return stopping || !inbox.empty(); });
+      if (stopping) return;
+      Received rec = std::move(inbox.front());
+      inbox.pop_front();
+      // The pool's buffers stay registered while they are hashed (unregister_pool waits).
+      const bool check = !rec.hashes.empty() && rec.note.state == RequestState::kDone;
+      std::optional<Pool> pool;
+      if (check && rec.pool < pools.size() && !pools[rec.pool].buffers.empty()) {
+        pool = Pool{pools[rec.pool].buffers, {}, pools[rec.pool].layout};
+        ++verifying[rec.pool];
+      }
+      lock.unlock();
+      if (check) verify(rec, pool ? &*pool : nullptr);
+      lock.lock();
+      if (pool && --verifying[rec.pool] == 0) {
+        verifying.erase(rec.pool);
+        cv.notify_all();
+      }
+      handle_verified(std::move(rec), lock);
+    }
+  }
+
+  // A verified notification: the end of a pull this side asked for, then the callback or the
+  // queue. Lock held (released around the callback).
+  void handle_verified(Received rec, std::unique_lock<std::mutex>& lock) {
     auto it = requests.find(Key{-1, rec.note.request});
-    if (it != requests.end() && it->second.is_pull_record && it->second.peer == peer &&
+    if (it != requests.end() && it->second.is_pull_record && it->second.peer == rec.note.peer &&
         !it->second.ended()) {
-      verify(rec);
       auto& q = it->second;
       q.state = rec.note.state;
       q.reason = rec.note.reason;
@@ -516,24 +564,34 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       }
     }
     if (callback) {
-      verify(rec);
-      callback(rec.note);
+      auto fn = callback;
+      lock.unlock();
+      fn(rec.note);
+      lock.lock();
+      return;
+    }
+    if (received.size() >= kMaxQueued) {
+      R2CCL_WARN(
+          "kv: dropped the notification of request {} from {}: {} notifications are not "
+          "polled yet",
+          rec.note.request, label(rec.note.peer), received.size());
       return;
     }
     received.push_back(std::move(rec));
     cv.notify_all();
   }
 
-  // Checks a DONE notification's block checksums against our memory. Lock held.
-  void verify(Received& rec) {
+  // Checks a DONE notification's block checksums against our memory (`pool`, null when the
+  // notification names a pool that does not exist). Without the lock.
+  static void verify(Received& rec, const Pool* pool_ptr) {
     if (rec.hashes.empty() || rec.note.state != RequestState::kDone) return;
-    if (rec.pool >= pools.size()) {
+    if (pool_ptr == nullptr) {
       rec.note.state = RequestState::kFailed;
       rec.note.reason = fmt::format(
           "verification: the notification names pool {}, which does not exist", rec.pool);
       return;
     }
-    const auto& pool = pools[rec.pool];
+    const auto& pool = *pool_ptr;
     const auto& L = pool.layout;
     std::vector<std::uint32_t> bad;
     for (const auto& [block, want] : rec.hashes) {
@@ -621,6 +679,12 @@ KvEngine::KvEngine(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 KvEngine::~KvEngine() {
   impl_->endpoint.set_message_handler(kService, nullptr);
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->inbox_cv.notify_all();
+  if (impl_->worker.joinable()) impl_->worker.join();
   // Let writes in flight complete (or fail at their deadline) before the pools go away.
   std::unique_lock lock(impl_->mu);
   impl_->cv.wait_for(lock, impl_->endpoint.config().timeout + std::chrono::seconds(1), [&] {
@@ -638,7 +702,7 @@ KvEngine::~KvEngine() {
 Status KvEngine::unregister_pool(std::uint32_t pool) {
   std::vector<RegionPtr> regions;
   {
-    std::lock_guard lock(impl_->mu);
+    std::unique_lock lock(impl_->mu);
     if (pool >= impl_->pools.size() || impl_->pools[pool].regions.empty())
       return {ErrorCode::kInvalidArgument,
               fmt::format("unregister_pool: no KV pool {} is registered", pool)};
@@ -646,6 +710,9 @@ Status KvEngine::unregister_pool(std::uint32_t pool) {
       if (!r.ended() && r.local_pool == pool)
         return {ErrorCode::kUnavailable,
                 fmt::format("unregister_pool: request {} still uses KV pool {}", key.id, pool)};
+    // A notification being verified against it finishes first (the owner may free the memory
+    // once this returns).
+    impl_->cv.wait(lock, [&] { return impl_->verifying.count(pool) == 0; });
     regions = std::move(impl_->pools[pool].regions);
     impl_->pools[pool].regions.clear();
     impl_->pools[pool].buffers.clear();
@@ -659,6 +726,13 @@ Result<std::unique_ptr<KvEngine>> KvEngine::create(Endpoint& endpoint, const Eng
                                                    Fabric* world) {
   auto impl = std::make_shared<Impl>(endpoint, world, options);
   Impl* raw = impl.get();
+  impl->worker = std::thread([raw] {
+    try {
+      raw->work();
+    } catch (const std::exception& e) {  // no exception ends the process from this thread
+      R2CCL_ERROR("kv: the notification worker stopped: {}", e.what());
+    }
+  });
   endpoint.set_message_handler(
       kService, [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
   return std::unique_ptr<KvEngine>(new KvEngine(std::move(impl)));
@@ -681,7 +755,8 @@ Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::b
   pool.buffers = buffers;
   pool.layout = layout;
   for (const auto& b : buffers) {
-    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->endpoint.register_memory(b.data(), b.size()));
+    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->endpoint.register_memory(
+                                            b.data(), b.size(), MemoryAccess::kRemoteWrite));
     pool.regions.push_back(region);
   }
   std::lock_guard lock(impl_->mu);
@@ -996,10 +1071,8 @@ Status KvEngine::cancel(std::uint64_t id) {
 std::vector<Notification> KvEngine::poll_notifications() {
   std::vector<Notification> out;
   std::lock_guard lock(impl_->mu);
-  for (auto& rec : impl_->received) {
-    impl_->verify(rec);
+  for (auto& rec : impl_->received)
     out.push_back(std::move(rec.note));
-  }
   impl_->received.clear();
   return out;
 }
@@ -1019,19 +1092,20 @@ Result<Notification> KvEngine::wait_notification(int peer, std::uint64_t id,
   auto it = match();
   Impl::Received rec = std::move(*it);
   impl_->received.erase(it);
-  impl_->verify(rec);
   return rec.note;
 }
 
 void KvEngine::set_notification_callback(std::function<void(const Notification&)> fn) {
-  std::lock_guard lock(impl_->mu);
-  impl_->callback = std::move(fn);
-  if (!impl_->callback) return;
-  for (auto& rec : impl_->received) {
-    impl_->verify(rec);
-    impl_->callback(rec.note);
+  std::deque<Impl::Received> queued;
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->callback = fn;
+    if (!fn) return;
+    queued = std::move(impl_->received);
+    impl_->received.clear();
   }
-  impl_->received.clear();
+  for (const auto& rec : queued)  // already verified; outside the engine's lock
+    fn(rec.note);
 }
 
 EngineCounters KvEngine::counters() const {

@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <thread>
 
 #include "coll_test_util.h"
 #include "r2ccl/coll/reduce.h"
@@ -308,6 +310,59 @@ TEST(Communicator, AbortFailsLaterOperationsWithTheReason) {
     EXPECT_EQ(st.code(), ErrorCode::kAborted);
     EXPECT_EQ(st.message(), "allreduce: the communicator was aborted");
     EXPECT_EQ(c.async_error().code(), ErrorCode::kAborted);
+  });
+}
+
+// abort() from another thread (a watchdog's) while a collective blocks: the collective fails
+// with the reason instead of waiting for its deadline.
+TEST(Communicator, AbortFromAnotherThreadEndsABlockedCollective) {
+  auto comms = test::make_comms(2);
+  ASSERT_EQ(comms.size(), 2u);
+  std::vector<float> a(1 << 18, 1.0f), b(1 << 18);
+  // Rank 1 never joins: rank 0's all-reduce waits for it until the watchdog aborts.
+  std::thread watchdog([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    comms[0]->abort();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  Status st = comms[0]->all_reduce(a.data(), b.data(), a.size(), DataType::kF32, RedOp::kSum);
+  watchdog.join();
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find("aborted"), std::string::npos) << st.message();
+  // Well before the operation's own deadline (R2CCL_TIMEOUT, 30 s).
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+// Buffers registered with the communicator are used in place by every operation inside them
+// (at any offset); overlapping registrations and unknown handles are refused, saying why.
+TEST(Communicator, RegisteredBuffersAreUsedInPlace) {
+  auto comms = test::make_comms(2);
+  ASSERT_EQ(comms.size(), 2u);
+  test::on_all(comms, [](int r, Communicator& c) {
+    std::vector<float> pool(3 << 18);  // 3 MiB: a send and a receive buffer inside, and room
+    auto handle = c.register_buffer(pool.data(), pool.size() * sizeof(float));
+    ASSERT_TRUE(handle.is_ok()) << handle.status().to_string();
+    auto overlap = c.register_buffer(pool.data() + 100, 4096);
+    EXPECT_EQ(overlap.status().message(),
+              "register_buffer: the buffer overlaps one that is registered already");
+    float* send = pool.data() + 7;
+    float* recv = pool.data() + (1 << 18) + 64;  // after the send buffer, not overlapping it
+    const std::size_t n = 1 << 18;
+    for (std::size_t i = 0; i < n; ++i)
+      send[i] = static_cast<float>((i % 1000) + r);
+    ASSERT_TRUE(c.all_reduce(send, recv, n, DataType::kF32, RedOp::kSum).is_ok());
+    for (std::size_t i = 0; i < n; ++i)
+      ASSERT_EQ(recv[i], static_cast<float>(2 * (i % 1000) + 1)) << i;
+    // Point to point inside it as well.
+    ASSERT_TRUE(c.group_start().is_ok());
+    (void)c.send(send, n, DataType::kF32, 1 - r);
+    (void)c.recv(recv, n, DataType::kF32, 1 - r);
+    ASSERT_TRUE(c.group_end().is_ok());
+    for (std::size_t i = 0; i < n; i += 997)
+      ASSERT_EQ(recv[i], static_cast<float>((i % 1000) + 1 - r)) << i;
+    EXPECT_TRUE(c.deregister_buffer(*handle).is_ok());
+    EXPECT_EQ(c.deregister_buffer(*handle).message(),
+              fmt::format("deregister_buffer: no buffer is registered with handle {}", *handle));
   });
 }
 

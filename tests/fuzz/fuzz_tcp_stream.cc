@@ -142,7 +142,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (!p) std::abort();
   g->provider = std::move(*p);
   g->memory.assign(kGuard + kRegion + kGuard, std::byte{0xA5});
-  auto key = g->provider->register_memory(0, g->memory.data() + kGuard, kRegion);
+  auto key = g->provider->register_memory(0, g->memory.data() + kGuard, kRegion,
+                                          MemoryAccess::kRemoteWrite);
   if (!key) std::abort();
   g->key = *key;
   const Bytes endpoint = g->provider->endpoint(0);

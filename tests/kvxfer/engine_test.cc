@@ -8,8 +8,10 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "../unit/test_util.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 namespace r2ccl::kv {
 namespace {
@@ -257,18 +259,43 @@ TEST(KvEngine, VerifiedBlocksAndACorruptedOneIsNamed) {
   ASSERT_TRUE(ok.is_ok());
   EXPECT_EQ(ok->state, RequestState::kDone);
   EXPECT_TRUE(ok->verified);
-  // Land a second request, then corrupt one of its blocks before the receiver looks.
+  // The receiver verifies a notification when its worker takes it up. Hold the worker in the
+  // callback of request 5 while request 4 lands, corrupt one of 4's blocks, then let it go: the
+  // verification finds the block.
+  std::mutex m;
+  std::condition_variable cv;
+  bool release = false;
+  std::vector<Notification> got;
+  s[1].engine->set_notification_callback([&](const Notification& n) {
+    std::unique_lock lock(m);
+    got.push_back(n);
+    cv.notify_all();
+    if (n.request == 5) cv.wait_for(lock, 20s, [&] { return release; });
+  });
+  ASSERT_TRUE(s[0].engine->submit(5, 1, 0, 0, {BlockSpan{0, kLayers, {3}, {40}}}).is_ok());
+  {
+    std::unique_lock lock(m);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return got.size() == 1; }));
+  }
   ASSERT_TRUE(s[0].engine->submit(4, 1, 0, 0, {BlockSpan{0, kLayers, {8, 9}, {50, 51}}}).is_ok());
-  ASSERT_EQ(s[0].engine->wait(4, 10s)->state, RequestState::kDone);
-  std::this_thread::sleep_for(100ms);  // the notification has arrived (not yet verified)
+  ASSERT_EQ(s[0].engine->wait(4, 10s)->state, RequestState::kDone);  // its bytes have landed
   const auto l = KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts);
   s[1].memory[l.offset(2, 1, 51) + 100] ^= std::byte{0xff};
-  auto bad = s[1].engine->wait_notification(0, 4, 10s);
-  ASSERT_TRUE(bad.is_ok());
-  EXPECT_EQ(bad->state, RequestState::kFailed);
-  EXPECT_FALSE(bad->verified);
-  EXPECT_EQ(bad->invalid_blocks, std::vector<std::uint32_t>{51});
-  EXPECT_EQ(bad->reason, "1 block(s) failed verification (first: block 51)");
+  {
+    std::unique_lock lock(m);
+    release = true;
+    cv.notify_all();
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return got.size() == 2; }));
+  }
+  s[1].engine->set_notification_callback(nullptr);
+  EXPECT_EQ(got[0].request, 5u);
+  EXPECT_TRUE(got[0].verified);
+  const Notification& bad = got[1];
+  EXPECT_EQ(bad.request, 4u);
+  EXPECT_EQ(bad.state, RequestState::kFailed);
+  EXPECT_FALSE(bad.verified);
+  EXPECT_EQ(bad.invalid_blocks, std::vector<std::uint32_t>{51});
+  EXPECT_EQ(bad.reason, "1 block(s) failed verification (first: block 51)");
 }
 
 TEST(KvEngine, ManyConcurrentRequestsOfMixedSizesAllComplete) {
@@ -390,8 +417,16 @@ TEST(KvEngine, NotificationsCanArriveThroughACallback) {
   std::mutex m;
   std::condition_variable cv;
   std::vector<Notification> got;
+  std::thread::id on;
+  bool on_the_loop = true;
+  // The callback runs outside the engine's lock and off the progress loop: it may call the
+  // engine (before, this deadlocked), and the loop keeps moving data while it runs.
   s[1].engine->set_notification_callback([&](const Notification& n) {
+    (void)s[1].engine->counters();
+    const bool loop = s[1].fabric->endpoint().engine().in_loop();
     std::lock_guard lock(m);
+    on_the_loop = loop;
+    on = std::this_thread::get_id();
     got.push_back(n);
     cv.notify_all();
   });
@@ -403,6 +438,8 @@ TEST(KvEngine, NotificationsCanArriveThroughACallback) {
   EXPECT_EQ(got[0].state, RequestState::kDone);
   EXPECT_TRUE(got[0].verified);
   EXPECT_EQ(got[0].payload, text("x"));
+  EXPECT_NE(on, std::this_thread::get_id());
+  EXPECT_FALSE(on_the_loop);
   lock.unlock();
   s[1].engine->set_notification_callback(nullptr);
 }

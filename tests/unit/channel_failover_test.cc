@@ -4,6 +4,7 @@
 // duplicated and held control messages, refused connections).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <numeric>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "channel/channel.h"
+#include "channel/protocol.h"
 #include "fake/fake_provider.h"
 #include "r2ccl/runtime/memory.h"
 
@@ -213,6 +215,75 @@ TEST_F(ChannelFailover, AClearToSendFarAheadIsAProtocolViolationNotAnEntryKeptFo
   EXPECT_NE(r0().fatal[0].message().find(
                 "rank 1 sent a clear-to-send for message #1099511627776, 1099511627776 ahead of "
                 "the next send here (at most 4095)"),
+            std::string::npos)
+      << r0().fatal[0].message();
+  EXPECT_TRUE(r0().channel->dead());
+}
+
+// Eager sends complete once queued, but only within the sender's eager credit: a sender that
+// outruns a receiver with no receives posted sends the rest by request-to-send, whose sends
+// complete only once their data is confirmed. The receiver never keeps more than the credit;
+// once it posts its receives, every message arrives intact and the credit comes back.
+TEST_F(ChannelFailover, EagerSendsBeyondTheCreditWaitForTheReceiverInsteadOfFillingIt) {
+  connect();
+  constexpr std::size_t kMsg = 4096, kCount = 3000;  // 12 MiB: three times the credit
+  std::vector<std::byte> src(kMsg * kCount), dst(kMsg * kCount, std::byte{0xEE});
+  for (std::size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<std::byte>((i * 131 + i / kMsg) & 0xff);
+  auto src_region = *r0().registry.register_region(src.data(), src.size());
+  auto dst_region = *r1().registry.register_region(dst.data(), dst.size());
+  const auto deadline = Clock::now() + std::chrono::minutes(10);
+  std::vector<OpPtr> sends, recvs;
+  for (std::size_t i = 0; i < kCount; ++i) {
+    sends.push_back(std::make_shared<Op>());
+    r0().channel->post_send(sends.back(), src_region, i * kMsg, kMsg, deadline);
+  }
+  for (int round = 0; round < 50; ++round) {
+    net_.run();
+    for (auto& r : ranks_)
+      r->channel->tick(Clock::now());
+  }
+  EXPECT_LE(r1().channel->unexpected_bytes(), kEagerCredit);
+  EXPECT_GT(r1().channel->unexpected_bytes(), 0u);
+  const auto done =
+      std::count_if(sends.begin(), sends.end(), [](const OpPtr& o) { return o->done(); });
+  EXPECT_EQ(static_cast<std::size_t>(done), kEagerCredit / kMsg);  // the rest wait
+  for (std::size_t i = 0; i < kCount; ++i) {
+    recvs.push_back(std::make_shared<Op>());
+    r1().channel->post_recv(recvs.back(), dst_region, i * kMsg, kMsg, deadline);
+  }
+  auto all_done = [](const std::vector<OpPtr>& ops) {
+    return std::all_of(ops.begin(), ops.end(), [](const OpPtr& o) { return o->done(); });
+  };
+  ASSERT_TRUE(drive(
+      [&] { return all_done(sends) && all_done(recvs) && r0().channel->eager_unconsumed() == 0; }));
+  for (std::size_t i = 0; i < kCount; ++i) {
+    EXPECT_TRUE(sends[i]->status().is_ok()) << i << ": " << sends[i]->status().to_string();
+    EXPECT_TRUE(recvs[i]->status().is_ok()) << i << ": " << recvs[i]->status().to_string();
+  }
+  EXPECT_TRUE(src == dst);
+  EXPECT_EQ(r1().channel->unexpected_bytes(), 0u);
+  EXPECT_TRUE(r0().fatal.empty());
+  EXPECT_TRUE(r1().fatal.empty());
+}
+
+// A peer that sends eager data beyond its credit breaks the protocol: the receiver says so and
+// treats it as gone instead of keeping the data.
+TEST_F(ChannelFailover, EagerDataBeyondTheCreditIsAProtocolViolation) {
+  connect();
+  auto link = net_.links(0).at(0);
+  testing::FakeRail* from_rank1 = link->ends[1];
+  ASSERT_NE(from_rank1, nullptr);
+  const Bytes data(8192, std::byte{7});
+  for (std::uint64_t i = 0; i <= kEagerCredit / data.size(); ++i) {
+    ByteWriter w;
+    w.u64(i + 1).u8(4).u64(i).u64(data.size()).raw(data.data(), data.size());  // kEager
+    ASSERT_TRUE(from_rank1->post_control(std::make_shared<const Bytes>(w.take()), 0).is_ok());
+  }
+  ASSERT_TRUE(drive([&] { return !r0().fatal.empty(); }));
+  EXPECT_NE(r0().fatal[0].message().find(
+                "rank 1 sent eager message #512 (8192 bytes) beyond its eager credit: 4194304 "
+                "bytes already wait for receives here (at most 4194304)"),
             std::string::npos)
       << r0().fatal[0].message();
   EXPECT_TRUE(r0().channel->dead());

@@ -71,9 +71,13 @@ struct PeerLog {
 void exchange(Endpoint& a, int to, Endpoint& b, int from, std::size_t n, int seed) {
   auto src = pattern(n, seed);
   std::vector<std::byte> dst(n, std::byte{0xEE});
-  auto rs = a.register_memory(src.data(), n);
+  auto rs = a.register_memory(src.data(), n, MemoryAccess::kLocal);  // only sent from
   auto rd = b.register_memory(dst.data(), n);
   ASSERT_TRUE(rs.is_ok() && rd.is_ok());
+  // Nothing is received into memory that peers may not write.
+  EXPECT_EQ(a.irecv(to, *rs, 0, n).status().message(),
+            "receive: the region is registered for local access only; register it with "
+            "MemoryAccess::kRemoteWrite to let peers write into it");
   auto recv = b.irecv(from, *rd, 0, n);
   auto send = a.isend(to, *rs, 0, n);
   ASSERT_TRUE(recv.is_ok() && send.is_ok());

@@ -56,6 +56,31 @@ TEST_F(Health, SilenceMakesItSuspectThenDownAtTheProbeTimeout) {
   EXPECT_EQ(h.flaps(), 1u);
 }
 
+// A congested rail whose probes take 150-250 ms to come back is slow, not dead: the silence it
+// may keep grows with its measured round trips and their variance (never past four probe
+// timeouts), so 300 ms without a reply is not a black hole there, as it is on a fast rail.
+TEST_F(Health, TheSilenceLimitFollowsTheMeasuredRoundTrips) {
+  h.on_connected(at(0ms));
+  EXPECT_EQ(h.silence_limit(), 200ms);  // nothing measured: the probe timeout
+  probes(0ms, 400ms);                   // 100 us round trips
+  EXPECT_EQ(h.silence_limit(), 200ms);
+  for (int i = 0; i < 40; ++i)
+    h.on_probe_reply(at(400ms + i * 20ms), i % 2 ? 150ms : 250ms);
+  const auto limit = h.silence_limit();
+  EXPECT_GT(limit, 400ms);
+  EXPECT_LE(limit, 800ms);
+  const auto last = at(400ms + 39 * 20ms);
+  EXPECT_EQ(h.tick(last + 300ms, false, last), HealthAction::kNone);
+  EXPECT_EQ(h.tick(last + std::chrono::ceil<std::chrono::milliseconds>(limit), false, last),
+            HealthAction::kFence);
+  // However long the round trips, the limit stays bounded.
+  RailHealth slow{config(), t0};
+  slow.on_connected(at(0ms));
+  for (int i = 0; i < 40; ++i)
+    slow.on_probe_reply(at(i * 20ms), 5s);
+  EXPECT_EQ(slow.silence_limit(), 800ms);
+}
+
 TEST_F(Health, UnconfirmedDataWithoutProgressStalls) {
   h.on_connected(at(0ms));
   probes(0ms, 2100ms);  // probes fine, data stuck

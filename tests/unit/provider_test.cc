@@ -78,7 +78,7 @@ class TcpProviderTest : public testing::Test {
 
 TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   std::vector<std::byte> dst(1 << 20, std::byte{0});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
   ASSERT_TRUE(key.is_ok());
   auto r = open(token_of(7));
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -126,7 +126,7 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
 TEST_F(TcpProviderTest, NoByteLandsInARegionAfterItsDeregistrationReturns) {
   constexpr std::size_t kLen = std::size_t{48} << 20;
   std::vector<std::byte> dst(kLen, std::byte{0});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
   ASSERT_TRUE(key.is_ok());
   auto r = open(token_of(7));
   ASSERT_TRUE(r.is_ok());
@@ -151,9 +151,30 @@ TEST_F(TcpProviderTest, NoByteLandsInARegionAfterItsDeregistrationReturns) {
     EXPECT_NE(why.find("that a write was landing in was deregistered"), std::string::npos) << why;
 }
 
+// Least privilege: memory registered for local access (what is only sent from) has a key, but
+// a peer's write naming it is refused and nothing lands; the rail stays up.
+TEST_F(TcpProviderTest, AWriteIntoLocalOnlyMemoryIsRefused) {
+  std::vector<std::byte> dst(4096, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kLocal);
+  ASSERT_TRUE(key.is_ok());
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok());
+  rail_a_ = *r;
+  std::vector<std::byte> src(100, std::byte{0x5a});
+  engine_.call([&] { (void)rail_a_->post_write({src.data(), 100, *key, 0, 1, 1}); });
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.refused.size() == 1; }));
+  EXPECT_NE(
+      a_events_.refused[0].second.find("a region registered for local access only on 127.0.0.52"),
+      std::string::npos)
+      << a_events_.refused[0].second;
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0}), 4096);
+  EXPECT_TRUE(a_events_.failed.empty());
+  EXPECT_TRUE(b_->deregister_memory(0, *key).is_ok());
+}
+
 TEST_F(TcpProviderTest, WriteOutsideTheRegionIsRefusedAndReportedAndTheRailStaysUp) {
   std::vector<std::byte> dst(4096, std::byte{0});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
   auto r = open(token_of(7));
   ASSERT_TRUE(r.is_ok());
   rail_a_ = *r;

@@ -124,10 +124,10 @@ TEST_F(VerbsProviderTest, DevicesAreMatchedToTheirInterfaces) {
 
 TEST_F(VerbsProviderTest, WritesAndControlMessagesArriveIntactBothWays) {
   Bytes dst(1 << 20, std::byte{0});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
   ASSERT_TRUE(key.is_ok()) << key.status().to_string();
   Bytes src = pattern(300000, 1);
-  auto skey = a_->register_memory(0, src.data(), src.size());
+  auto skey = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kRemoteWrite);
   ASSERT_TRUE(skey.is_ok());
   auto r = open();
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -182,8 +182,8 @@ TEST_F(VerbsProviderTest, MoreWritesThanTheQueuesHoldAllLand) {
   constexpr std::size_t kWrites = 1500, kLen = 4096;
   Bytes dst(kWrites * kLen, std::byte{0});
   Bytes src = pattern(dst.size(), 5);
-  auto key = b_->register_memory(0, dst.data(), dst.size());
-  auto skey = a_->register_memory(0, src.data(), src.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  auto skey = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kRemoteWrite);
   ASSERT_TRUE(key.is_ok() && skey.is_ok());
   auto r = open();
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
@@ -208,8 +208,8 @@ TEST_F(VerbsProviderTest, MoreWritesThanTheQueuesHoldAllLand) {
 TEST_F(VerbsProviderTest, AWriteOutsideTheRegionIsRefusedAsABugAndTheRailFails) {
   Bytes dst(4096, std::byte{0});
   Bytes src(100, std::byte{0x5a});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
-  auto skey = a_->register_memory(0, src.data(), src.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  auto skey = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kRemoteWrite);
   auto r = open();
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   rail_a_ = *r;
@@ -228,7 +228,7 @@ TEST_F(VerbsProviderTest, AWriteOutsideTheRegionIsRefusedAsABugAndTheRailFails) 
 
 TEST_F(VerbsProviderTest, AnUnregisteredSourceIsAClearError) {
   Bytes dst(4096);
-  auto key = b_->register_memory(0, dst.data(), dst.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
   auto r = open();
   ASSERT_TRUE(r.is_ok());
   rail_a_ = *r;
@@ -452,8 +452,8 @@ TEST_F(VerbsProviderTest, APortGoingDownFailsItsRails) {
   ASSERT_EQ(std::system(("rdma-vm-nic down " + netdev).c_str()), 0);
   Bytes dst(4096);
   Bytes src(4096, std::byte{1});
-  auto key = b_->register_memory(0, dst.data(), dst.size());
-  auto skey = a_->register_memory(0, src.data(), src.size());
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  auto skey = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kRemoteWrite);
   engine_.call([&] { (void)rail_a_->post_write({src.data(), 4096, *key, 0, 0, 1}); });
   const bool failed = a_events_.wait([&] { return !a_events_.failed.empty(); });
   EXPECT_EQ(std::system(("rdma-vm-nic up " + netdev).c_str()), 0);

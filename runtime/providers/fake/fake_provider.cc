@@ -206,10 +206,10 @@ FakeProvider::FakeProvider(FakeNetwork& net, std::uint32_t id, std::size_t rails
 }
 
 Result<std::uint64_t> FakeProvider::register_memory(std::size_t device, void* base,
-                                                    std::size_t length) {
+                                                    std::size_t length, MemoryAccess access) {
   if (device >= devices_.size()) return Status(ErrorCode::kInvalidArgument, "no such device");
   const std::uint64_t key = (next_key_++ << 8) | device;
-  regions_[key] = {static_cast<std::byte*>(base), length};
+  regions_[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite};
   return key;
 }
 
@@ -224,7 +224,8 @@ Bytes FakeProvider::endpoint(std::size_t device) const {
 
 std::byte* FakeProvider::target(std::uint64_t key, std::uint64_t offset, std::size_t length) {
   auto it = regions_.find(key);
-  if (it == regions_.end() || offset > it->second.length || length > it->second.length - offset)
+  if (it == regions_.end() || !it->second.remote_write || offset > it->second.length ||
+      length > it->second.length - offset)
     return nullptr;
   return it->second.base + offset;
 }

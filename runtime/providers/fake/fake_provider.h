@@ -118,8 +118,8 @@ class FakeProvider final : public Provider {
   std::uint32_t api_version() const override { return kProviderApiVersion; }
   std::uint32_t capabilities() const override { return kCapBackPressure; }
   const std::vector<RailNic>& devices() const override { return devices_; }
-  Result<std::uint64_t> register_memory(std::size_t device, void* base,
-                                        std::size_t length) override;
+  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
+                                        MemoryAccess access) override;
   Status deregister_memory(std::size_t device, std::uint64_t key) override;
   Bytes endpoint(std::size_t device) const override;
   void set_accept_handler(AcceptHandler handler) override { accept_ = std::move(handler); }
@@ -137,6 +137,7 @@ class FakeProvider final : public Provider {
   struct Registration {
     std::byte* base = nullptr;
     std::size_t length = 0;
+    bool remote_write = false;
   };
   FakeNetwork& net_;
   std::uint32_t id_;

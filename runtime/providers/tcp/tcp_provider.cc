@@ -110,7 +110,12 @@ class TcpRail;
 // Registered memory of one NIC: key -> region. Shared with that NIC's rails.
 struct KeyTable {
   std::mutex mutex;
-  std::unordered_map<std::uint64_t, std::pair<std::byte*, std::size_t>> regions;
+  struct Registration {
+    std::byte* base = nullptr;
+    std::size_t length = 0;
+    bool remote_write = false;  // MemoryAccess::kRemoteWrite
+  };
+  std::unordered_map<std::uint64_t, Registration> regions;
   // Regions that a rail's receive is streaming into right now (key -> how many rails), and the
   // rails: a deregistration closes those rails before it returns, so the network never writes
   // into memory its owner has freed.
@@ -555,13 +560,18 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
             "write of {} bytes at offset {} names key 0x{:x}, which is not "
             "registered on {}",
             cur_.length, cur_.offset, cur_.key, nic_.name);
-      } else if (cur_.offset > it->second.second || cur_.length > it->second.second - cur_.offset) {
+      } else if (!it->second.remote_write) {
+        refusal = fmt::format(
+            "write of {} bytes at offset {} names key 0x{:x}, a region registered for local "
+            "access only on {}",
+            cur_.length, cur_.offset, cur_.key, nic_.name);
+      } else if (cur_.offset > it->second.length || cur_.length > it->second.length - cur_.offset) {
         refusal = fmt::format(
             "write of {} bytes at offset {} falls outside the registered region "
             "of {} bytes (key 0x{:x} on {})",
-            cur_.length, cur_.offset, it->second.second, cur_.key, nic_.name);
+            cur_.length, cur_.offset, it->second.length, cur_.key, nic_.name);
       } else {
-        dest = it->second.first + cur_.offset;
+        dest = it->second.base + cur_.offset;
         std::memcpy(dest, rbuf_.data() + rpos_, have);
         if (have < len) {
           landing_key_ = cur_.key;
@@ -782,8 +792,8 @@ class TcpProvider final : public Provider {
   }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
-  Result<std::uint64_t> register_memory(std::size_t device, void* base,
-                                        std::size_t length) override {
+  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
+                                        MemoryAccess access) override {
     if (device >= state_.size())
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
     auto& t = *state_[device]->keys;
@@ -794,7 +804,7 @@ class TcpProvider final : public Provider {
       R2CCL_RETURN_IF_ERROR(crypto::random_bytes(
           std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(&key), sizeof key)));
     } while (key == 0 || t.regions.count(key) != 0);
-    t.regions[key] = {static_cast<std::byte*>(base), length};
+    t.regions[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite};
     return key;
   }
 

@@ -792,8 +792,8 @@ class VerbsProvider final : public Provider {
   std::uint32_t capabilities() const override { return kCapRemoteDirectWrite; }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
-  Result<std::uint64_t> register_memory(std::size_t device, void* base,
-                                        std::size_t length) override {
+  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
+                                        MemoryAccess access) override {
     if (device >= state_.size())
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
     auto& d = *state_[device]->dev;
@@ -802,8 +802,11 @@ class VerbsProvider final : public Provider {
     void* p = base != nullptr ? base : &dummy;
     // Zero-based as far as the kernel allows: the I/O address keeps the offset within the page.
     const std::uint64_t iova = reinterpret_cast<std::uintptr_t>(p) & (page_size() - 1);
-    MrPtr mr(ibv_reg_mr_iova(d.pd.get(), p, std::max<std::size_t>(length, 1), iova,
-                             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE));
+    // The NIC refuses a peer's RDMA write into memory registered without REMOTE_WRITE.
+    const int flags = access == MemoryAccess::kRemoteWrite
+                          ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE
+                          : int{IBV_ACCESS_LOCAL_WRITE};
+    MrPtr mr(ibv_reg_mr_iova(d.pd.get(), p, std::max<std::size_t>(length, 1), iova, flags));
     if (!mr)
       return Status(ErrorCode::kUnavailable, fmt::format("ibv_reg_mr of {} bytes on {}: {}", length,
                                                          d.name, errno_text(errno)));

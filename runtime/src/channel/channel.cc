@@ -108,6 +108,7 @@ void Channel::tick(Clock::time_point now) {
     measure_bandwidth(now);
     update_degraded();
   }
+  return_credit();  // eager credit consumed since the last batch went back
   // Control messages queued while no rail was usable (every rail SUSPECT for a moment, say, on a
   // busy machine) go out once one is again: a rail that comes back from SUSPECT does not call
   // for them itself.

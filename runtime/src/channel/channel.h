@@ -2,6 +2,7 @@
 // Everything here runs on the progress thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -103,6 +104,15 @@ class Channel {
                   std::size_t remote_offset, std::size_t length, Clock::time_point deadline);
   // Reliable, delivered once, in order with the control messages of this channel.
   void send_user_message(std::uint8_t service, std::span<const std::byte> payload);
+  // Bytes of control messages sent and not yet confirmed by the peer (any thread): a user
+  // message is refused ("try again") past kMaxControlUnconfirmed.
+  std::size_t control_unconfirmed_bytes() const {
+    return control_unconfirmed_bytes_.load(std::memory_order_relaxed);
+  }
+  // Eager data kept for receives not posted yet (at most kEagerCredit), and this side's eager
+  // bytes the peer has not consumed yet (loop thread).
+  std::size_t unexpected_bytes() const { return unexpected_bytes_; }
+  std::uint64_t eager_unconsumed() const { return eager_unconsumed_; }
   // Tells the peer that this side disconnects, after everything sent before.
   void send_goodbye();
 
@@ -244,6 +254,11 @@ class Channel {
   void start_send(std::uint64_t seq, const Cts& cts);
   // Eager data for receive `seq` (posted or not yet).
   void on_eager(std::uint64_t seq, std::span<const std::byte> data);
+  // Eager bytes consumed here (matched or discarded): credit for the peer, returned in batches.
+  void consumed_eager(std::size_t bytes);
+  void return_credit();
+  // The clear-to-send of a posted receive, and its arrival set.
+  void send_cts(Recv& r);
   // Messages of eager size (1..8 KiB; 1..64 KiB over a single rail) travel inside a control
   // message, and their receives get no clear-to-send; the others go through a rendezvous.
   bool needs_cts(std::size_t length) const;
@@ -323,6 +338,12 @@ class Channel {
 
   std::uint64_t next_recv_seq_ = 0;
   std::map<std::uint64_t, Bytes> unexpected_;  // eager data whose receive is not posted yet
+  std::size_t unexpected_bytes_ = 0;           // at most kEagerCredit
+  // Eager credit (protocol.h): sent and not yet returned, here; consumed and not yet returned,
+  // from the peer.
+  std::uint64_t eager_unconsumed_ = 0;
+  std::uint64_t eager_returnable_ = 0;
+  std::atomic<std::size_t> control_unconfirmed_bytes_{0};
   std::map<std::uint32_t, Recv> recv_slots_;
   Clock::time_point last_tick_{};
   Clock::time_point last_confirm_{};  // of any chunk to this peer, or a re-admission

@@ -21,6 +21,7 @@ void Channel::send_control(Bytes message, std::size_t payload) {
   e.seq = next_control_seq_++;
   e.payload = payload;
   store_le(message.data(), e.seq);  // where control_writer left room for it
+  control_unconfirmed_bytes_.fetch_add(message.size(), std::memory_order_relaxed);
   e.message = std::make_shared<const Bytes>(std::move(message));
   control_backlog_.push_back(std::move(e));
   flush_control();
@@ -147,10 +148,16 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
     if (it != recv_slots_.end() && it->second.seq == seq2) {
       if (!needs_cts(it->second.length)) {
-        auto op = it->second.op;
-        const auto posted = it->second.length;
-        recv_slots_.erase(it);
-        refuse_send(op, seq2, length, posted);
+        // A receive of eager size: the sender is out of eager credit and asks for a
+        // clear-to-send instead; another size is refused.
+        if (length == it->second.length && it->second.arrivals.chunks() == 0) {
+          send_cts(it->second);
+        } else {
+          auto op = it->second.op;
+          const auto posted = it->second.length;
+          recv_slots_.erase(it);
+          refuse_send(op, seq2, length, posted);
+        }
       }
       // else: the clear-to-send already went; the sender checks the length against it
     } else if (seq2 >= next_recv_seq_) {
@@ -186,6 +193,19 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
   if (type == ControlType::kUser) {
     // After the sequence number and type: the service byte, then the payload.
     if (ctx_.on_user_message) ctx_.on_user_message(peer_, message.subspan(9));
+    return;
+  }
+  if (type == ControlType::kCredit) {
+    const auto bytes = r.u64();
+    if (!r.finish("eager credit").is_ok()) {
+      R2CCL_WARN("{} sent a malformed eager credit on rail {}", label_, rail);
+      return;
+    }
+    if (bytes > eager_unconsumed_)
+      return protocol_violation(
+          fmt::format("{} returned {} bytes of eager credit, but only {} were outstanding", label_,
+                      bytes, eager_unconsumed_));
+    eager_unconsumed_ -= bytes;
     return;
   }
   if (type == ControlType::kGoodbye) {

@@ -29,6 +29,9 @@ enum class ControlType : std::uint8_t {
   kFailover = 7,
   // The peer disconnects: nothing follows it (sent after everything else on the channel).
   kGoodbye = 8,
+  // Eager credit returned: u64 bytes of the sender's eager messages that the receiver has
+  // consumed (matched to a receive, or discarded) since its last credit message.
+  kCredit = 9,
 };
 // A control message's writer: room for its sequence number first (send_control fills it in, so
 // the message is built once), then its type; `body` bytes are reserved for what follows.
@@ -46,6 +49,16 @@ inline constexpr std::size_t kEagerMax = 8 * 1024;
 // With a single rail there is nothing to stripe over, and the round trip is all that a
 // rendezvous would add: up to this size (Open MPI's TCP eager limit) messages go eagerly.
 inline constexpr std::size_t kEagerMaxOneRail = 64 * 1024;
+// Eager credit: a sender has at most this many bytes of eager messages that the receiver has
+// not consumed yet; a message that would go past it takes the request-to-send path instead (it
+// completes when its data is confirmed, not when it is queued), so a sender that outruns its
+// receiver waits instead of filling the receiver's memory. The receiver returns credit once it
+// has consumed kCreditReturn bytes, or at its next tick.
+inline constexpr std::size_t kEagerCredit = std::size_t{4} << 20;
+inline constexpr std::size_t kCreditReturn = std::size_t{1} << 20;
+// Control messages (user messages included) not yet confirmed by the peer, at most: past it a
+// user message is refused with "try again" (ErrorCode::kNoResource).
+inline constexpr std::size_t kMaxControlUnconfirmed = std::size_t{64} << 20;
 // Chunks go round-robin to at most this many of the oldest messages in flight.
 inline constexpr std::size_t kServeWindow = 4;
 

@@ -115,6 +115,7 @@ void Channel::on_confirmed(std::uint32_t rail, std::uint64_t cookie, std::uint64
         s.tel.tx_bytes.fetch_add(it->second.payload, std::memory_order_relaxed);
         s.tel.tx_chunks.fetch_add(1, std::memory_order_relaxed);
       }
+      control_unconfirmed_bytes_.fetch_sub(it->second.message->size(), std::memory_order_relaxed);
       control_inflight_.erase(it);
     }
     return;

@@ -38,10 +38,12 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
-  if (!needs_cts(length)) {
+  if (!needs_cts(length) && eager_unconsumed_ + length <= kEagerCredit) {
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
     // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
+    // Out of eager credit, the same message takes the request-to-send path below.
+    eager_unconsumed_ += length;
     ByteWriter w = control_writer(ControlType::kEager, 16 + length);
     w.u64(seq).u64(length);
     w.raw(s.region->base + offset, length);
@@ -111,27 +113,29 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
     // An eager message came first: no clear-to-send (its sender has finished).
     Bytes data = std::move(it->second);
+    unexpected_bytes_ -= data.size();
     unexpected_.erase(it);
     finish_eager(op, region, offset, length, seq, data);
     return;
   }
+  // A receive of eager size waits for the data without a clear-to-send, unless its sender, out
+  // of eager credit, announced it (request-to-send of the same size); a sender of another size
+  // announces itself and is refused.
+  bool rendezvous = needs_cts(length);
   if (auto it = early_rts_.find(seq); it != early_rts_.end()) {
     const auto sent = it->second;
     early_rts_.erase(it);
-    if (!needs_cts(length)) return refuse_send(op, seq, sent, length);
+    if (!needs_cts(length) && sent != length) return refuse_send(op, seq, sent, length);
+    rendezvous = true;
   }
-  const std::uint32_t chunk = chunk_for(length);
-  if (needs_cts(length)) {
-    // A receive of eager size waits for the data without a clear-to-send; a sender of another
-    // size announces itself (request-to-send) and is refused.
-    ByteWriter w = control_writer(ControlType::kCts);
-    w.u64(seq).u64(length).u32(chunk).u64(offset);
-    RemoteRegion{region->id, region->length, region->keys}.encode(w);
-    send_control(w.take());
-    if (length == 0) {
-      op->complete(Status::ok());
-      return;
-    }
+  if (length == 0) {  // nothing to move: the clear-to-send tells the sender so
+    Recv r;
+    r.seq = seq;
+    r.offset = offset;
+    r.region = std::move(region);
+    send_cts(r);
+    op->complete(Status::ok());
+    return;
   }
   Recv r;
   r.op = std::move(op);
@@ -140,8 +144,17 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   r.offset = offset;
   r.length = length;
   r.deadline = deadline;
-  if (needs_cts(length)) r.arrivals = ArrivalSet(chunk_count(length, chunk));  // eager: one piece
+  if (rendezvous) send_cts(r);
   recv_slots_.emplace(slot, std::move(r));
+}
+
+void Channel::send_cts(Recv& r) {
+  const std::uint32_t chunk = chunk_for(r.length);
+  ByteWriter w = control_writer(ControlType::kCts);
+  w.u64(r.seq).u64(r.length).u32(chunk).u64(r.offset);
+  RemoteRegion{r.region->id, r.region->length, r.region->keys}.encode(w);
+  send_control(w.take());
+  if (r.length > 0) r.arrivals = ArrivalSet(chunk_count(r.length, chunk));
 }
 
 std::size_t Channel::eager_limit() const {
@@ -165,17 +178,42 @@ void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent
 void Channel::on_eager(std::uint64_t seq, std::span<const std::byte> data) {
   auto it = recv_slots_.find(ChunkImm::slot_of(seq));
   if (it == recv_slots_.end() || it->second.seq != seq) {
-    // Kept until its receive is posted (the only copy besides the one into place).
-    if (seq >= next_recv_seq_) unexpected_.emplace(seq, Bytes(data.begin(), data.end()));
-    return;  // else: the receive already ended (failed at its deadline)
+    if (seq < next_recv_seq_ || unexpected_.count(seq) != 0) {
+      consumed_eager(data.size());  // the receive already ended (failed at its deadline)
+      return;
+    }
+    // Kept until its receive is posted (the only copy besides the one into place), within the
+    // sender's eager credit.
+    if (unexpected_bytes_ + data.size() > kEagerCredit)
+      return protocol_violation(fmt::format(
+          "{} sent eager message #{} ({} bytes) beyond its eager credit: {} bytes already wait "
+          "for receives here (at most {})",
+          label_, seq, data.size(), unexpected_bytes_, kEagerCredit));
+    unexpected_bytes_ += data.size();
+    unexpected_.emplace(seq, Bytes(data.begin(), data.end()));
+    return;
   }
   Recv r = std::move(it->second);
   recv_slots_.erase(it);
   finish_eager(r.op, r.region, r.offset, r.length, seq, data);
 }
 
+void Channel::consumed_eager(std::size_t bytes) {
+  eager_returnable_ += bytes;
+  if (eager_returnable_ >= kCreditReturn) return_credit();
+}
+
+void Channel::return_credit() {
+  if (eager_returnable_ == 0 || dead_) return;
+  ByteWriter w = control_writer(ControlType::kCredit, 8);
+  w.u64(eager_returnable_);
+  eager_returnable_ = 0;
+  send_control(w.take());
+}
+
 void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t offset,
                            std::size_t length, std::uint64_t seq, std::span<const std::byte> data) {
+  consumed_eager(data.size());
   if (data.size() != length) {
     op->complete({ErrorCode::kInvalidArgument,
                   size_mismatch(seq, label_, ctx_.self_label, data.size(), length)});

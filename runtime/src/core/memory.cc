@@ -29,15 +29,26 @@ MemoryRegistry::~MemoryRegistry() {
       (void)provider_.deregister_memory(d, region->keys[d]);
 }
 
-Result<RegionPtr> MemoryRegistry::register_region(void* base, std::size_t length) {
+Status check_remote_writable(const RegionPtr& region, const char* what) {
+  if (region && region->access != MemoryAccess::kRemoteWrite)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the region is registered for local access only; register it with "
+                        "MemoryAccess::kRemoteWrite to let peers write into it",
+                        what)};
+  return Status::ok();
+}
+
+Result<RegionPtr> MemoryRegistry::register_region(void* base, std::size_t length,
+                                                  MemoryAccess access) {
   if (base == nullptr && length > 0)
     return Status(ErrorCode::kInvalidArgument, "cannot register a null buffer");
   auto region = std::make_shared<Region>();
   region->base = static_cast<std::byte*>(base);
   region->length = length;
+  region->access = access;
   const std::size_t ndev = provider_.devices().size();
   for (std::size_t d = 0; d < ndev; ++d) {
-    auto key = provider_.register_memory(d, base, length);
+    auto key = provider_.register_memory(d, base, length, access);
     if (!key) {
       for (std::size_t u = 0; u < region->keys.size(); ++u)
         (void)provider_.deregister_memory(u, region->keys[u]);

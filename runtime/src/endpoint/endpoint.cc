@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "channel/channel.h"
+#include "channel/protocol.h"
 #include "common/handshake.h"
 #include "health/prober.h"
 #include "r2ccl/runtime/log.h"
@@ -730,8 +731,8 @@ std::size_t Endpoint::eager_limit(int peer) const {
   return c ? c->eager_limit() : 0;
 }
 
-Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length) {
-  return registry_->register_region(base, length);
+Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length, MemoryAccess access) {
+  return registry_->register_region(base, length, access);
 }
 
 Status Endpoint::deregister_memory(const RegionPtr& region) {
@@ -772,6 +773,7 @@ Result<OpPtr> Endpoint::isend(int peer, const RegionPtr& region, std::size_t off
 Result<OpPtr> Endpoint::irecv(int peer, const RegionPtr& region, std::size_t offset,
                               std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "receive"));
+  R2CCL_RETURN_IF_ERROR(check_remote_writable(region, "receive"));
   return start_op([this, region, offset, length, peer](OpPtr op, Clock::time_point deadline) {
     channel(peer)->post_recv(std::move(op), region, offset, length, deadline);
   });
@@ -795,8 +797,15 @@ Result<OpPtr> Endpoint::iwrite(int peer, const RegionPtr& region, std::size_t of
 Status Endpoint::send_message(int peer, std::uint8_t service, Bytes payload) {
   {
     std::lock_guard lock(peers_mutex_);
-    if (!channel(peer))
-      return {ErrorCode::kInvalidArgument, fmt::format("message: no peer has id {}", peer)};
+    Channel* c = channel(peer);
+    if (!c) return {ErrorCode::kInvalidArgument, fmt::format("message: no peer has id {}", peer)};
+    // Bounded: a sender that outruns the rails (or a peer that stopped confirming) is told to
+    // try again instead of queueing without end.
+    if (const auto queued = c->control_unconfirmed_bytes(); queued > kMaxControlUnconfirmed)
+      return {ErrorCode::kNoResource,
+              fmt::format("message to {}: {} bytes of control messages are not confirmed yet "
+                          "(at most {}); try again",
+                          c->label(), queued, kMaxControlUnconfirmed)};
   }
   if (payload.size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument,

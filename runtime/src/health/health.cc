@@ -74,6 +74,16 @@ void RailHealth::on_heard(TimePoint now) {
 
 void RailHealth::on_probe_reply(TimePoint now, std::chrono::nanoseconds rtt) {
   rtt_ = rtt;
+  if (rtt.count() > 0) {
+    if (srtt_.count() == 0) {
+      srtt_ = rtt;
+      rttvar_ = rtt / 2;
+    } else {
+      const auto err = rtt > srtt_ ? rtt - srtt_ : srtt_ - rtt;
+      rttvar_ = (3 * rttvar_ + err) / 4;
+      srtt_ = (7 * srtt_ + rtt) / 8;
+    }
+  }
   on_heard(now);
   if (connected_ || !link_up_) return;
   if (state_ == RailState::kDown) {
@@ -84,10 +94,17 @@ void RailHealth::on_probe_reply(TimePoint now, std::chrono::nanoseconds rtt) {
   ++good_probes_;
 }
 
+std::chrono::nanoseconds RailHealth::silence_limit() const {
+  const std::chrono::nanoseconds configured = config_.probe_timeout;
+  const auto measured = srtt_ + 4 * rttvar_ + configured / 2;
+  return std::clamp(measured, configured, kMaxSilenceFactor * configured);
+}
+
 HealthAction RailHealth::tick(TimePoint now, bool unconfirmed, TimePoint last_progress) {
   const auto silence = now - last_heard_;
+  const auto limit = silence_limit();
   if (connected_) {
-    if (silence >= config_.probe_timeout)
+    if (silence >= limit)
       return go_down(
           now,
           "no probe reply or data for " +
@@ -103,7 +120,7 @@ HealthAction RailHealth::tick(TimePoint now, bool unconfirmed, TimePoint last_pr
                                             .count()) +
                          "ms",
                      last_progress);
-    if (silence >= config_.probe_timeout / 2) {
+    if (silence >= limit / 2) {
       state_ = RailState::kSuspect;
     } else {
       refresh_connected_state();
@@ -116,7 +133,7 @@ HealthAction RailHealth::tick(TimePoint now, bool unconfirmed, TimePoint last_pr
     return HealthAction::kNone;
   }
   if (state_ == RailState::kProbing) {
-    if (silence >= config_.probe_timeout || !link_up_) {
+    if (silence >= limit || !link_up_) {
       // Probes stopped answering again before re-admission: a flap. The same silence as for a
       // rail in use: a shorter one is as likely a busy CPU as a link, and would count flaps
       // that no link made.

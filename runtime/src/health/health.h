@@ -70,6 +70,13 @@ class RailHealth {
   std::uint64_t failovers() const { return failovers_; }
   std::chrono::milliseconds holddown() const { return holddown_; }
   std::chrono::nanoseconds rtt() const { return rtt_; }
+  // How long the peer may stay silent before the rail is declared DOWN (half of it: SUSPECT):
+  // the probe timeout, or longer where the rail's measured round trips are long or vary (a
+  // congested link whose queue delays the probes is slow, not dead): the smoothed RTT plus four
+  // deviations (RFC 6298's estimator) plus half the probe timeout, at most kMaxSilenceFactor
+  // probe timeouts.
+  std::chrono::nanoseconds silence_limit() const;
+  static constexpr int kMaxSilenceFactor = 4;
   // How long the last failure took to detect: from the last sign of life (silence, stall) or
   // from the event itself (link, provider error).
   std::chrono::nanoseconds last_detection() const { return last_detection_; }
@@ -93,6 +100,8 @@ class RailHealth {
   std::uint64_t flaps_ = 0;
   std::uint64_t failovers_ = 0;
   std::chrono::nanoseconds rtt_{0};
+  std::chrono::nanoseconds srtt_{0};    // smoothed RTT (0: not measured yet)
+  std::chrono::nanoseconds rttvar_{0};  // its mean deviation
   std::chrono::nanoseconds last_detection_{0};
   std::string last_error_;
 };

@@ -74,11 +74,19 @@ void ProgressEngine::thread_main() {
   while (!stopping_.load()) {
     park();
     if (stopping_.load()) break;
-    std::unique_lock loop(loop_mutex_, std::try_to_lock);
-    if (!loop.owns_lock()) continue;  // a caller drives: park again
+    // thread_owns_ is set before the loop is taken and cleared after it is released, so that
+    // a caller that finds the loop taken never mistakes the engine's thread for another caller.
     thread_owns_.store(true);
-    RunningHere here(this);
-    guarded([this] { run_adaptive(); });
+    std::unique_lock loop(loop_mutex_, std::try_to_lock);
+    if (!loop.owns_lock()) {  // a caller drives: park again
+      thread_owns_.store(false);
+      continue;
+    }
+    {
+      RunningHere here(this);
+      guarded([this] { run_adaptive(); });
+    }
+    loop.unlock();
     thread_owns_.store(false);
   }
 }

@@ -322,8 +322,8 @@ std::size_t Fabric::eager_limit(int peer) const {
   return peer == rank() ? 0 : endpoint_->eager_limit(peer);
 }
 
-Result<RegionPtr> Fabric::register_memory(void* base, std::size_t length) {
-  return endpoint_->register_memory(base, length);
+Result<RegionPtr> Fabric::register_memory(void* base, std::size_t length, MemoryAccess access) {
+  return endpoint_->register_memory(base, length, access);
 }
 
 Status Fabric::deregister_memory(const RegionPtr& region) {

@@ -6,6 +6,7 @@
 // async_error() says which). Bad arguments are refused before any byte moves.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -62,7 +63,16 @@ class Communicator {
   // color joins none (the result is null). Every rank of this communicator must call it.
   Result<std::unique_ptr<Communicator>> split(int color, int key);
 
+  // Buffers used again and again (NCCL's ncclCommRegister): registered once on every rail, so
+  // that an operation whose buffers lie inside one skips registering them (a system call and
+  // pinning per NIC under verbs). Peers may write into it (it can be received into). The buffer
+  // must stay allocated until deregister_buffer; only this rank's calls use it.
+  using BufferHandle = std::uint64_t;
+  Result<BufferHandle> register_buffer(void* base, std::size_t bytes);
+  Status deregister_buffer(BufferHandle handle);
+
   // Fails what is in flight and everything after with an error; the object stays safe to destroy.
+  // Any thread may call it (a watchdog's), also while a collective blocks.
   void abort();
   // The first asynchronous error (a peer left, no rail survived, abort()); OK while none.
   Status async_error() const;
@@ -106,7 +116,12 @@ class Communicator {
   RegionPtr scratch_region_;
   int group_depth_ = 0;
   std::vector<P2p> group_;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
+  // register_buffer's regions, by start address.
+  mutable std::mutex buffers_mutex_;
+  std::map<const std::byte*, RegionPtr> buffers_;
+  // The registered buffer holding [p, p + bytes), with p's offset in it; null when none does.
+  std::pair<RegionPtr, std::size_t> registered(const void* p, std::size_t bytes) const;
   std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
   // The plan of the last collective: the next one is usually the same operation (a serving
   // loop, a benchmark), and building a plan costs as much as a small message's round trip.

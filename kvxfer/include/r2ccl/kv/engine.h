@@ -118,9 +118,10 @@ class KvEngine {
 
   // Notifications for requests pushed to this side (verified here when R2CCL_KV_VERIFY is on).
   std::vector<Notification> poll_notifications();
-  // Delivers every later notification to `fn` instead (already verified), on the progress
-  // thread: it must not block nor call this engine. Notifications already queued are delivered
-  // at once.
+  // Delivers every later notification to `fn` instead (already verified), on the engine's
+  // notification thread and outside its lock: `fn` may call this engine; while it runs, later
+  // notifications wait. Notifications already queued are delivered at once, on the caller's
+  // thread.
   void set_notification_callback(std::function<void(const Notification&)> fn);
   Result<Notification> wait_notification(int peer, std::uint64_t id,
                                          std::chrono::milliseconds timeout);

@@ -146,7 +146,10 @@ class Endpoint {
   std::size_t rails_to(int peer) const;
   std::size_t eager_limit(int peer) const;
 
-  Result<RegionPtr> register_memory(void* base, std::size_t length);
+  // kRemoteWrite (the default) for what is received into or written by peers; kLocal for
+  // what is only sent from.
+  Result<RegionPtr> register_memory(void* base, std::size_t length,
+                                    MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
   Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
   Result<OpPtr> irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);

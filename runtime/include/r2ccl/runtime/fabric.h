@@ -53,7 +53,10 @@ class Fabric {
   // The largest message to `peer` that is sent eagerly (no clear-to-send first); 0 for itself.
   std::size_t eager_limit(int peer) const;
 
-  Result<RegionPtr> register_memory(void* base, std::size_t length);
+  // Registers memory on every rail. kRemoteWrite (receive buffers, one-sided write targets)
+  // lets peers write into it; kLocal (send-only buffers) does not.
+  Result<RegionPtr> register_memory(void* base, std::size_t length,
+                                    MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
 
   // Sends [offset, offset+length) of a registered region to `peer`.

@@ -19,6 +19,7 @@ struct Region {
   std::byte* base = nullptr;
   std::size_t length = 0;
   std::vector<std::uint64_t> keys;  // one per device (rail NIC)
+  MemoryAccess access = MemoryAccess::kRemoteWrite;
 };
 using RegionPtr = std::shared_ptr<const Region>;
 
@@ -31,6 +32,9 @@ struct RemoteRegion {
   static RemoteRegion decode(ByteReader& r);
 };
 
+// Whether the region lets peers write into it; the error names `what` and how to register it.
+Status check_remote_writable(const RegionPtr& region, const char* what);
+
 // Whether [offset, offset + length) lies in the registered region; the error names `what`.
 Status check_region(const RegionPtr& region, std::size_t offset, std::size_t length,
                     const char* what);
@@ -42,8 +46,10 @@ class MemoryRegistry {
   MemoryRegistry(const MemoryRegistry&) = delete;
   MemoryRegistry& operator=(const MemoryRegistry&) = delete;
 
-  // Registers [base, base+length) on every device; all or nothing.
-  Result<RegionPtr> register_region(void* base, std::size_t length);
+  // Registers [base, base+length) on every device; all or nothing. Only kRemoteWrite regions
+  // can be received into or written by peers.
+  Result<RegionPtr> register_region(void* base, std::size_t length,
+                                    MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_region(std::uint64_t id);
   std::size_t size() const;
 

@@ -109,7 +109,7 @@ class ProgressEngine {
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
   std::mutex loop_mutex_;                 // held by whichever thread runs the loop
-  std::atomic<bool> thread_owns_{false};  // the engine's own thread holds loop_mutex_
+  std::atomic<bool> thread_owns_{false};  // the engine's own thread holds loop_mutex_ (or takes it)
   std::atomic<int> drivers_{0};           // callers driving or about to
   std::atomic<int> submitted_{0};         // submit()ted work queued, not yet started
   std::atomic<Clock::rep> last_drive_end_{0};

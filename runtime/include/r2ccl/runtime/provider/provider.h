@@ -27,7 +27,12 @@ namespace r2ccl {
 class ProgressEngine;
 
 // The version of this interface; a provider reports the one it was built for.
-inline constexpr std::uint32_t kProviderApiVersion = 2;
+inline constexpr std::uint32_t kProviderApiVersion = 3;
+
+// What a registration allows. kLocal: the memory is only read (sent from) or written by this
+// process; a peer's write naming its key is refused. kRemoteWrite: peers that hold the key may
+// write into it (receive windows, KV pools, one-sided write targets).
+enum class MemoryAccess : std::uint8_t { kLocal = 0, kRemoteWrite = 1 };
 
 // Capability flags (Provider::capabilities()).
 enum ProviderCapability : std::uint32_t {
@@ -127,8 +132,8 @@ class Provider {
   virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
   virtual const std::vector<RailNic>& devices() const = 0;
 
-  virtual Result<std::uint64_t> register_memory(std::size_t device, void* base,
-                                                std::size_t length) = 0;
+  virtual Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
+                                                MemoryAccess access) = 0;
   virtual Status deregister_memory(std::size_t device, std::uint64_t key) = 0;
 
   // What a peer needs to open a rail to `device` (published through the bootstrap).
