@@ -32,7 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (void)parse_coll(in);
       break;
     case 3:
-      (void)parse_send(in);
+      (void)parse_relayed(in);
       break;
     case 4: {
       auto w = parse_welcome(in, static_cast<int>(which / 10));
@@ -46,7 +46,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       break;
     }
     case 6:
-      (void)parse_deliver(in);
+      (void)parse_relayed(in);
       break;
     case 7: {
       auto p = parse_peer_left(in);

@@ -356,9 +356,9 @@ class BootstrapRoot {
 
   // Point-to-point control messages are relayed: rank -> root -> rank.
   void on_send(const SessionPtr& s) {
-    auto parsed = parse_send(s->payload);
+    auto parsed = parse_relayed(s->payload);
     if (!parsed) return drop(s);
-    const auto dst = parsed->dst;
+    const auto dst = parsed->rank;
     Bytes msg = std::move(parsed->message);
     if (dst >= by_rank_.size() || !by_rank_[dst]) return;  // gone: the sender hears PEER_LEFT
     send(by_rank_[dst], FrameType::kDeliver,
@@ -723,17 +723,17 @@ void Bootstrap::reader_loop() {
         break;
       }
       case FrameType::kDeliver: {
-        auto d = parse_deliver(payload);
+        auto d = parse_relayed(payload);
         if (!d) return fail(d.status().message());
         std::lock_guard hl(rd.handler_mutex);
         if (rd.on_message) {
-          rd.on_message(d->src, std::move(d->message));
+          rd.on_message(static_cast<int>(d->rank), std::move(d->message));
         } else {
           if (rd.early.size() >= Reader::kMaxEarlyMessages)
             return fail(
                 fmt::format("more than {} control messages arrived before this rank set a handler",
                             Reader::kMaxEarlyMessages));
-          rd.early.emplace_back(d->src, std::move(d->message));
+          rd.early.emplace_back(static_cast<int>(d->rank), std::move(d->message));
         }
         break;
       }

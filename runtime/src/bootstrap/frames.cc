@@ -84,13 +84,13 @@ Result<Coll> parse_coll(std::span<const std::byte> payload) {
   return c;
 }
 
-Result<Send> parse_send(std::span<const std::byte> payload) {
+Result<Relayed> parse_relayed(std::span<const std::byte> payload) {
   ByteReader r(payload);
-  Send s;
-  s.dst = r.u32();
-  s.message = r.blob();
-  R2CCL_RETURN_IF_ERROR(r.finish("bootstrap send"));
-  return s;
+  Relayed m;
+  m.rank = r.u32();
+  m.message = r.blob();
+  R2CCL_RETURN_IF_ERROR(r.finish("relayed control message"));
+  return m;
 }
 
 Result<Welcome> parse_welcome(std::span<const std::byte> payload, int nranks) {
@@ -112,15 +112,6 @@ std::optional<std::uint64_t> coll_result_seq(std::span<const std::byte> payload)
   const auto seq = r.u64();
   if (!r.ok()) return std::nullopt;
   return seq;
-}
-
-Result<Deliver> parse_deliver(std::span<const std::byte> payload) {
-  ByteReader r(payload);
-  Deliver d;
-  d.src = static_cast<int>(r.u32());
-  d.message = r.blob();
-  R2CCL_RETURN_IF_ERROR(r.finish("relayed control message"));
-  return d;
 }
 
 Result<PeerLeft> parse_peer_left(std::span<const std::byte> payload) {

@@ -72,11 +72,13 @@ struct Coll {
 };
 Result<Coll> parse_coll(std::span<const std::byte> payload);
 
-struct Send {
-  std::uint32_t dst = 0;
+// kSend (rank -> root: the destination) and kDeliver (root -> rank: the source) have one
+// format: u32 rank | blob message.
+struct Relayed {
+  std::uint32_t rank = 0;
   Bytes message;
 };
-Result<Send> parse_send(std::span<const std::byte> payload);
+Result<Relayed> parse_relayed(std::span<const std::byte> payload);
 
 // The welcome's proof and the n per-rank blobs after it (n must equal `nranks`).
 struct Welcome {
@@ -89,12 +91,6 @@ Result<Welcome> parse_welcome(std::span<const std::byte> payload, int nranks);
 Result<std::vector<Bytes>> parse_coll_result(std::span<const std::byte> payload, int nranks);
 // The sequence number an all-gather result answers (nothing when the payload is too short).
 std::optional<std::uint64_t> coll_result_seq(std::span<const std::byte> payload);
-
-struct Deliver {
-  int src = 0;
-  Bytes message;
-};
-Result<Deliver> parse_deliver(std::span<const std::byte> payload);
 
 struct PeerLeft {
   int rank = 0;
