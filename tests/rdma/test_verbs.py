@@ -13,6 +13,8 @@ every time bound only catches hangs, and is generous: the guest is emulated (TCG
 
 import os
 import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -114,6 +116,31 @@ def nic_cmd(action, nic, *extra):
     return ["rdma-vm-nic", action, nic, *extra]
 
 
+def set_link_down(dev: str) -> subprocess.CompletedProcess:
+    """Admin-down of netdev `dev` through one rtnetlink request from this process, what
+    `ip link set DEV down` (and `rdma-vm-nic down`) does, without forking bash and ip, which
+    takes most of a second under TCG: the fault lands while the traffic just seen is still in
+    flight.  Returns a CompletedProcess (returncode 0, or the kernel's errno) for BusyTrigger."""
+    TOUCHED.add(dev)
+    argv = ["rtnetlink", "down", dev]
+    try:
+        index = socket.if_nametoindex(dev)
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
+            s.settimeout(10.0)
+            rtm_newlink, nlm_f_request, nlm_f_ack, iff_up = 16, 1, 4, 1
+            body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, index, 0, iff_up)
+            s.send(struct.pack("=IHHII", 16 + len(body), rtm_newlink, nlm_f_request | nlm_f_ack,
+                               1, 0) + body)
+            reply = s.recv(65536)
+        length, kind = struct.unpack_from("=IH", reply)
+        if kind != 2 or length < 20:  # NLMSG_ERROR carries the answer (0: done)
+            return subprocess.CompletedProcess(argv, -1, "", f"unexpected netlink reply {kind}")
+        err = -struct.unpack_from("=i", reply, 16)[0]
+        return subprocess.CompletedProcess(argv, err, "", os.strerror(err) if err else "")
+    except OSError as e:
+        return subprocess.CompletedProcess(argv, -1, "", str(e))
+
+
 def table_rows(stdout):
     """(bytes, #wrong) of every row of rank 0's table."""
     return [(int(m.group(1)), m.group(9)) for m in map(ROW.match, stdout.splitlines()) if m]
@@ -158,13 +185,14 @@ def wire_bytes(dev: str) -> int:
 
 
 class BusyTrigger:
-    """Runs `argv` once netdev `dev` is seen carrying data, so that the fault hits chunks in
-    flight; if no data passes within `max_wait` seconds it never runs (`result` stays None):
+    """Runs `argv` (an argv, or a function returning a CompletedProcess) once netdev `dev` is
+    seen carrying data, so that the fault hits chunks in flight; if no data passes within `max_wait` seconds it never runs (`result` stays None):
     a NIC failed before the rails are up tests start-up, not failover.  Like
     r2ccl_testbed.BusyTrigger, for the guest's single namespace."""
 
     def __init__(self, dev, argv, delay, min_bytes=65536, window=0.02, max_wait=30.0):
-        self.dev, self.argv, self.delay = dev, list(argv), delay
+        self.dev, self.delay = dev, delay
+        self.argv = argv if callable(argv) else list(argv)
         self.min_bytes, self.window, self.max_wait = min_bytes, window, max_wait
         self.busy, self.wall_ns, self.result = False, 0, None
         self._cancel = threading.Event()
@@ -185,6 +213,9 @@ class BusyTrigger:
         if self._cancel.is_set() or not self.busy:
             return
         self.wall_ns = time.time_ns()
+        if callable(self.argv):
+            self.result = self.argv()
+            return
         try:
             self.result = subprocess.run(self.argv, stdin=subprocess.DEVNULL, capture_output=True,
                                          text=True, timeout=30, check=False)
@@ -278,11 +309,11 @@ def test_nic_down_mid_transfer(perf, tmp_path):
     ev = ""
     in_flight = replayed = False
     # A fault that lands between rounds proves nothing about replay: long rounds (32 MiB, about
-    # half a second on the emulated rails; rdma-vm-nic itself takes up to a second to act, so the
-    # link may go down in a pause between rounds), and up to five trials.
+    # half a second on the emulated rails), the link taken down from this process the moment
+    # traffic is seen (rdma-vm-nic takes up to a second to act under TCG), and up to five trials.
     for trial in range(5):
         ev = str(tmp_path / f"ev{trial}")
-        down = BusyTrigger("h0n1", nic_cmd("down", "h0n1"), delay=2.0).start()
+        down = BusyTrigger("h0n1", lambda: set_link_down("h0n1"), delay=2.0).start()
         try:
             res = launch_ranks(ranks(duration_args(dur, ev, size="32M"), k), timeout=dur + SLACK_S)
         finally:
