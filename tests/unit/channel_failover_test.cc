@@ -66,8 +66,10 @@ Config test_config() {
 
 class ChannelFailover : public ::testing::Test {
  protected:
+  virtual Config make_config() const { return test_config(); }
+
   void SetUp() override {
-    const Config c = test_config();
+    const Config c = make_config();
     ranks_[0] = std::make_unique<Rank>(net_, 0, c);
     ranks_[1] = std::make_unique<Rank>(net_, 1, c);
     for (int me = 0; me < 2; ++me) {
@@ -412,6 +414,46 @@ TEST_F(ChannelFailover, ARailThatCannotConnectAtStartJoinsWhenItAnswers) {
     r->channel->on_probe_reply(2, std::chrono::microseconds(50));
   ASSERT_TRUE(drive([&] { return r0().channel->attached() == kRails; }));
   EXPECT_EQ(r0().of("readmitted").size(), 1u);
+}
+
+// Silence with real (short) limits: nothing is sent and no prober runs, so each rail goes
+// SUSPECT after half its silence limit. The keepalive a SUSPECT rail then carries is a sign of
+// life at both ends (its arrival, its confirmation): no rail that can carry it is ever declared
+// down. A black-holed rail loses its keepalives too, and still goes DOWN.
+class ChannelKeepalive : public ChannelFailover {
+ protected:
+  Config make_config() const override {
+    Config c = test_config();
+    c.probe_interval = std::chrono::milliseconds(10);
+    c.probe_timeout = std::chrono::milliseconds(200);
+    return c;
+  }
+};
+
+TEST_F(ChannelKeepalive, ASilentRailProvesItselfWithKeepalivesAndABlackHoleStillFails) {
+  connect();
+  net_.script(1).black_hole = true;
+  const auto until = Clock::now() + std::chrono::milliseconds(1500);  // 7 silence limits
+  drive([&] { return Clock::now() >= until; });
+  for (Rank* r : {&r0(), &r1()}) {
+    const auto failed = r->of("failed");
+    ASSERT_FALSE(failed.empty()) << "the black-holed rail was not declared down";
+    for (const auto& e : failed) {
+      EXPECT_EQ(e.rail, 1u) << e.detail;
+    }
+    EXPECT_NE(failed[0].detail.find("no probe reply or data for"), std::string::npos)
+        << failed[0].detail;
+    for (std::uint32_t i : {0u, 2u, 3u}) {
+      EXPECT_EQ(r->rail(i).failovers, 0u) << "rail " << i;
+      EXPECT_NE(r->rail(i).state, RailState::kDown) << "rail " << i;
+    }
+    EXPECT_EQ(r->rail(1).state, RailState::kDown);
+  }
+  // And the rails that stayed carry a transfer, every byte right.
+  auto t = start_transfer(1 << 20);
+  ASSERT_TRUE(drive([&] { return t->done(); }));
+  EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+  EXPECT_TRUE(t->intact());
 }
 
 }  // namespace

@@ -56,6 +56,21 @@ TEST_F(Health, SilenceMakesItSuspectThenDownAtTheProbeTimeout) {
   EXPECT_EQ(h.flaps(), 1u);
 }
 
+// A sign of life read late (the kernel's acknowledgement, whose age is read at a tick) may be
+// older than one already heard: it never moves the silence back.
+TEST_F(Health, AnOlderSignOfLifeChangesNothing) {
+  h.on_connected(at(0ms));
+  h.on_heard(at(50ms));
+  h.on_heard(at(20ms));
+  EXPECT_EQ(h.tick(at(230ms), false, at(0ms)), HealthAction::kNone);  // 180 ms, not 210 ms
+  EXPECT_EQ(h.state(), RailState::kSuspect);
+  h.on_heard(at(40ms));  // still older: still SUSPECT
+  EXPECT_EQ(h.state(), RailState::kSuspect);
+  EXPECT_EQ(h.silence(at(230ms)), 180ms);
+  EXPECT_EQ(h.tick(at(250ms), false, at(0ms)), HealthAction::kFence);
+  EXPECT_NE(h.last_error().find("for 200ms"), std::string::npos) << h.last_error();
+}
+
 // A congested rail whose probes take 150-250 ms to come back is slow, not dead: the silence it
 // may keep grows with its measured round trips and their variance (never past four probe
 // timeouts), so 300 ms without a reply is not a black hole there, as it is on a fast rail.

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "common/handshake.h"
 #include "r2ccl/runtime/provider/progress.h"
@@ -118,6 +119,31 @@ TEST_F(TcpProviderTest, WriteLandsInTheRegisteredRegionAndIsConfirmed) {
   EXPECT_EQ(accepted_[0]->hello().dst_incarnation, 1u);
   ASSERT_TRUE(accepted_[0]->hello().description);
   EXPECT_EQ(*accepted_[0]->hello().description, (Bytes{std::byte{0x5a}, std::byte{0xa5}}));
+}
+
+// The age of the peer kernel's last acknowledgement (TCP_INFO), a sign of life that needs no
+// probe: small right after a confirmed exchange, growing while nothing is sent, unknown once the
+// rail is closed.
+TEST_F(TcpProviderTest, TheAgeOfThePeersLastAcknowledgementIsReadFromTheKernel) {
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  ASSERT_TRUE(engine_
+                  .call([&] {
+                    return rail_a_->post_control(std::make_shared<const Bytes>(Bytes{std::byte{1}}),
+                                                 5);
+                  })
+                  .is_ok());
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.confirmed.empty(); }));
+  const auto fresh = engine_.call([&] { return rail_a_->since_acknowledged(); });
+  ASSERT_TRUE(fresh.has_value());
+  EXPECT_LT(*fresh, std::chrono::seconds(10));  // bound only: a busy machine may be slow
+  std::this_thread::sleep_for(milliseconds(300));
+  const auto later = engine_.call([&] { return rail_a_->since_acknowledged(); });
+  ASSERT_TRUE(later.has_value());
+  EXPECT_GE(*later, milliseconds(250));  // nothing was sent since: nothing was acknowledged
+  engine_.call([&] { rail_a_->fence(); });
+  EXPECT_FALSE(engine_.call([&] { return rail_a_->since_acknowledged(); }).has_value());
 }
 
 // A large write streams into a region; the receiver deregisters the region mid-way (and then

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -248,6 +249,19 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override { return description_; }
+
+  // TCP_INFO's age of the last ACK the kernel received on this connection (millisecond
+  // resolution). Only while the rail is open: a closed socket's descriptor may be reused.
+  std::optional<std::chrono::nanoseconds> since_acknowledged() const override {
+    if (closed_ || !socket_.is_open()) return std::nullopt;
+    tcp_info info{};
+    socklen_t len = sizeof info;
+    if (::getsockopt(const_cast<tcp::socket&>(socket_).native_handle(), IPPROTO_TCP, TCP_INFO,
+                     &info, &len) != 0 ||
+        len < offsetof(tcp_info, tcpi_last_ack_recv) + sizeof info.tcpi_last_ack_recv)
+      return std::nullopt;
+    return std::chrono::milliseconds(info.tcpi_last_ack_recv);
+  }
 
  private:
   struct OutFrame {

@@ -94,6 +94,7 @@ void Channel::tick(Clock::time_point now) {
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
     const bool unconfirmed = scheduler_.inflight(i) > 0;
+    listen_for_life(i, now);
     const auto action = s.health->tick(now, unconfirmed, s.last_progress);
     if (action == HealthAction::kReadmit) {
       readmit(i);

@@ -177,6 +177,7 @@ class Channel {
     std::optional<std::uint32_t> peer_fenced_epoch;
     bool replay_confirm_pending = false;
     Clock::time_point last_progress{};
+    Clock::time_point last_keepalive{};  // SUSPECT: when the last keepalive went on it
     // Bandwidth is measured over the time the rail had data in flight ("busy"), per period.
     std::optional<Clock::time_point> busy_since;
     std::chrono::nanoseconds busy_time{0};
@@ -245,6 +246,10 @@ class Channel {
   // `duplicate`: also on the out-of-band path when a rail took it (the first copy to arrive
   // counts; the rails' queues may hold it back behind data).
   Status post_failover(std::shared_ptr<const Bytes> framed, bool duplicate);
+  // Signs of life the peer gives without being asked (the kernel's acknowledgements), and a
+  // trickle for a SUSPECT rail: a keepalive on that rail, at most one per probe interval, so
+  // that a slow rail proves itself instead of being declared dead.
+  void listen_for_life(std::uint32_t rail, Clock::time_point now);
 
   // Data
   bool fail_if_dead(const OpPtr& op);  // completes it with the reason when the peer is gone

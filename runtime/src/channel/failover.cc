@@ -127,6 +127,31 @@ Status Channel::post_failover(std::shared_ptr<const Bytes> framed, bool duplicat
   return Status::ok();
 }
 
+void Channel::listen_for_life(std::uint32_t index, Clock::time_point now) {
+  auto& s = *rails_[index];
+  if (!s.rail || !s.health->connected()) return;
+  // A quarter of the silence limit without a frame or a probe reply: ask the kernel.
+  if (s.health->silence(now) >= s.health->silence_limit() / 4)
+    if (const auto age = s.rail->since_acknowledged())
+      s.health->on_heard(now - std::chrono::duration_cast<Clock::duration>(*age));
+  if (s.health->state() != RailState::kSuspect || now - s.last_keepalive < config_.probe_interval)
+    return;
+  s.last_keepalive = now;
+  ByteWriter w;
+  w.u64(0)
+      .u8(static_cast<std::uint8_t>(ControlType::kFailover))
+      .u8(static_cast<std::uint8_t>(FenceType::kKeepalive))
+      .u32(index)
+      .u32(s.epoch)
+      .str("");
+  // Not kept for a resend elsewhere: it means something only on this rail. Its confirmation
+  // (a failover cookie with no entry) is a sign of life like any other.
+  const std::uint64_t cookie = kControlCookieBit | kFailoverCookieBit | next_failover_cookie_++;
+  if (Status st = s.rail->post_urgent_control(std::make_shared<const Bytes>(w.take()), cookie);
+      !st && st.code() != ErrorCode::kNoResource)
+    R2CCL_DEBUG("keepalive on rail {} to {}: {}", index, label_, st.message());
+}
+
 void Channel::on_control_path(Bytes message) {
   ByteReader r(message);
   const auto type = static_cast<FenceType>(r.u8());
@@ -138,6 +163,7 @@ void Channel::on_control_path(Bytes message) {
   }
   if (type == FenceType::kReplayQuery) return answer_replay_query(index, epoch, r);
   if (type == FenceType::kReplayAnswer) return on_replay_answer(index, r);
+  if (type == FenceType::kKeepalive) return;  // deliver_control counted it as a sign of life
   std::string why = r.str(4096);
   if (!r.finish("fence notice").is_ok()) {
     R2CCL_WARN("malformed control-path message from {}", label_);

@@ -81,6 +81,9 @@ enum class FenceType : std::uint8_t {
   kFenceAck = 2,
   kReplayQuery = 3,
   kReplayAnswer = 4,
+  // Sent on a SUSPECT rail itself (not on another path): its arrival, its confirmation, the
+  // kernel's acknowledgement of it are signs of life of that rail. Nothing else is done with it.
+  kKeepalive = 5,
 };
 // A query names at most this many chunks (more go in further queries).
 inline constexpr std::size_t kQueryChunks = 4096;

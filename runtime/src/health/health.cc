@@ -67,8 +67,9 @@ HealthAction RailHealth::on_link(TimePoint now, bool up) {
   return HealthAction::kNone;
 }
 
-void RailHealth::on_heard(TimePoint now) {
-  last_heard_ = now;
+void RailHealth::on_heard(TimePoint when) {
+  if (when <= last_heard_) return;
+  last_heard_ = when;
   if (connected_ && state_ == RailState::kSuspect) refresh_connected_state();
 }
 

@@ -3,11 +3,12 @@
 // A pure state machine: the channel feeds it events with their time and acts on what it
 // returns, so every transition is unit-tested with a synthetic clock.
 //
-// - Connected (UP, DEGRADED, SUSPECT): silence — no probe reply and no frame from the peer — for
-//   half the probe timeout makes the rail SUSPECT (no new chunks); for the whole probe timeout,
-//   DOWN. So does a provider error, the local link going down, the peer's fence notice, or
-//   unconfirmed data with no confirmation for the stall timeout. Going DOWN means: fence, then
-//   replay (kFence).
+// - Connected (UP, DEGRADED, SUSPECT): silence — no probe reply, no frame or confirmation from
+//   the peer, no acknowledgement from its kernel — for half the silence limit (silence_limit())
+//   makes the rail SUSPECT (no new chunks; the channel sends a keepalive on it each probe interval
+//   so that a slow rail can prove itself); for the whole limit, DOWN. So does a provider error, the
+//   local link going down, the peer's fence notice, or unconfirmed data with no confirmation for
+//   the stall timeout. Going DOWN means: fence, then replay (kFence).
 // - DOWN: probes keep running (they do not need the data connection). A probe reply with the
 //   local link up starts PROBING.
 // - PROBING: re-admitted (kReadmit: reconnect) once at least `readmit_probes` consecutive probes
@@ -54,8 +55,11 @@ class RailHealth {
   HealthAction on_failure(TimePoint now, const std::string& reason);
   // Local link state from the link watcher.
   HealthAction on_link(TimePoint now, bool up);
-  // Any sign of life from the peer on this rail (a frame, a confirmation).
-  void on_heard(TimePoint now);
+  // Any sign of life from the peer on this rail (a frame, a confirmation, the kernel's
+  // acknowledgement), at `when` (an earlier sign than one already heard changes nothing).
+  void on_heard(TimePoint when);
+  // How long the peer has been silent.
+  std::chrono::nanoseconds silence(TimePoint now) const { return now - last_heard_; }
   // A probe reply with its round-trip time.
   void on_probe_reply(TimePoint now, std::chrono::nanoseconds rtt);
   // Periodic evaluation. `unconfirmed`: data is in flight on the rail; `last_progress`: when

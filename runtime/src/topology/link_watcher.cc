@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <map>
 
@@ -49,12 +51,15 @@ class NetlinkWatcher final : public LinkWatcher,
         [self = shared_from_this()](boost::system::error_code ec, std::size_t n) {
           if (self->stopped_) return;
           if (ec == boost::asio::error::no_buffer_space) {
-            // The kernel dropped link events (a storm filled the socket's buffer): what changed
-            // meanwhile is read from the interfaces themselves.
+            // The kernel dropped link events (a storm filled the socket's buffer): what is still
+            // queued is older than what was dropped, so it is discarded, and the state of every
+            // interface is read from the interfaces themselves.
             R2CCL_WARN(
                 "link watcher: the kernel dropped link events (ENOBUFS); re-reading the "
                 "state of every interface");
+            self->drain();
             self->resync();
+            self->resyncs_.fetch_add(1, std::memory_order_relaxed);
             return self->arm();
           }
           if (ec) {
@@ -86,6 +91,19 @@ class NetlinkWatcher final : public LinkWatcher,
     ::if_freenameindex(all);
   }
 
+  // Discards what the socket holds (bounded: what its buffer can hold, read in one pass).
+  void drain() {
+    for (int i = 0; i < 4096; ++i) {
+      const ssize_t n =
+          ::recv(stream_.native_handle(), buffer_.data(), buffer_.size(), MSG_DONTWAIT);
+      if (n > 0) continue;
+      if (n < 0 && errno == ENOBUFS) continue;  // reported again: more was dropped meanwhile
+      break;
+    }
+  }
+
+  std::uint64_t resyncs() const { return resyncs_.load(std::memory_order_relaxed); }
+
   void stop() override {
     engine_.call([this] {
       stopped_ = true;
@@ -111,6 +129,7 @@ class NetlinkWatcher final : public LinkWatcher,
   std::vector<char> buffer_;
   std::map<std::string, bool> last_;
   bool stopped_ = false;
+  std::atomic<std::uint64_t> resyncs_{0};
 };
 
 }  // namespace
@@ -152,6 +171,7 @@ Result<std::unique_ptr<LinkWatcher>> LinkWatcher::start(ProgressEngine& engine, 
   struct Handle final : LinkWatcher {
     std::shared_ptr<NetlinkWatcher> impl;
     void stop() override { impl->stop(); }
+    std::uint64_t resyncs() const override { return impl->resyncs(); }
     ~Handle() override { impl->stop(); }
   };
   auto h = std::make_unique<Handle>();

@@ -4,6 +4,7 @@
 // say so — no polling.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -22,6 +23,10 @@ class LinkWatcher {
   virtual ~LinkWatcher() = default;
   // Stops delivery (progress thread or not); no handler runs after it returns.
   virtual void stop() = 0;
+  // How many times the kernel dropped link events (ENOBUFS, a storm that filled the socket's
+  // buffer) and the watcher re-read every interface's state instead (each time it logs a
+  // warning saying so).
+  virtual std::uint64_t resyncs() const = 0;
 };
 
 // Reads one buffer of rtnetlink messages (as the kernel sent them, `n` bytes) and calls `each`

@@ -10,9 +10,11 @@
 // another version. What a provider can do beyond the minimum is in its capability flags.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,7 +29,7 @@ namespace r2ccl {
 class ProgressEngine;
 
 // The version of this interface; a provider reports the one it was built for.
-inline constexpr std::uint32_t kProviderApiVersion = 3;
+inline constexpr std::uint32_t kProviderApiVersion = 4;
 
 // What a registration allows. kLocal: the memory is only read (sent from) or written by this
 // process; a peer's write naming its key is refused. kRemoteWrite: peers that hold the key may
@@ -111,6 +113,13 @@ class Rail {
   // event is delivered afterwards.
   virtual void fence() = 0;
   virtual const RailHello& hello() const = 0;
+  // How long ago the peer's end of the connection last acknowledged anything, where the provider
+  // can tell from the kernel's own acknowledgement state (TCP's last ACK received): a sign of
+  // life that needs neither the peer's process nor a probe datagram to get through, and that a
+  // full shaper queue delays but does not drop. nullopt: unknown.
+  virtual std::optional<std::chrono::nanoseconds> since_acknowledged() const {
+    return std::nullopt;
+  }
   // "eth1 198.18.1.1:40122 -> 198.18.1.2:38111"
   virtual std::string describe() const = 0;
 };
