@@ -480,7 +480,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     const auto type = static_cast<MsgType>(r.u8());
     if (type == MsgType::kNotify) return on_notify(peer, r);
     if (type == MsgType::kPull) return on_pull(peer, r);
-    R2CCL_WARN("kv: unknown message type {} from {}", static_cast<int>(type), label(peer));
+    R2CCL_WARN_LIMITED("kv: unknown message type {} from {}", static_cast<int>(type), label(peer));
   }
 
   void on_notify(int peer, ByteReader& r) {
@@ -505,13 +505,13 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       }
     }
     if (!r.finish("KV notification").is_ok()) {
-      R2CCL_WARN("kv: malformed notification from {}", label(peer));
+      R2CCL_WARN_LIMITED("kv: malformed notification from {}", label(peer));
       return;
     }
     std::lock_guard lock(mu);
     if (inbox.size() >= kMaxQueued) {
-      R2CCL_WARN("kv: dropped a notification from {}: {} are waiting to be handled already",
-                 label(peer), inbox.size());
+      R2CCL_WARN_LIMITED("kv: dropped a notification from {}: {} are waiting to be handled already",
+                         label(peer), inbox.size());
       return;
     }
     inbox.push_back(std::move(rec));

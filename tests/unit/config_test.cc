@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/log.h"
 #include "test_util.h"
 
 namespace r2ccl {
@@ -163,6 +164,25 @@ TEST(Config, ReadmeCarriesTheSameTable) {
   EXPECT_NE(ss.str().find(config_table_markdown()), std::string::npos)
       << "README.md must contain exactly this table (r2ccl-perf --print-config-table):\n"
       << config_table_markdown();
+}
+
+// A peer that can make a line be logged (a refused connection) cannot flood the log: a call site
+// writes at most kBurst lines per window, and the next line after a pause counts those held back.
+TEST(LogLimiter, WritesABurstThenCountsWhatItHoldsBack) {
+  LogLimiter limiter;
+  const auto t0 = LogLimiter::Clock::time_point{} + std::chrono::hours(1);
+  std::uint64_t dropped = 99;
+  for (int i = 0; i < LogLimiter::kBurst; ++i) {
+    ASSERT_TRUE(limiter.admit(t0 + std::chrono::milliseconds(i), dropped)) << i;
+    EXPECT_EQ(dropped, 0u);
+  }
+  for (int i = 0; i < 1000; ++i)
+    ASSERT_FALSE(limiter.admit(t0 + std::chrono::seconds(1), dropped)) << i;
+  ASSERT_FALSE(limiter.admit(t0 + LogLimiter::kWindow - std::chrono::milliseconds(1), dropped));
+  ASSERT_TRUE(limiter.admit(t0 + LogLimiter::kWindow, dropped));
+  EXPECT_EQ(dropped, 1001u);
+  ASSERT_TRUE(limiter.admit(t0 + LogLimiter::kWindow, dropped));
+  EXPECT_EQ(dropped, 0u);
 }
 
 }  // namespace

@@ -595,7 +595,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     }
     if (!refusal.empty()) {
       counters_->refused_writes.fetch_add(1);
-      R2CCL_WARN("refused a remote write on rail {}: {}", description_, refusal);
+      R2CCL_WARN_LIMITED("refused a remote write on rail {}: {}", description_, refusal);
       refused_cookie_ = cur_.cookie;
       fragments_bytes_ = 0;
       drained_ = 0;
@@ -1010,7 +1010,7 @@ class TcpProvider final : public Provider {
       if (hs->done) return;
       hs->done = true;
       counters_->dropped_connections.fetch_add(1);
-      R2CCL_WARN("dropped a rail connection from {} on {}: {}", from, nic, why);
+      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", from, nic, why);
       error_code e;
       hs->timer.cancel();
       hs->socket.close(e);

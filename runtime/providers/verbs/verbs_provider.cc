@@ -1140,7 +1140,7 @@ class VerbsProvider final : public Provider {
       if (hs->done) return;
       hs->done = true;
       counters_.dropped_connections.fetch_add(1);
-      R2CCL_WARN("dropped a rail connection from {} on {}: {}", from, nic, why);
+      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", from, nic, why);
       error_code e;
       hs->timer.cancel();
       hs->socket.close(e);

@@ -159,7 +159,7 @@ class BootstrapRoot {
       const auto unauthenticated = std::count_if(sessions_.begin(), sessions_.end(),
                                                  [](const SessionPtr& s) { return s->rank < 0; });
       if (static_cast<std::size_t>(unauthenticated) >= kMaxUnauthenticated) {
-        R2CCL_WARN(
+        R2CCL_WARN_LIMITED(
             "bootstrap root: dropped a connection from {}: {} connections have not said "
             "hello yet",
             session->peer, unauthenticated);
@@ -171,8 +171,8 @@ class BootstrapRoot {
       session->hello_timer.expires_after(kHelloDeadline);
       session->hello_timer.async_wait([this, session](boost::system::error_code e) {
         if (e || session->rank >= 0 || session->closing) return;
-        R2CCL_WARN("bootstrap root: dropped {}: no valid hello within {}ms", session->peer,
-                   kHelloDeadline.count());
+        R2CCL_WARN_LIMITED("bootstrap root: dropped {}: no valid hello within {}ms", session->peer,
+                           kHelloDeadline.count());
         drop(session);
       });
       auto challenge = crypto::make_nonce();
@@ -196,12 +196,12 @@ class BootstrapRoot {
           if (ec) return on_closed(s);
           auto h = decode_header(s->header);
           if (!h) {
-            R2CCL_WARN("bootstrap root: dropped connection from {}: {}", s->peer,
-                       h.status().message());
+            R2CCL_WARN_LIMITED("bootstrap root: dropped connection from {}: {}", s->peer,
+                               h.status().message());
             return drop(s);
           }
           if (s->rank < 0 && h->length > kMaxHelloFrame) {
-            R2CCL_WARN(
+            R2CCL_WARN_LIMITED(
                 "bootstrap root: dropped {}: a frame of {} bytes before its hello was "
                 "accepted (at most {})",
                 s->peer, h->length, kMaxHelloFrame);
@@ -231,8 +231,13 @@ class BootstrapRoot {
                       });
   }
   void refuse(const SessionPtr& s, const std::string& why) {
-    R2CCL_WARN("bootstrap root: refused {}: {}", s->peer, why);
-    refusals_.push_back(fmt::format("{} ({})", s->peer, why));
+    R2CCL_WARN_LIMITED("bootstrap root: refused {}: {}", s->peer, why);
+    // The first few are named in the failure, if start-up fails; the rest only counted.
+    if (refusals_.size() < kRefusalsNamed) {
+      refusals_.push_back(fmt::format("{} ({})", s->peer, why));
+    } else {
+      ++refusals_more_;
+    }
     send(s, FrameType::kError, ByteWriter().str(why).take());
     s->closing = true;
   }
@@ -247,7 +252,8 @@ class BootstrapRoot {
     if (type == FrameType::kHello) return on_hello(s);
     if (type == FrameType::kColl && s->rank >= 0) return on_coll(s);
     if (type == FrameType::kSend && s->rank >= 0) return on_send(s);
-    R2CCL_WARN("bootstrap root: unexpected frame type {} from {}", static_cast<int>(type), s->peer);
+    R2CCL_WARN_LIMITED("bootstrap root: unexpected frame type {} from {}", static_cast<int>(type),
+                       s->peer);
     drop(s);
   }
 
@@ -401,6 +407,7 @@ class BootstrapRoot {
         timeout_.count(), bound_.to_string(), fmt::join(missing, ","), joined_,
         nranks_ == 0 ? std::string("?") : std::to_string(nranks_));
     if (!refusals_.empty()) failure_ += fmt::format("; refused: {}", fmt::join(refusals_, "; "));
+    if (refusals_more_ > 0) failure_ += fmt::format(" and {} more", refusals_more_);
     R2CCL_WARN("bootstrap root: {}", failure_);
     for (auto& peer : by_rank_)
       if (peer) send(peer, FrameType::kError, ByteWriter().str(failure_).take());
@@ -422,7 +429,9 @@ class BootstrapRoot {
   bool complete_ = false;
   bool failed_ = false;
   std::string failure_;
+  static constexpr std::size_t kRefusalsNamed = 8;
   std::vector<std::string> refusals_;
+  std::uint64_t refusals_more_ = 0;
   std::map<std::uint64_t, std::vector<std::optional<Bytes>>> colls_;
 };
 

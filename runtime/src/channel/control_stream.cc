@@ -60,7 +60,7 @@ void Channel::deliver_control(std::uint32_t rail, std::span<const std::byte> mes
   if (!r.ok()) return;
   if (seq == 0) {
     if (static_cast<ControlType>(r.u8()) != ControlType::kFailover || !r.ok()) {
-      R2CCL_WARN(
+      R2CCL_WARN_LIMITED(
           "{} sent an unsequenced control message that is not a failover message on "
           "rail {}",
           label_, rail);
@@ -109,7 +109,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     c.offset = r.u64();
     c.region = RemoteRegion::decode(r);
     if (!r.finish("clear-to-send").is_ok()) {
-      R2CCL_WARN("{} sent a malformed clear-to-send on rail {}", label_, rail);
+      R2CCL_WARN_LIMITED("{} sent a malformed clear-to-send on rail {}", label_, rail);
       return;
     }
     if (sends_.count(c.seq) != 0) {
@@ -130,7 +130,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     const auto seq2 = r.u64();
     const auto length = r.u64();
     if (!r.ok() || message.size() - 25 != length) {
-      R2CCL_WARN("{} sent a malformed eager message on rail {}", label_, rail);
+      R2CCL_WARN_LIMITED("{} sent a malformed eager message on rail {}", label_, rail);
       return;
     }
     rails_[rail]->tel.rx_bytes.fetch_add(length, std::memory_order_relaxed);
@@ -142,7 +142,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     const auto seq2 = r.u64();
     const auto length = r.u64();
     if (!r.finish("request-to-send").is_ok()) {
-      R2CCL_WARN("{} sent a malformed request-to-send on rail {}", label_, rail);
+      R2CCL_WARN_LIMITED("{} sent a malformed request-to-send on rail {}", label_, rail);
       return;
     }
     auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
@@ -198,7 +198,7 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
   if (type == ControlType::kCredit) {
     const auto bytes = r.u64();
     if (!r.finish("eager credit").is_ok()) {
-      R2CCL_WARN("{} sent a malformed eager credit on rail {}", label_, rail);
+      R2CCL_WARN_LIMITED("{} sent a malformed eager credit on rail {}", label_, rail);
       return;
     }
     if (bytes > eager_unconsumed_)
@@ -212,8 +212,8 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     on_peer_left("it disconnected");
     return;
   }
-  R2CCL_WARN("{} sent an unknown control message type {} on rail {}", label_,
-             static_cast<int>(type), rail);
+  R2CCL_WARN_LIMITED("{} sent an unknown control message type {} on rail {}", label_,
+                     static_cast<int>(type), rail);
 }
 
 void Channel::send_goodbye() {

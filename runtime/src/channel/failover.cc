@@ -158,7 +158,7 @@ void Channel::on_control_path(Bytes message) {
   const auto index = r.u32();
   const auto epoch = r.u32();
   if (!r.ok() || index >= rails_.size()) {
-    R2CCL_WARN("malformed control-path message from {}", label_);
+    R2CCL_WARN_LIMITED("malformed control-path message from {}", label_);
     return;
   }
   if (type == FenceType::kReplayQuery) return answer_replay_query(index, epoch, r);
@@ -166,7 +166,7 @@ void Channel::on_control_path(Bytes message) {
   if (type == FenceType::kKeepalive) return;  // deliver_control counted it as a sign of life
   std::string why = r.str(4096);
   if (!r.finish("fence notice").is_ok()) {
-    R2CCL_WARN("malformed control-path message from {}", label_);
+    R2CCL_WARN_LIMITED("malformed control-path message from {}", label_);
     return;
   }
   auto& s = *rails_[index];
@@ -264,7 +264,7 @@ void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, Byte
   const std::uint64_t id = r.u64();
   const std::uint32_t n = r.u32();
   if (!r.ok() || n > kQueryChunks) {
-    R2CCL_WARN("malformed replay query from {}", label_);
+    R2CCL_WARN_LIMITED("malformed replay query from {}", label_);
     return;
   }
   ByteWriter w(21 + n);
@@ -282,7 +282,7 @@ void Channel::answer_replay_query(std::uint32_t index, std::uint32_t epoch, Byte
     w.u8(want ? 1 : 0);
   }
   if (!r.finish("replay query").is_ok()) {
-    R2CCL_WARN("malformed replay query from {}", label_);
+    R2CCL_WARN_LIMITED("malformed replay query from {}", label_);
     return;
   }
   R2CCL_DEBUG("{} asked about {} chunk(s) of rail {}: {} still wanted", label_, n, index, wanted);
@@ -297,7 +297,7 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
   if (r.ok() && q == replay_queries_.end() && id < next_query_id_) return;  // answered already
   if (!r.ok() || q == replay_queries_.end() || q->second.rail != index ||
       q->second.chunks.size() != n) {
-    R2CCL_WARN("unexpected replay answer from {} (query {})", label_, id);
+    R2CCL_WARN_LIMITED("unexpected replay answer from {} (query {})", label_, id);
     return;
   }
   auto chunks = std::move(q->second.chunks);
@@ -306,7 +306,7 @@ void Channel::on_replay_answer(std::uint32_t index, ByteReader& r) {
   for (std::uint32_t i = 0; i < n; ++i)
     want[i] = r.u8() != 0;
   if (!r.finish("replay answer").is_ok()) {
-    R2CCL_WARN("malformed replay answer from {}", label_);
+    R2CCL_WARN_LIMITED("malformed replay answer from {}", label_);
     return;
   }
   std::size_t replayed = 0;

@@ -51,4 +51,29 @@ void log_write(LogLevel level, std::string_view message) {
   std::fputs(line.c_str(), stderr);
 }
 
+bool LogLimiter::admit(Clock::time_point now, std::uint64_t& dropped) {
+  std::lock_guard lock(mutex_);
+  if (in_window_ == 0 || now - window_start_ >= kWindow) {
+    window_start_ = now;
+    in_window_ = 0;
+  }
+  if (in_window_ >= kBurst) {
+    ++dropped_;
+    return false;
+  }
+  ++in_window_;
+  dropped = dropped_;
+  dropped_ = 0;
+  return true;
+}
+
+void log_limited(LogLimiter& limiter, LogLevel level, std::string message) {
+  std::uint64_t dropped = 0;
+  if (!limiter.admit(LogLimiter::Clock::now(), dropped)) return;
+  if (dropped > 0)
+    message += fmt::format(" ({} more like this were not logged: at most {} per {}s)", dropped,
+                           LogLimiter::kBurst, LogLimiter::kWindow.count());
+  log_write(level, message);
+}
+
 }  // namespace r2ccl

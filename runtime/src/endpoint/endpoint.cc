@@ -563,15 +563,16 @@ Status Endpoint::disconnect(int peer) {
 bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
   const RailHello& h = rail->hello();
   if (h.dst_incarnation != info_.incarnation) {
-    R2CCL_WARN("refused a rail meant for incarnation {:016x} of this endpoint (this is {:016x})",
-               h.dst_incarnation, info_.incarnation);
+    R2CCL_WARN_LIMITED(
+        "refused a rail meant for incarnation {:016x} of this endpoint (this is {:016x})",
+        h.dst_incarnation, info_.incarnation);
     return false;
   }
   for (auto& p : peers_) {
     if (!p || p->info.incarnation != h.src_incarnation) continue;
     Channel& c = *p->channel;
     if (c.dead()) {
-      R2CCL_WARN("refused a rail from {}, which has left", c.label());
+      R2CCL_WARN_LIMITED("refused a rail from {}, which has left", c.label());
       return false;
     }
     if (c.connector()) {
@@ -582,13 +583,14 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
     return c.attach(h.rail, rail);
   }
   if (!options_.accept_new_peers) {
-    R2CCL_WARN("refused a rail from an unknown endpoint (incarnation {:016x})", h.src_incarnation);
+    R2CCL_WARN_LIMITED("refused a rail from an unknown endpoint (incarnation {:016x})",
+                       h.src_incarnation);
     return false;
   }
   auto info = EndpointInfo::decode(h.description ? *h.description : Bytes{});
   if (!info || info->incarnation != h.src_incarnation || info->provider != info_.provider) {
-    R2CCL_WARN("refused a rail whose hello describes its endpoint wrongly: {}",
-               info ? "incarnation or provider mismatch" : info.status().message());
+    R2CCL_WARN_LIMITED("refused a rail whose hello describes its endpoint wrongly: {}",
+                       info ? "incarnation or provider mismatch" : info.status().message());
     return false;
   }
   // The same name at another incarnation: that process started again, the old one is gone.
@@ -600,7 +602,7 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
   options.connector = false;
   auto id = add_peer_locked(std::move(*info), options);
   if (!id) {
-    R2CCL_WARN("refused a rail from a new peer: {}", id.status().message());
+    R2CCL_WARN_LIMITED("refused a rail from a new peer: {}", id.status().message());
     return false;
   }
   Channel& c = *channel(*id);
@@ -828,8 +830,8 @@ void Endpoint::deliver_message(int peer, std::span<const std::byte> message) {
   const std::size_t service =
       message.empty() ? kServices : std::to_integer<std::size_t>(message[0]);
   if (service >= kServices) {
-    R2CCL_WARN("peer {} sent a message for an unknown service ({} bytes): dropped", peer,
-               message.size());
+    R2CCL_WARN_LIMITED("peer {} sent a message for an unknown service ({} bytes): dropped", peer,
+                       message.size());
     return;
   }
   if (message_handlers_[service])

@@ -102,7 +102,7 @@ class NetlinkWatcher final : public LinkWatcher,
     }
   }
 
-  std::uint64_t resyncs() const { return resyncs_.load(std::memory_order_relaxed); }
+  std::uint64_t resyncs() const override { return resyncs_.load(std::memory_order_relaxed); }
 
   void stop() override {
     engine_.call([this] {

@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
 #include <string_view>
 
 namespace r2ccl {
@@ -26,6 +29,26 @@ void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
   if (log_enabled(level)) log_write(level, fmt::format(format, std::forward<Args>(args)...));
 }
 
+// Bounds the lines one call site writes, for events a remote party can cause at will (refused
+// connections, refused writes): at most kBurst lines per kWindow; the ones beyond are counted,
+// and the next line that passes says how many were not written.
+class LogLimiter {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr int kBurst = 10;
+  static constexpr std::chrono::seconds kWindow{10};
+  // True: write this line; `dropped` is then how many were held back since the last one written.
+  bool admit(Clock::time_point now, std::uint64_t& dropped);
+
+ private:
+  std::mutex mutex_;
+  Clock::time_point window_start_{};
+  int in_window_ = 0;
+  std::uint64_t dropped_ = 0;
+};
+
+void log_limited(LogLimiter& limiter, LogLevel level, std::string message);
+
 }  // namespace r2ccl
 
 #define R2CCL_LOG_AT(level, ...)                                       \
@@ -37,3 +60,11 @@ void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
 #define R2CCL_INFO(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kInfo, __VA_ARGS__)
 #define R2CCL_DEBUG(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kDebug, __VA_ARGS__)
 #define R2CCL_TRACE(...) R2CCL_LOG_AT(::r2ccl::LogLevel::kTrace, __VA_ARGS__)
+// A warning that a peer can cause at will: rate-limited per call site (LogLimiter).
+#define R2CCL_WARN_LIMITED(...)                                                                 \
+  do {                                                                                          \
+    if (::r2ccl::log_enabled(::r2ccl::LogLevel::kWarn)) {                                       \
+      static ::r2ccl::LogLimiter r2ccl_limiter_;                                                \
+      ::r2ccl::log_limited(r2ccl_limiter_, ::r2ccl::LogLevel::kWarn, fmt::format(__VA_ARGS__)); \
+    }                                                                                           \
+  } while (0)
