@@ -217,7 +217,7 @@ class SendRecv final : public Bench {
   Result<std::uint64_t> checked(std::size_t bytes, std::uint64_t round) override {
     const int from = (f_.rank() - 1 + f_.nranks()) % f_.nranks();
     fill_pattern(send_.data(), bytes, f_.rank(), round);
-    std::memset(recv_.data(), 0xEE, bytes);
+    std::fill_n(recv_.begin(), bytes, std::byte{0xEE});
     R2CCL_RETURN_IF_ERROR(run_once(bytes));
     if (oneway_ && f_.rank() % 2 == 0) return std::uint64_t{0};  // a sender receives nothing
     return count_wrong(recv_.data(), bytes, from, round);
@@ -291,7 +291,7 @@ class Collective final : public Bench {
     const std::size_t send_elems = op_ == CollOp::kAllGather ? n : total;
     for (std::size_t i = 0; i < send_elems; ++i)
       r2ccl::coll::set_element(send_.data(), i, t_, test_value(me, i, round, r_));
-    std::memset(recv_.data(), 0xEE, bytes);
+    std::fill_n(recv_.begin(), bytes, std::byte{0xEE});
     R2CCL_RETURN_IF_ERROR(run_once(bytes));
     if (op_ == CollOp::kReduce && me != root_) return std::uint64_t{0};
     const std::size_t recv_elems = op_ == CollOp::kReduceScatter ? n : total;
