@@ -446,19 +446,26 @@ def link_bytes(ns: str, dev: str) -> int:
         return -1
 
 
+# How many times slower than a release build the programs under test run (the tsan-system test
+# preset sets it): the windows that judge a link busy grow with it.
+SLOWDOWN = max(1.0, float(os.environ.get("R2CCL_TEST_SLOWDOWN", "1") or 1))
+
+
 class BusyTrigger:
     """Runs `argv` (a fault) once `dev` in `ns` is seen carrying data, so that the fault hits
     chunks in flight rather than a pause between rounds (verification, the per-round vote).
 
     From `delay` seconds after start() it samples the link's byte counters every `window`
-    seconds; once they grew by at least `min_bytes` in one window it runs `argv` at once.  If
-    the link stays idle for `max_wait` seconds it runs `argv` anyway (`busy` stays False).
+    seconds (times SLOWDOWN); once they grew by at least `min_bytes` in one window it runs
+    `argv` at once.  If the link stays idle for `max_wait` seconds it runs `argv` anyway
+    (`busy` stays False).
     `wall_ns` is the wall-clock time (time.time_ns) just before `argv` started."""
 
     def __init__(self, ns: str, dev: str, argv: Sequence[str], delay: float, min_bytes: int = 32768,
                  window: float = 0.01, max_wait: float = 5.0):
         self.ns, self.dev, self.argv = ns, dev, list(argv)
-        self.delay, self.min_bytes, self.window, self.max_wait = delay, min_bytes, window, max_wait
+        self.delay, self.min_bytes, self.max_wait = delay, min_bytes, max_wait
+        self.window = window * SLOWDOWN
         self.busy = False
         self.wall_ns = 0
         self.result: Optional[subprocess.CompletedProcess] = None

@@ -1,7 +1,20 @@
 // The rail health state machine with a synthetic clock.
 #include "health/health.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+
+#include "health/prober.h"
+#include "r2ccl/runtime/probe_protocol.h"
+#include "r2ccl/runtime/provider/progress.h"
 
 namespace r2ccl {
 namespace {
@@ -180,6 +193,48 @@ TEST_F(Health, DegradedStaysUsable) {
   EXPECT_TRUE(h.usable());
   h.set_degraded(false);
   EXPECT_EQ(h.state(), RailState::kUp);
+}
+
+// Review C4: probes go out in the clear every interval, so they carry a tag derived from the job
+// token (an HMAC), never any part of the token itself. The probe is caught on a plain UDP socket.
+TEST(Prober, AProbeCarriesATagDerivedFromTheTokenAndNoByteRunOfIt) {
+  const int catcher = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(catcher, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(::bind(catcher, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::getsockname(catcher, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+
+  Token token{};
+  for (std::size_t i = 0; i < token.size(); ++i)
+    token[i] = static_cast<std::uint8_t>(0xA0 + i);
+  ProgressEngine engine;
+  auto prober = Prober::open(engine, {RailNic{"lo", "127.0.0.1", -1, "", ""}}, token, 42,
+                             std::chrono::milliseconds(10), [](int, std::uint32_t, auto) {});
+  ASSERT_TRUE(prober.is_ok()) << prober.status().to_string();
+  engine.call([&] { (*prober)->add_target(3, 99, 0, "127.0.0.1", ntohs(sa.sin_port)); });
+
+  std::array<std::uint8_t, 512> got{};
+  pollfd pfd{catcher, POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 10000), 1) << "no probe within 10 s";
+  const ssize_t n = ::recv(catcher, got.data(), got.size(), 0);
+  (*prober)->stop();
+  ::close(catcher);
+  ASSERT_EQ(n, static_cast<ssize_t>(ProbePacket::kSize));
+  const auto p = ProbePacket::decode(got.data(), static_cast<std::size_t>(n));
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->type, ProbePacket::Type::kRequest);
+  EXPECT_EQ(p->dst, 99u);
+  EXPECT_EQ(p->peer, 3u);
+  EXPECT_NE(p->tag, 0u);
+  // No run of 3 consecutive token bytes anywhere in the datagram.
+  for (std::size_t i = 0; i + 3 <= token.size(); ++i) {
+    const auto* at = std::search(got.begin(), got.begin() + n, token.begin() + i,
+                                 token.begin() + static_cast<std::ptrdiff_t>(i) + 3);
+    EXPECT_EQ(at, got.begin() + n) << "token bytes " << i << ".." << i + 2 << " in the probe";
+  }
 }
 
 }  // namespace
