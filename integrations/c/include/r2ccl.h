@@ -1,0 +1,246 @@
+/* r2ccl: the C ABI of the multi-rail communication runtime.
+ *
+ * Shaped like NCCL's API, so that its users know it at once: a unique id made by rank 0 and
+ * handed to every rank, communicators, collectives and point-to-point calls grouped between
+ * r2cclGroupStart/End, each taking a stream argument. Host memory today: pass NULL as the
+ * stream. The KV-cache engine (r2cclKv*) moves blocks of a paged KV cache between a prefill and
+ * a decode process.
+ *
+ * Every call returns an r2cclResult_t; nothing else crosses this boundary (no C++ exception, no
+ * abort on bad input). After a failure, r2cclGetLastError(comm) says what was wrong in words;
+ * r2cclGetLastError(NULL) says it for the calling thread's last failed call.
+ *
+ * Thread safety: like an NCCL communicator, one communicator is used from one thread at a
+ * time, except r2cclCommAbort and r2cclCommGetAsyncError, which any thread may call at any
+ * time. A KV engine may be used from any thread; r2cclKvGetLastError(engine) says what its
+ * last failed call did wrong.
+ */
+#ifndef R2CCL_H_
+#define R2CCL_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define R2CCL_MAJOR 0
+#define R2CCL_MINOR 1
+#define R2CCL_PATCH 0
+#define R2CCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
+#define R2CCL_VERSION_CODE R2CCL_VERSION(R2CCL_MAJOR, R2CCL_MINOR, R2CCL_PATCH)
+
+typedef enum {
+  r2cclSuccess = 0,
+  r2cclUnhandledError = 1,  /* an error of the runtime itself */
+  r2cclSystemError = 2,     /* a socket, device or system call failed */
+  r2cclInternalError = 3,   /* a bug in r2ccl */
+  r2cclInvalidArgument = 4, /* a bad pointer, count, type, rank... */
+  r2cclInvalidUsage = 5,    /* a call out of place (a closed communicator, an op mismatch) */
+  r2cclRemoteError = 6,     /* a peer failed, left or sent something wrong */
+  r2cclInProgress = 7,      /* not done yet (KV requests) */
+  r2cclTimeout = 8,         /* a deadline passed */
+  r2cclTryAgain = 9,        /* a queue is full: nothing was taken, call again later */
+  r2cclNumResults = 10
+} r2cclResult_t;
+
+typedef enum {
+  r2cclFloat32 = 0,
+  r2cclFloat16 = 1,
+  r2cclBfloat16 = 2,
+  r2cclFloat64 = 3,
+  r2cclInt32 = 4,
+  r2cclInt64 = 5,
+  r2cclUint8 = 6,
+  r2cclNumTypes = 7
+} r2cclDataType_t;
+
+typedef enum {
+  r2cclSum = 0,
+  r2cclProd = 1,
+  r2cclMin = 2,
+  r2cclMax = 3,
+  r2cclAvg = 4,
+  r2cclNumOps = 5
+} r2cclRedOp_t;
+
+#define R2CCL_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[R2CCL_UNIQUE_ID_BYTES];
+} r2cclUniqueId;
+
+typedef struct r2cclComm* r2cclComm_t;
+/* A stream: NULL for host memory (the only kind today; a cudaStream_t once GPU buffers exist). */
+typedef void* r2cclStream_t;
+
+/* ---- version and errors */
+r2cclResult_t r2cclGetVersion(int* version);
+const char* r2cclGetErrorString(r2cclResult_t result);
+/* The text of the last error on `comm` (NULL: of the calling thread's last failed call); "" when
+ * none. Valid until the next call that fails on that communicator or thread. */
+const char* r2cclGetLastError(r2cclComm_t comm);
+
+/* ---- communicators */
+/* Rank 0 only: starts the rendezvous listener in this process (on R2CCL_BOOTSTRAP_HOST's
+ * address, else the first non-loopback one) and makes the id, with a fresh random job token.
+ * Hand the 128 bytes to every rank (rank 0 included) by any means. */
+r2cclResult_t r2cclGetUniqueId(r2cclUniqueId* uniqueId);
+/* Every rank, with the same id and nranks; blocks until all have joined (R2CCL_TIMEOUT). */
+r2cclResult_t r2cclCommInitRank(r2cclComm_t* comm, int nranks, r2cclUniqueId commId, int rank);
+/* From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP / R2CCL_TOKEN, or
+ * mpirun's variables). */
+r2cclResult_t r2cclCommInitFromEnv(r2cclComm_t* comm);
+/* Ranks with the same color form a new communicator, ordered by (key, rank); color < 0 joins
+ * none (*newcomm = NULL). Every rank of `comm` calls it. `config` must be NULL. */
+r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* newcomm,
+                             void* config);
+/* Completes what was posted; the communicator then takes no more operations. */
+r2cclResult_t r2cclCommFinalize(r2cclComm_t comm);
+/* Frees it (NULL is accepted). */
+r2cclResult_t r2cclCommDestroy(r2cclComm_t comm);
+/* Fails what is in flight and everything after, from any thread, then frees it like
+ * r2cclCommDestroy. */
+r2cclResult_t r2cclCommAbort(r2cclComm_t comm);
+/* The first asynchronous error (a peer left, no rail survived, an abort): r2cclSuccess while
+ * none. Any thread, any time. */
+r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError);
+r2cclResult_t r2cclCommCount(const r2cclComm_t comm, int* count);
+r2cclResult_t r2cclCommUserRank(const r2cclComm_t comm, int* rank);
+/* A buffer used again and again (ncclCommRegister): registered once on every rail. */
+r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size, void** handle);
+r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle);
+
+/* ---- collectives: `count` in elements; in place when sendbuff == recvbuff (all-gather:
+ * sendbuff == recvbuff + rank * count; reduce-scatter: recvbuff == sendbuff + rank * count). */
+r2cclResult_t r2cclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                             r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
+                             r2cclStream_t stream);
+r2cclResult_t r2cclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                             r2cclDataType_t datatype, int root, r2cclComm_t comm,
+                             r2cclStream_t stream);
+r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
+                          r2cclDataType_t datatype, r2cclRedOp_t op, int root, r2cclComm_t comm,
+                          r2cclStream_t stream);
+/* sendcount elements from each rank; recvbuff holds nranks * sendcount. */
+r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                             r2cclDataType_t datatype, r2cclComm_t comm, r2cclStream_t stream);
+/* recvcount elements to each rank; sendbuff holds nranks * recvcount. */
+r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                                 r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
+                                 r2cclStream_t stream);
+r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream);
+
+/* ---- point to point, matched in order per pair; group them to post both directions at once */
+r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t datatype, int peer,
+                        r2cclComm_t comm, r2cclStream_t stream);
+r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, int peer,
+                        r2cclComm_t comm, r2cclStream_t stream);
+/* Calls between these are queued and run together at r2cclGroupEnd (per thread, nestable). */
+r2cclResult_t r2cclGroupStart(void);
+r2cclResult_t r2cclGroupEnd(void);
+
+/* ---- KV-cache engine: blocks of a paged KV cache pushed (or pulled) between processes that are
+ * not in one communicator (a prefill and a decode server). Each side makes an engine on its own
+ * endpoint (its rails: R2CCL_NICS), registers its cache as a pool, and hands its metadata (bytes)
+ * to the other side by any means; the side that loads it can push to, or pull from, the other.
+ */
+typedef struct r2cclKvEngine* r2cclKvEngine_t;
+
+/* Where layer L's part P (K or V; one part when joined, or MLA) keeps block 0, and the distance
+ * between consecutive blocks, in buffer `buffer` of the pool. */
+typedef struct {
+  uint32_t buffer;
+  uint64_t offset;
+  uint64_t stride;
+} r2cclKvPlace;
+
+typedef struct {
+  uint32_t layers;
+  uint32_t blocks;     /* blocks per layer */
+  uint64_t blockBytes; /* one part of one block of one layer */
+  uint32_t parts;      /* 2: K and V apart; 1: joined, or MLA */
+  /* layers * parts entries, index layer * parts + part; NULL: every layer and part one after
+   * another in buffer 0 (layer-major: block b of layer L, part P at
+   * ((L * parts + P) * blocks + b) * blockBytes). */
+  const r2cclKvPlace* places;
+} r2cclKvLayout;
+
+/* Blocks of layers [firstLayer, lastLayer), every part: srcBlocks[i] of the sending pool lands
+ * in dstBlocks[i] of the receiving one. */
+typedef struct {
+  uint32_t firstLayer;
+  uint32_t lastLayer;
+  const uint32_t* srcBlocks;
+  const uint32_t* dstBlocks;
+  size_t nblocks;
+} r2cclKvSpan;
+
+typedef enum {
+  r2cclKvPending = 0,
+  r2cclKvInFlight = 1,
+  r2cclKvDone = 2,
+  r2cclKvFailed = 3,
+  r2cclKvCancelled = 4
+} r2cclKvState_t;
+
+/* A request pushed to this side has ended (r2cclKvGetNotification). */
+typedef struct {
+  uint64_t request;
+  int peer;             /* the side that pushed, as this engine numbers it */
+  r2cclKvState_t state; /* DONE, FAILED or CANCELLED */
+  int verified;         /* R2CCL_KV_VERIFY: every block's checksum matched */
+  size_t payloadBytes;  /* the sender's payload (e.g. the first token): its full length */
+  size_t invalidBlocks; /* FAILED/CANCELLED: destination blocks not valid (their count) */
+} r2cclKvNotification;
+
+/* An engine on an endpoint of its own (R2CCL_NICS, R2CCL_KV_VERIFY, ...); `name` labels this
+ * side in the peer's messages (NULL: host:pid). */
+r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name);
+r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine);
+const char* r2cclKvGetLastError(r2cclKvEngine_t engine);
+/* Registers `nbuffers` buffers laid out as `layout` (remote-writable: peers that hold the
+ * metadata may write blocks into them). They stay owned by the caller and allocated until
+ * r2cclKvUnregisterPool (or the engine's destruction) returns. */
+r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
+                                  const size_t* lengths, int nbuffers, const r2cclKvLayout* layout,
+                                  uint32_t* pool);
+r2cclResult_t r2cclKvUnregisterPool(r2cclKvEngine_t engine, uint32_t pool);
+/* This side's metadata (endpoint, token, pools). With buf NULL, or *len too small, *len is set
+ * to the size needed (and r2cclInvalidArgument returned when buf was given). */
+r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t engine, void* buf, size_t* len);
+/* Connects to the side whose metadata this is; *peer is its number here. */
+r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t engine, const void* metadata, size_t len,
+                                int* peer);
+r2cclResult_t r2cclKvDisconnect(r2cclKvEngine_t engine, int peer);
+/* Push request `id` (unique on this engine) of blocks of `localPool` into the peer's
+ * `remotePool`; the peer gets a notification carrying `payload` once every block landed. */
+r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                            uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans,
+                            const void* payload, size_t payloadBytes);
+/* The same, layer by layer as the model computes them: begin, add spans, seal. */
+r2cclResult_t r2cclKvBegin(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                           uint32_t remotePool);
+r2cclResult_t r2cclKvAdd(r2cclKvEngine_t engine, uint64_t id, const r2cclKvSpan* span);
+r2cclResult_t r2cclKvSeal(r2cclKvEngine_t engine, uint64_t id, const void* payload,
+                          size_t payloadBytes);
+/* Pull: the peer pushes its blocks (srcBlocks of its `remotePool`) into ours (dstBlocks). */
+r2cclResult_t r2cclKvPull(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                          uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans);
+/* The request's state now; r2cclInProgress while it is pending or in flight. */
+r2cclResult_t r2cclKvPoll(r2cclKvEngine_t engine, uint64_t id, r2cclKvState_t* state);
+/* Waits until the request ends, at most timeoutMs (r2cclTimeout then). */
+r2cclResult_t r2cclKvWait(r2cclKvEngine_t engine, uint64_t id, int timeoutMs,
+                          r2cclKvState_t* state);
+r2cclResult_t r2cclKvCancel(r2cclKvEngine_t engine, uint64_t id);
+/* The oldest notification not yet taken: r2cclSuccess with *got = 1 and its payload copied into
+ * payload (at most payloadCapacity bytes; note->payloadBytes says how many it had), or *got = 0
+ * when none is waiting. */
+r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification* note,
+                                     void* payload, size_t payloadCapacity, int* got);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* R2CCL_H_ */

@@ -1,0 +1,372 @@
+// The KV-cache engine's C ABI (r2cclKv* in include/r2ccl.h): an engine on an endpoint of its
+// own, as a prefill or decode server uses it.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "abi.h"
+#include "r2ccl.h"
+#include "r2ccl/kv/engine.h"
+#include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/endpoint.h"
+
+using r2ccl::ErrorCode;
+using r2ccl::Status;
+namespace kv = r2ccl::kv;
+
+struct r2cclKvEngine {
+  // Declared in this order so that the engine goes before the endpoint it runs on.
+  std::unique_ptr<r2ccl::Endpoint> endpoint;
+  std::unique_ptr<kv::KvEngine> engine;
+  r2ccl::capi::ErrorSlot errors;
+  std::mutex notes_mutex;
+  std::deque<kv::Notification> notes;  // taken from the engine, not yet from the caller
+};
+
+namespace {
+
+// Bounds on what a caller's counts may ask for before anything is allocated.
+constexpr std::uint64_t kMaxPlaces = 1u << 20;    // layers x parts
+constexpr std::size_t kMaxBuffers = 1u << 16;     // buffers of one pool
+constexpr std::size_t kMaxSpans = 1u << 20;       // spans of one request
+constexpr std::size_t kMaxSpanBlocks = 1u << 24;  // blocks of one span
+constexpr std::size_t kMaxPayload = 1u << 20;     // a request's payload
+
+r2ccl::capi::ErrorSlot* slot(r2cclKvEngine* e) {
+  return e != nullptr ? &e->errors : nullptr;
+}
+
+r2cclResult_t fail(r2cclKvEngine* e, r2cclResult_t result, std::string message) {
+  return r2ccl::capi::fail(slot(e), result, std::move(message));
+}
+r2cclResult_t fail(r2cclKvEngine* e, const Status& st) {
+  return r2ccl::capi::fail(slot(e), st);
+}
+r2cclResult_t done(r2cclKvEngine* e, const Status& st) {
+  return st.is_ok() ? r2cclSuccess : fail(e, st);
+}
+
+// Every entry point: the guard, and the engine checked first.
+template <typename F>
+r2cclResult_t entry(r2cclKvEngine* e, const char* what, F&& body) {
+  return r2ccl::capi::guarded(slot(e), what, [&]() -> r2cclResult_t {
+    if (e == nullptr)
+      return fail(nullptr, r2cclInvalidArgument, fmt::format("{}: engine is NULL", what));
+    return body();
+  });
+}
+
+r2ccl::Result<kv::KvLayout> layout_of(const r2cclKvLayout* l) {
+  if (l == nullptr) return Status(ErrorCode::kInvalidArgument, "layout is NULL");
+  const std::uint64_t places = static_cast<std::uint64_t>(l->layers) * l->parts;
+  if (places == 0 || places > kMaxPlaces)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("layout: {} layers x {} parts (1 to {} places)", l->layers, l->parts,
+                              kMaxPlaces));
+  if (l->places == nullptr)
+    return kv::KvLayout::layer_major(l->layers, l->blocks, l->blockBytes, l->parts);
+  kv::KvLayout out{l->layers, l->blocks, l->blockBytes, l->parts, {}};
+  out.places.reserve(places);
+  for (std::uint64_t i = 0; i < places; ++i)
+    out.places.push_back({l->places[i].buffer, l->places[i].offset, l->places[i].stride});
+  return out;
+}
+
+r2ccl::Result<kv::BlockSpan> span_of(const r2cclKvSpan& s, std::size_t index) {
+  if (s.nblocks > kMaxSpanBlocks)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("span {}: {} blocks (at most {})", index, s.nblocks, kMaxSpanBlocks));
+  if (s.nblocks > 0 && (s.srcBlocks == nullptr || s.dstBlocks == nullptr))
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("span {}: srcBlocks or dstBlocks is NULL", index));
+  kv::BlockSpan out;
+  out.first_layer = s.firstLayer;
+  out.last_layer = s.lastLayer;
+  if (s.nblocks > 0) {
+    out.src_blocks.assign(s.srcBlocks, s.srcBlocks + s.nblocks);
+    out.dst_blocks.assign(s.dstBlocks, s.dstBlocks + s.nblocks);
+  }
+  return out;
+}
+
+r2ccl::Result<std::vector<kv::BlockSpan>> spans_of(const r2cclKvSpan* spans, std::size_t n) {
+  if (n > kMaxSpans)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("{} spans (at most {})", n, kMaxSpans));
+  if (n > 0 && spans == nullptr) return Status(ErrorCode::kInvalidArgument, "spans is NULL");
+  std::vector<kv::BlockSpan> out;
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    R2CCL_ASSIGN_OR_RETURN(auto s, span_of(spans[i], i));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+r2ccl::Result<r2ccl::Bytes> payload_of(const void* p, std::size_t n) {
+  if (n > kMaxPayload)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("a payload of {} bytes (at most {})", n, kMaxPayload));
+  if (n > 0 && p == nullptr) return Status(ErrorCode::kInvalidArgument, "payload is NULL");
+  const auto* b = static_cast<const std::byte*>(p);
+  return n > 0 ? r2ccl::Bytes(b, b + n) : r2ccl::Bytes();
+}
+
+r2cclKvState_t state_of(kv::RequestState s) {
+  switch (s) {
+    case kv::RequestState::kPending:
+      return r2cclKvPending;
+    case kv::RequestState::kInFlight:
+      return r2cclKvInFlight;
+    case kv::RequestState::kDone:
+      return r2cclKvDone;
+    case kv::RequestState::kFailed:
+      return r2cclKvFailed;
+    case kv::RequestState::kCancelled:
+      return r2cclKvCancelled;
+  }
+  return r2cclKvFailed;
+}
+
+// A request's state as a result: DONE and CANCELLED succeed, FAILED is a remote error naming
+// why, PENDING and IN_FLIGHT are in progress.
+r2cclResult_t report(r2cclKvEngine* e, std::uint64_t id, const kv::RequestStatus& st,
+                     r2cclKvState_t* state) {
+  *state = state_of(st.state);
+  switch (st.state) {
+    case kv::RequestState::kDone:
+    case kv::RequestState::kCancelled:
+      return r2cclSuccess;
+    case kv::RequestState::kPending:
+    case kv::RequestState::kInFlight:
+      return r2cclInProgress;
+    case kv::RequestState::kFailed:
+      break;
+  }
+  return fail(e, r2cclRemoteError, fmt::format("request {} failed: {}", id, st.reason));
+}
+
+}  // namespace
+
+extern "C" {
+
+r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name) {
+  return r2ccl::capi::guarded(nullptr, "r2cclKvEngineCreate", [&] {
+    if (engine == nullptr)
+      return fail(nullptr, r2cclInvalidArgument, "r2cclKvEngineCreate: engine is NULL");
+    *engine = nullptr;
+    auto config = r2ccl::parse_config(r2ccl::process_env());
+    if (!config) return fail(nullptr, config.status().with_context("r2cclKvEngineCreate"));
+    r2ccl::EndpointOptions options;
+    if (name != nullptr) options.name = name;
+    auto e = std::make_unique<r2cclKvEngine>();
+    auto endpoint = r2ccl::Endpoint::create(*config, options);
+    if (!endpoint) return fail(nullptr, endpoint.status().with_context("r2cclKvEngineCreate"));
+    e->endpoint = std::move(*endpoint);
+    auto made = kv::KvEngine::create(*e->endpoint, kv::EngineOptions::from(*config));
+    if (!made) return fail(nullptr, made.status().with_context("r2cclKvEngineCreate"));
+    e->engine = std::move(*made);
+    *engine = e.release();
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine) {
+  return r2ccl::capi::guarded(nullptr, "r2cclKvEngineDestroy", [&] {
+    std::unique_ptr<r2cclKvEngine> owned(engine);  // NULL: nothing to do
+    return r2cclSuccess;
+  });
+}
+
+const char* r2cclKvGetLastError(r2cclKvEngine_t engine) {
+  return r2ccl::capi::last_error(slot(engine));
+}
+
+r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
+                                  const size_t* lengths, int nbuffers, const r2cclKvLayout* layout,
+                                  uint32_t* pool) {
+  return entry(engine, "r2cclKvRegisterPool", [&] {
+    const char* what = "r2cclKvRegisterPool";
+    if (pool == nullptr)
+      return fail(engine, r2cclInvalidArgument, "r2cclKvRegisterPool: pool is NULL");
+    if (nbuffers <= 0 || static_cast<std::size_t>(nbuffers) > kMaxBuffers)
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("{}: {} buffers (1 to {})", what, nbuffers, kMaxBuffers));
+    if (buffers == nullptr || lengths == nullptr)
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("{}: buffers or lengths is NULL", what));
+    std::vector<std::span<std::byte>> spans;
+    for (int i = 0; i < nbuffers; ++i) {
+      if (buffers[i] == nullptr || lengths[i] == 0)
+        return fail(engine, r2cclInvalidArgument,
+                    fmt::format("{}: buffer {} is NULL or empty", what, i));
+      spans.emplace_back(static_cast<std::byte*>(buffers[i]), lengths[i]);
+    }
+    auto l = layout_of(layout);
+    if (!l) return fail(engine, l.status().with_context(what));
+    auto p = engine->engine->register_pool(spans, *l);
+    if (!p) return fail(engine, p.status().with_context(what));
+    *pool = *p;
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclKvUnregisterPool(r2cclKvEngine_t engine, uint32_t pool) {
+  return entry(engine, "r2cclKvUnregisterPool",
+               [&] { return done(engine, engine->engine->unregister_pool(pool)); });
+}
+
+r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t engine, void* buf, size_t* len) {
+  return entry(engine, "r2cclKvGetMetadata", [&] {
+    if (len == nullptr)
+      return fail(engine, r2cclInvalidArgument, "r2cclKvGetMetadata: len is NULL");
+    const r2ccl::Bytes md = engine->engine->metadata();
+    const std::size_t capacity = *len;
+    *len = md.size();
+    if (buf == nullptr) return r2cclSuccess;
+    if (capacity < md.size())
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("r2cclKvGetMetadata: the buffer holds {} bytes, the metadata is {}",
+                              capacity, md.size()));
+    std::memcpy(buf, md.data(), md.size());
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t engine, const void* metadata, size_t len,
+                                int* peer) {
+  return entry(engine, "r2cclKvLoadRemote", [&] {
+    if (peer == nullptr || metadata == nullptr)
+      return fail(engine, r2cclInvalidArgument, "r2cclKvLoadRemote: metadata or peer is NULL");
+    auto p = engine->engine->load_remote(
+        std::span<const std::byte>(static_cast<const std::byte*>(metadata), len));
+    if (!p) return fail(engine, p.status().with_context("r2cclKvLoadRemote"));
+    *peer = *p;
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclKvDisconnect(r2cclKvEngine_t engine, int peer) {
+  return entry(engine, "r2cclKvDisconnect",
+               [&] { return done(engine, engine->engine->disconnect(peer)); });
+}
+
+r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                            uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans,
+                            const void* payload, size_t payloadBytes) {
+  return entry(engine, "r2cclKvSubmit", [&] {
+    auto s = spans_of(spans, nspans);
+    if (!s) return fail(engine, s.status().with_context("r2cclKvSubmit"));
+    auto p = payload_of(payload, payloadBytes);
+    if (!p) return fail(engine, p.status().with_context("r2cclKvSubmit"));
+    return done(engine, engine->engine->submit(id, peer, localPool, remotePool, *s, std::move(*p))
+                            .with_context("r2cclKvSubmit"));
+  });
+}
+
+r2cclResult_t r2cclKvBegin(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                           uint32_t remotePool) {
+  return entry(engine, "r2cclKvBegin", [&] {
+    return done(
+        engine,
+        engine->engine->begin(id, peer, localPool, remotePool).with_context("r2cclKvBegin"));
+  });
+}
+
+r2cclResult_t r2cclKvAdd(r2cclKvEngine_t engine, uint64_t id, const r2cclKvSpan* span) {
+  return entry(engine, "r2cclKvAdd", [&] {
+    if (span == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvAdd: span is NULL");
+    auto s = span_of(*span, 0);
+    if (!s) return fail(engine, s.status().with_context("r2cclKvAdd"));
+    return done(engine, engine->engine->add(id, *s).with_context("r2cclKvAdd"));
+  });
+}
+
+r2cclResult_t r2cclKvSeal(r2cclKvEngine_t engine, uint64_t id, const void* payload,
+                          size_t payloadBytes) {
+  return entry(engine, "r2cclKvSeal", [&] {
+    auto p = payload_of(payload, payloadBytes);
+    if (!p) return fail(engine, p.status().with_context("r2cclKvSeal"));
+    return done(engine, engine->engine->seal(id, std::move(*p)).with_context("r2cclKvSeal"));
+  });
+}
+
+r2cclResult_t r2cclKvPull(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+                          uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans) {
+  return entry(engine, "r2cclKvPull", [&] {
+    auto s = spans_of(spans, nspans);
+    if (!s) return fail(engine, s.status().with_context("r2cclKvPull"));
+    return done(
+        engine,
+        engine->engine->pull(id, peer, localPool, remotePool, *s).with_context("r2cclKvPull"));
+  });
+}
+
+r2cclResult_t r2cclKvPoll(r2cclKvEngine_t engine, uint64_t id, r2cclKvState_t* state) {
+  return entry(engine, "r2cclKvPoll", [&] {
+    if (state == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvPoll: state is NULL");
+    auto st = engine->engine->status(id);
+    if (!st) return fail(engine, st.status().with_context("r2cclKvPoll"));
+    return report(engine, id, *st, state);
+  });
+}
+
+r2cclResult_t r2cclKvWait(r2cclKvEngine_t engine, uint64_t id, int timeoutMs,
+                          r2cclKvState_t* state) {
+  return entry(engine, "r2cclKvWait", [&] {
+    if (state == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvWait: state is NULL");
+    if (timeoutMs < 0)
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("r2cclKvWait: timeoutMs is {} (0 or more)", timeoutMs));
+    auto st = engine->engine->wait(id, std::chrono::milliseconds(timeoutMs));
+    if (!st) {
+      if (auto now = engine->engine->status(id)) *state = state_of(now->state);
+      return fail(engine, st.status().with_context("r2cclKvWait"));
+    }
+    return report(engine, id, *st, state);
+  });
+}
+
+r2cclResult_t r2cclKvCancel(r2cclKvEngine_t engine, uint64_t id) {
+  return entry(engine, "r2cclKvCancel", [&] {
+    return done(engine, engine->engine->cancel(id).with_context("r2cclKvCancel"));
+  });
+}
+
+r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification* note,
+                                     void* payload, size_t payloadCapacity, int* got) {
+  return entry(engine, "r2cclKvGetNotification", [&] {
+    if (note == nullptr || got == nullptr)
+      return fail(engine, r2cclInvalidArgument, "r2cclKvGetNotification: note or got is NULL");
+    if (payloadCapacity > 0 && payload == nullptr)
+      return fail(engine, r2cclInvalidArgument,
+                  "r2cclKvGetNotification: payload is NULL with a capacity");
+    *got = 0;
+    std::lock_guard lock(engine->notes_mutex);
+    // The engine's own queue is bounded; this one holds at most what it handed over at once.
+    if (engine->notes.empty())
+      for (auto& n : engine->engine->poll_notifications())
+        engine->notes.push_back(std::move(n));
+    if (engine->notes.empty()) return r2cclSuccess;
+    const kv::Notification n = std::move(engine->notes.front());
+    engine->notes.pop_front();
+    note->request = n.request;
+    note->peer = n.peer;
+    note->state = state_of(n.state);
+    note->verified = n.verified ? 1 : 0;
+    note->payloadBytes = n.payload.size();
+    note->invalidBlocks = n.invalid_blocks.size();
+    if (payloadCapacity > 0 && !n.payload.empty())
+      std::memcpy(payload, n.payload.data(), std::min(payloadCapacity, n.payload.size()));
+    *got = 1;
+    return r2cclSuccess;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,231 @@
+/* The C ABI from C: three ranks as threads of this process, over two loopback rails, through
+ * libr2ccl.so only. Every collective and the grouped send/recv, each result checked element by
+ * element; bad input answered with the right code and a message that names what was wrong, the
+ * communicator usable afterwards; split, finalize, destroy.
+ *
+ * Exit status 0 when every check passed; each failed check prints one line naming it. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "r2ccl.h"
+
+#define NRANKS 3
+#define COUNT 1000
+
+static int failures;
+static pthread_mutex_t failures_mutex = PTHREAD_MUTEX_INITIALIZER;
+static r2cclUniqueId id;
+
+static void failed(int rank, const char* what, const char* detail) {
+  pthread_mutex_lock(&failures_mutex);
+  ++failures;
+  fprintf(stderr, "FAIL rank %d: %s%s%s\n", rank, what, detail ? ": " : "", detail ? detail : "");
+  pthread_mutex_unlock(&failures_mutex);
+}
+
+/* A call that must succeed. */
+#define OK(rank, comm, call)                                              \
+  do {                                                                    \
+    r2cclResult_t r_ = (call);                                            \
+    if (r_ != r2cclSuccess) failed(rank, #call, r2cclGetLastError(comm)); \
+  } while (0)
+
+/* A call that must fail with `code` and a last error containing `words`. */
+static void refused(int rank, r2cclComm_t comm, const char* what, r2cclResult_t got,
+                    r2cclResult_t want, const char* words) {
+  char detail[512];
+  const char* text = r2cclGetLastError(comm);
+  if (got != want) {
+    snprintf(detail, sizeof detail, "returned %d (%s), wanted %d; last error: %s", (int)got,
+             r2cclGetErrorString(got), (int)want, text);
+    failed(rank, what, detail);
+  } else if (strstr(text, words) == NULL) {
+    snprintf(detail, sizeof detail, "the error does not say '%s': %s", words, text);
+    failed(rank, what, detail);
+  }
+}
+
+static float value(int rank, int i) {
+  return (float)((rank + 1) * 1000 + i % 97);
+}
+
+static void check_floats(int rank, const char* what, const float* got, const float* want, int n) {
+  for (int i = 0; i < n; ++i)
+    if (got[i] != want[i]) {
+      char detail[160];
+      snprintf(detail, sizeof detail, "element %d is %g, wanted %g", i, (double)got[i],
+               (double)want[i]);
+      failed(rank, what, detail);
+      return;
+    }
+}
+
+static void* rank_main(void* arg) {
+  const int rank = (int)(size_t)arg;
+  r2cclComm_t comm = NULL;
+  r2cclResult_t r = r2cclCommInitRank(&comm, NRANKS, id, rank);
+  if (r != r2cclSuccess) {
+    failed(rank, "r2cclCommInitRank", r2cclGetLastError(NULL));
+    return NULL;
+  }
+  int n = 0, me = -1;
+  OK(rank, comm, r2cclCommCount(comm, &n));
+  OK(rank, comm, r2cclCommUserRank(comm, &me));
+  if (n != NRANKS || me != rank) failed(rank, "count/rank", "wrong values");
+
+  float* send = malloc(sizeof(float) * COUNT * NRANKS);
+  float* recv = malloc(sizeof(float) * COUNT * NRANKS);
+  float* want = malloc(sizeof(float) * COUNT * NRANKS);
+  if (!send || !recv || !want) {
+    failed(rank, "malloc", NULL);
+    return NULL;
+  }
+
+  /* All-reduce, sum, out of place: the input is never written. */
+  for (int i = 0; i < COUNT; ++i) {
+    send[i] = value(rank, i);
+    want[i] = value(0, i) + value(1, i) + value(2, i);
+  }
+  OK(rank, comm, r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL));
+  check_floats(rank, "all-reduce sum", recv, want, COUNT);
+  for (int i = 0; i < COUNT; ++i)
+    if (send[i] != value(rank, i)) {
+      failed(rank, "all-reduce", "wrote its input");
+      break;
+    }
+
+  /* All-gather: rank r's block at r * COUNT. */
+  for (int i = 0; i < COUNT; ++i)
+    send[i] = value(rank, i);
+  for (int p = 0; p < NRANKS; ++p)
+    for (int i = 0; i < COUNT; ++i)
+      want[p * COUNT + i] = value(p, i);
+  OK(rank, comm, r2cclAllGather(send, recv, COUNT, r2cclFloat32, comm, NULL));
+  check_floats(rank, "all-gather", recv, want, COUNT * NRANKS);
+
+  /* Reduce-scatter, max: block `rank` of the element-wise maximum. */
+  for (int p = 0; p < NRANKS; ++p)
+    for (int i = 0; i < COUNT; ++i)
+      send[p * COUNT + i] = value((rank + p) % NRANKS, i);
+  for (int i = 0; i < COUNT; ++i)
+    want[i] = value(2, i);
+  OK(rank, comm, r2cclReduceScatter(send, recv, COUNT, r2cclFloat32, r2cclMax, comm, NULL));
+  check_floats(rank, "reduce-scatter max", recv, want, COUNT);
+
+  /* Broadcast from rank 1. */
+  for (int i = 0; i < COUNT; ++i) {
+    send[i] = value(rank, i);
+    want[i] = value(1, i);
+  }
+  OK(rank, comm, r2cclBroadcast(send, recv, COUNT, r2cclFloat32, 1, comm, NULL));
+  check_floats(rank, "broadcast", recv, want, COUNT);
+
+  /* Reduce (min) to rank 2. */
+  for (int i = 0; i < COUNT; ++i) {
+    send[i] = value(rank, i);
+    want[i] = value(0, i);
+  }
+  OK(rank, comm, r2cclReduce(send, recv, COUNT, r2cclFloat32, r2cclMin, 2, comm, NULL));
+  if (rank == 2) check_floats(rank, "reduce min", recv, want, COUNT);
+
+  /* A ring of grouped sends and receives: to the next rank, from the previous one. */
+  int32_t out[64], in[64];
+  for (int i = 0; i < 64; ++i)
+    out[i] = rank * 100 + i;
+  OK(rank, comm, r2cclGroupStart());
+  OK(rank, comm, r2cclSend(out, 64, r2cclInt32, (rank + 1) % NRANKS, comm, NULL));
+  OK(rank, comm, r2cclRecv(in, 64, r2cclInt32, (rank + NRANKS - 1) % NRANKS, comm, NULL));
+  OK(rank, comm, r2cclGroupEnd());
+  for (int i = 0; i < 64; ++i)
+    if (in[i] != ((rank + NRANKS - 1) % NRANKS) * 100 + i) {
+      failed(rank, "grouped send/recv", "wrong data");
+      break;
+    }
+
+  /* Bad input: refused, named, and the communicator still works. */
+  refused(rank, comm, "unknown datatype",
+          r2cclAllReduce(send, recv, COUNT, (r2cclDataType_t)42, r2cclSum, comm, NULL),
+          r2cclInvalidArgument, "unknown datatype 42");
+  refused(rank, comm, "unknown reduction",
+          r2cclAllReduce(send, recv, COUNT, r2cclFloat32, (r2cclRedOp_t)-1, comm, NULL),
+          r2cclInvalidArgument, "unknown reduction -1");
+  refused(rank, comm, "a stream",
+          r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, (r2cclStream_t)send),
+          r2cclInvalidArgument, "stream must be NULL");
+  refused(rank, NULL, "a NULL communicator",
+          r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, NULL, NULL),
+          r2cclInvalidArgument, "comm is NULL");
+  refused(rank, comm, "a peer out of range", r2cclSend(out, 64, r2cclInt32, 7, comm, NULL),
+          r2cclInvalidArgument, "7");
+  OK(rank, comm, r2cclBarrier(comm, NULL));
+  for (int i = 0; i < COUNT; ++i) {
+    send[i] = (float)rank;
+    want[i] = 3.0f; /* 0 + 1 + 2 */
+  }
+  OK(rank, comm, r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL));
+  check_floats(rank, "all-reduce after refused calls", recv, want, COUNT);
+
+  /* Split by parity: {0, 2} and {1}. */
+  r2cclComm_t half = NULL;
+  OK(rank, comm, r2cclCommSplit(comm, rank % 2, rank, &half, NULL));
+  if (half == NULL) {
+    failed(rank, "r2cclCommSplit", "no communicator");
+  } else {
+    int hn = 0;
+    OK(rank, half, r2cclCommCount(half, &hn));
+    if (hn != (rank % 2 == 0 ? 2 : 1)) failed(rank, "split size", "wrong");
+    for (int i = 0; i < COUNT; ++i) {
+      send[i] = (float)(rank + 1);
+      want[i] = rank % 2 == 0 ? 4.0f : 2.0f; /* (0+1) + (2+1), or 1+1 alone */
+    }
+    OK(rank, half, r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, half, NULL));
+    check_floats(rank, "all-reduce on the split", recv, want, COUNT);
+    OK(rank, half, r2cclCommDestroy(half));
+  }
+
+  r2cclResult_t async = r2cclUnhandledError;
+  OK(rank, comm, r2cclCommGetAsyncError(comm, &async));
+  if (async != r2cclSuccess) failed(rank, "async error", r2cclGetLastError(comm));
+
+  OK(rank, comm, r2cclBarrier(comm, NULL));
+  OK(rank, comm, r2cclCommFinalize(comm));
+  refused(rank, comm, "a collective after finalize",
+          r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL), r2cclInvalidUsage,
+          "finalized");
+  OK(rank, comm, r2cclCommDestroy(comm));
+  free(send);
+  free(recv);
+  free(want);
+  return NULL;
+}
+
+int main(void) {
+  int version = 0;
+  if (r2cclGetVersion(&version) != r2cclSuccess || version != R2CCL_VERSION_CODE) {
+    fprintf(stderr, "FAIL: r2cclGetVersion gave %d, the header says %d\n", version,
+            R2CCL_VERSION_CODE);
+    return 1;
+  }
+  if (r2cclGroupEnd() != r2cclInvalidUsage ||
+      strstr(r2cclGetLastError(NULL), "without r2cclGroupStart") == NULL) {
+    fprintf(stderr, "FAIL: r2cclGroupEnd without a start: %s\n", r2cclGetLastError(NULL));
+    return 1;
+  }
+  if (r2cclGetUniqueId(&id) != r2cclSuccess) {
+    fprintf(stderr, "FAIL: r2cclGetUniqueId: %s\n", r2cclGetLastError(NULL));
+    return 1;
+  }
+  pthread_t threads[NRANKS];
+  for (int r = 0; r < NRANKS; ++r)
+    if (pthread_create(&threads[r], NULL, rank_main, (void*)(size_t)r) != 0) {
+      fprintf(stderr, "FAIL: pthread_create\n");
+      return 1;
+    }
+  for (int r = 0; r < NRANKS; ++r)
+    pthread_join(threads[r], NULL);
+  if (failures == 0) printf("capi comm: every check passed (%d ranks)\n", NRANKS);
+  return failures == 0 ? 0 : 1;
+}

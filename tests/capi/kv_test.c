@@ -1,0 +1,191 @@
+/* The KV engine's C ABI from C: a prefill and a decode engine in this process, each on an
+ * endpoint of its own (two loopback rails each), connected by metadata only. A whole push and a
+ * layer-by-layer push, every byte of every block checked (and every block not sent still zero);
+ * the decode side's notification with its payload; bad input refused with a message naming it.
+ *
+ * Exit status 0 when every check passed; each failed check prints one line naming it. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "r2ccl.h"
+
+#define LAYERS 4
+#define PARTS 2
+#define BLOCKS 16
+#define BLOCK_BYTES 256
+#define POOL_BYTES (LAYERS * PARTS * BLOCKS * BLOCK_BYTES)
+
+static int failures;
+
+static void failed(const char* what, const char* detail) {
+  ++failures;
+  fprintf(stderr, "FAIL: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
+}
+
+#define OK(engine, call)                                                    \
+  do {                                                                      \
+    if ((call) != r2cclSuccess) failed(#call, r2cclKvGetLastError(engine)); \
+  } while (0)
+
+static void refused(r2cclKvEngine_t e, const char* what, r2cclResult_t got, r2cclResult_t want,
+                    const char* words) {
+  char detail[512];
+  const char* text = r2cclKvGetLastError(e);
+  if (got != want) {
+    snprintf(detail, sizeof detail, "returned %d, wanted %d; last error: %s", (int)got, (int)want,
+             text);
+    failed(what, detail);
+  } else if (strstr(text, words) == NULL) {
+    snprintf(detail, sizeof detail, "the error does not say '%s': %s", words, text);
+    failed(what, detail);
+  }
+}
+
+/* Offset of (layer, part, block) in the layer-major pool. */
+static size_t at(int layer, int part, int block) {
+  return ((size_t)(layer * PARTS + part) * BLOCKS + (size_t)block) * BLOCK_BYTES;
+}
+
+static unsigned char pattern(int layer, int part, int block, int i) {
+  return (unsigned char)(layer * 31 + part * 7 + block * 13 + i + 1);
+}
+
+/* dst[dst_blocks[k]] holds src block src_blocks[k] for every layer and part; a block in none of
+ * `all_dst` is still zero. */
+static void check_pool(const char* what, const unsigned char* pool, const int* src, const int* dst,
+                       int n, const int* all_dst, int n_all) {
+  for (int layer = 0; layer < LAYERS; ++layer)
+    for (int part = 0; part < PARTS; ++part)
+      for (int b = 0; b < BLOCKS; ++b) {
+        int from = -1, sent = 0;
+        for (int k = 0; k < n; ++k)
+          if (dst[k] == b) from = src[k];
+        for (int k = 0; k < n_all; ++k)
+          if (all_dst[k] == b) sent = 1;
+        for (int i = 0; i < BLOCK_BYTES; ++i) {
+          unsigned char want = from >= 0 ? pattern(layer, part, from, i) : 0;
+          if (from < 0 && sent) break; /* another request's block: checked there */
+          if (pool[at(layer, part, b) + (size_t)i] != want) {
+            char detail[128];
+            snprintf(detail, sizeof detail, "layer %d part %d block %d byte %d", layer, part, b, i);
+            failed(what, detail);
+            return;
+          }
+        }
+      }
+}
+
+static r2cclKvEngine_t make(const char* nics, const char* name) {
+  r2cclKvEngine_t e = NULL;
+  setenv("R2CCL_NICS", nics, 1);
+  if (r2cclKvEngineCreate(&e, name) != r2cclSuccess) {
+    fprintf(stderr, "FAIL: r2cclKvEngineCreate(%s): %s\n", name, r2cclKvGetLastError(NULL));
+    exit(1);
+  }
+  return e;
+}
+
+static int notification(r2cclKvEngine_t e, r2cclKvNotification* note, char* payload, size_t cap) {
+  for (int i = 0; i < 1000; ++i) { /* bounded: 10 s */
+    int got = 0;
+    if (r2cclKvGetNotification(e, note, payload, cap, &got) != r2cclSuccess) {
+      failed("r2cclKvGetNotification", r2cclKvGetLastError(e));
+      return 0;
+    }
+    if (got) return 1;
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  failed("notification", "none within 10 s");
+  return 0;
+}
+
+int main(void) {
+  r2cclKvEngine_t prefill = make("127.0.0.41,127.0.0.42", "prefill");
+  r2cclKvEngine_t decode = make("127.0.0.43,127.0.0.44", "decode");
+  unsigned char* src = calloc(POOL_BYTES, 1);
+  unsigned char* dst = calloc(POOL_BYTES, 1);
+  if (!src || !dst) return 1;
+  for (int layer = 0; layer < LAYERS; ++layer)
+    for (int part = 0; part < PARTS; ++part)
+      for (int b = 0; b < BLOCKS; ++b)
+        for (int i = 0; i < BLOCK_BYTES; ++i)
+          src[at(layer, part, b) + (size_t)i] = pattern(layer, part, b, i);
+
+  const r2cclKvLayout layout = {LAYERS, BLOCKS, BLOCK_BYTES, PARTS, NULL};
+  void* sbuf[1] = {src};
+  void* dbuf[1] = {dst};
+  size_t len[1] = {POOL_BYTES};
+  uint32_t spool = 99, dpool = 99;
+  OK(prefill, r2cclKvRegisterPool(prefill, sbuf, len, 1, &layout, &spool));
+  OK(decode, r2cclKvRegisterPool(decode, dbuf, len, 1, &layout, &dpool));
+
+  /* The decode side's metadata, handed to the prefill side. */
+  size_t mdlen = 0;
+  OK(decode, r2cclKvGetMetadata(decode, NULL, &mdlen));
+  unsigned char* md = malloc(mdlen);
+  size_t small = 3;
+  refused(decode, "metadata into a small buffer", r2cclKvGetMetadata(decode, md, &small),
+          r2cclInvalidArgument, "the buffer holds 3 bytes");
+  OK(decode, r2cclKvGetMetadata(decode, md, &mdlen));
+  int peer = -1;
+  OK(prefill, r2cclKvLoadRemote(prefill, md, mdlen, &peer));
+  free(md);
+
+  /* A whole push with a payload. */
+  const uint32_t s1[3] = {1, 2, 9}, d1[3] = {10, 11, 12};
+  const r2cclKvSpan span = {0, LAYERS, s1, d1, 3};
+  OK(prefill, r2cclKvSubmit(prefill, 5, peer, spool, dpool, &span, 1, "first token", 11));
+  r2cclKvState_t state = r2cclKvFailed;
+  OK(prefill, r2cclKvWait(prefill, 5, 10000, &state));
+  if (state != r2cclKvDone) failed("push", "not DONE");
+  r2cclKvNotification note;
+  char payload[64] = {0};
+  if (notification(decode, &note, payload, sizeof payload)) {
+    if (note.request != 5 || note.state != r2cclKvDone || note.payloadBytes != 11 ||
+        memcmp(payload, "first token", 11) != 0)
+      failed("notification", payload);
+  }
+  const int sent1[3] = {1, 2, 9}, got1[3] = {10, 11, 12}, all[5] = {10, 11, 12, 13, 14};
+  check_pool("whole push", dst, sent1, got1, 3, all, 3);
+
+  /* Layer by layer: blocks 3 and 4 into 13 and 14. */
+  const uint32_t s2[2] = {3, 4}, d2[2] = {13, 14};
+  OK(prefill, r2cclKvBegin(prefill, 6, peer, spool, dpool));
+  for (uint32_t layer = 0; layer < LAYERS; ++layer) {
+    const r2cclKvSpan one = {layer, layer + 1, s2, d2, 2};
+    OK(prefill, r2cclKvAdd(prefill, 6, &one));
+  }
+  OK(prefill, r2cclKvSeal(prefill, 6, NULL, 0));
+  OK(prefill, r2cclKvWait(prefill, 6, 10000, &state));
+  const int sent2[2] = {3, 4}, got2[2] = {13, 14};
+  check_pool("layer-by-layer push", dst, sent2, got2, 2, all, 5);
+  check_pool("the first push, still intact", dst, sent1, got1, 3, all, 5);
+  if (notification(decode, &note, payload, sizeof payload) && note.request != 6)
+    failed("second notification", "wrong request");
+
+  /* Bad input. */
+  const uint32_t bad[1] = {99};
+  const r2cclKvSpan out_of_range = {0, LAYERS, bad, d1, 1};
+  refused(prefill, "a block out of range",
+          r2cclKvSubmit(prefill, 7, peer, spool, dpool, &out_of_range, 1, NULL, 0),
+          r2cclInvalidArgument, "source block 99 is out of range");
+  refused(prefill, "no buffers", r2cclKvRegisterPool(prefill, sbuf, len, 0, &layout, &spool),
+          r2cclInvalidArgument, "0 buffers");
+  refused(prefill, "an unknown request", r2cclKvPoll(prefill, 1234, &state), r2cclInvalidArgument,
+          "no request 1234");
+  refused(NULL, "a NULL engine", r2cclKvCancel(NULL, 5), r2cclInvalidArgument, "engine is NULL");
+  /* Still usable after the refusals. */
+  OK(prefill, r2cclKvSubmit(prefill, 8, peer, spool, dpool, &span, 1, NULL, 0));
+  OK(prefill, r2cclKvWait(prefill, 8, 10000, &state));
+
+  OK(prefill, r2cclKvEngineDestroy(prefill));
+  OK(decode, r2cclKvEngineDestroy(decode));
+  free(src);
+  free(dst);
+  if (failures == 0) printf("capi kv: every check passed\n");
+  return failures == 0 ? 0 : 1;
+}
