@@ -82,14 +82,16 @@ const char* r2cclGetErrorString(r2cclResult_t result);
 const char* r2cclGetLastError(r2cclComm_t comm);
 
 /* ---- communicators */
-/* Rank 0 only: starts the rendezvous listener in this process (on R2CCL_BOOTSTRAP_HOST's
- * address, else the first non-loopback one) and makes the id, with a fresh random job token.
- * Hand the 128 bytes to every rank (rank 0 included) by any means. */
+/* Rank 0 only: starts the rendezvous listener in this process (on R2CCL_SOCKET_IFNAME's
+ * address, else the first interface that is up and not loopback) and makes the id, with a fresh
+ * random job token. Hand the 128 bytes to every rank by any means; rank 0 itself must call
+ * r2cclCommInitRank in the process that made the id. */
 r2cclResult_t r2cclGetUniqueId(r2cclUniqueId* uniqueId);
-/* Every rank, with the same id and nranks; blocks until all have joined (R2CCL_TIMEOUT). */
+/* Every rank, with the same id and nranks; blocks until all have joined
+ * (R2CCL_BOOTSTRAP_TIMEOUT). */
 r2cclResult_t r2cclCommInitRank(r2cclComm_t* comm, int nranks, r2cclUniqueId commId, int rank);
-/* From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP / R2CCL_TOKEN, or
- * mpirun's variables). */
+/* From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP /
+ * R2CCL_BOOTSTRAP_TOKEN, or mpirun's variables). */
 r2cclResult_t r2cclCommInitFromEnv(r2cclComm_t* comm);
 /* Ranks with the same color form a new communicator, ordered by (key, rank); color < 0 joins
  * none (*newcomm = NULL). Every rank of `comm` calls it. `config` must be NULL. */
