@@ -24,9 +24,6 @@ r2cclResult_t to_result(ErrorCode code);
 // Records `message` as the last error of the calling thread and of `slot` (may be null).
 r2cclResult_t fail(ErrorSlot* slot, r2cclResult_t result, std::string message);
 r2cclResult_t fail(ErrorSlot* slot, const Status& st);
-inline r2cclResult_t done(ErrorSlot* slot, const Status& st) {
-  return st.is_ok() ? r2cclSuccess : fail(slot, st);
-}
 // The text of `slot`'s last error (null: the calling thread's), valid until the thread's next
 // call that fails.
 const char* last_error(ErrorSlot* slot);

@@ -16,6 +16,25 @@ namespace r2ccl {
 
 using std::chrono::milliseconds;
 
+namespace {
+// A fence-type message about one rail (fence, its acknowledgement, keepalive).
+Bytes rail_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
+                  const std::string& why) {
+  ByteWriter w;
+  w.u8(type).u32(rail).u32(epoch).str(why);
+  return w.take();
+}
+
+// A failover message as the rails carry it: sequence number 0, then its type.
+std::shared_ptr<const Bytes> framed_failover(const Bytes& message) {
+  ByteWriter w(9 + message.size());
+  w.u64(0)
+      .u8(static_cast<std::uint8_t>(ControlType::kFailover))
+      .raw(message.data(), message.size());
+  return std::make_shared<const Bytes>(w.take());
+}
+}  // namespace
+
 // Fence, then replay: the connection is closed abortively and its epoch is over; what it left
 // unconfirmed is replayed once the peer confirms its end is closed too, so that no write of the
 // old connection can land after a replayed one.
@@ -81,19 +100,13 @@ void Channel::fence(std::uint32_t index, const std::string& reason, bool notify_
 void Channel::send_fence_notice(std::uint8_t type, std::uint32_t rail, std::uint32_t epoch,
                                 const std::string& why) {
   if (dead_ || closing_) return;
-  ByteWriter w;
-  w.u8(type).u32(rail).u32(epoch).str(why);
   // Without any path the peer learns of the failure from its own detection.
-  if (Status st = send_failover(w.bytes()); !st)
+  if (Status st = send_failover(rail_notice(type, rail, epoch, why)); !st)
     R2CCL_INFO("cannot tell {} about rail {}: {}", label_, rail, st.message());
 }
 
 Status Channel::send_failover(const Bytes& message) {
-  ByteWriter w(9 + message.size());
-  w.u64(0)
-      .u8(static_cast<std::uint8_t>(ControlType::kFailover))
-      .raw(message.data(), message.size());
-  return post_failover(std::make_shared<const Bytes>(w.take()), true);
+  return post_failover(framed_failover(message), true);
 }
 
 Status Channel::post_failover(std::shared_ptr<const Bytes> framed, bool duplicate) {
@@ -137,17 +150,12 @@ void Channel::listen_for_life(std::uint32_t index, Clock::time_point now) {
   if (s.health->state() != RailState::kSuspect || now - s.last_keepalive < config_.probe_interval)
     return;
   s.last_keepalive = now;
-  ByteWriter w;
-  w.u64(0)
-      .u8(static_cast<std::uint8_t>(ControlType::kFailover))
-      .u8(static_cast<std::uint8_t>(FenceType::kKeepalive))
-      .u32(index)
-      .u32(s.epoch)
-      .str("");
   // Not kept for a resend elsewhere: it means something only on this rail. Its confirmation
   // (a failover cookie with no entry) is a sign of life like any other.
   const std::uint64_t cookie = kControlCookieBit | kFailoverCookieBit | next_failover_cookie_++;
-  if (Status st = s.rail->post_urgent_control(std::make_shared<const Bytes>(w.take()), cookie);
+  const auto message = framed_failover(
+      rail_notice(static_cast<std::uint8_t>(FenceType::kKeepalive), index, s.epoch, ""));
+  if (Status st = s.rail->post_urgent_control(message, cookie);
       !st && st.code() != ErrorCode::kNoResource)
     R2CCL_DEBUG("keepalive on rail {} to {}: {}", index, label_, st.message());
 }
