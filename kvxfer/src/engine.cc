@@ -40,7 +40,6 @@ constexpr std::uint32_t kMetaMagic = 0x564b3252;  // "R2KV"
 constexpr std::uint32_t kMetaVersion = 2;
 constexpr auto kService = static_cast<std::uint8_t>(Fabric::Service::kKvTransfer);
 constexpr std::uint64_t kMaxWriteBytes = 4u << 20;  // coalesced writes stay below this
-constexpr std::size_t kMaxPayload = 4096;
 
 enum class MsgType : std::uint8_t { kNotify = 1, kPull = 2 };
 
@@ -489,7 +488,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     rec.note.request = r.u64();
     rec.note.state = static_cast<RequestState>(r.u8());
     rec.note.reason = r.str(4096);
-    rec.note.payload = r.blob(kMaxPayload);
+    rec.note.payload = r.blob(kMaxPayloadBytes);
     const auto n = r.u32();
     for (std::uint32_t i = 0; i < n && r.ok(); ++i)
       rec.note.invalid_blocks.push_back(r.u32());
@@ -936,9 +935,9 @@ Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
 }
 
 Status KvEngine::seal(std::uint64_t id, Bytes payload) {
-  if (payload.size() > kMaxPayload)
+  if (payload.size() > kMaxPayloadBytes)
     return {ErrorCode::kInvalidArgument,
-            fmt::format("payload of {} bytes exceeds {}", payload.size(), kMaxPayload)};
+            fmt::format("payload of {} bytes exceeds {}", payload.size(), kMaxPayloadBytes)};
   std::vector<Impl::Outgoing> out;
   {
     std::lock_guard lock(impl_->mu);

@@ -1,7 +1,9 @@
 /* The C ABI from C: three ranks as threads of this process, over two loopback rails, through
- * libr2ccl.so only. Every collective and the grouped send/recv, each result checked element by
- * element; bad input answered with the right code and a message that names what was wrong, the
- * communicator usable afterwards; split, finalize, destroy.
+ * libr2ccl.so only. Every collective (out of place and in place) and the grouped send/recv below
+ * and above the eager limit, each result checked element by element; registered buffers; bad
+ * input answered with the right code and a message that names what was wrong, the communicator
+ * usable afterwards; split (color < 0 included), finalize, destroy, and an abort from another
+ * thread that ends a blocked receive.
  *
  * Exit status 0 when every check passed; each failed check prints one line naming it. */
 #define _POSIX_C_SOURCE 200809L
@@ -9,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "r2ccl.h"
 
@@ -18,6 +21,8 @@
 static int failures;
 static pthread_mutex_t failures_mutex = PTHREAD_MUTEX_INITIALIZER;
 static r2cclUniqueId id;
+static pthread_barrier_t barrier;
+#define BIG (64 * 1024) /* int32 elements of the second ring: 256 KiB, past the eager limit */
 
 static void failed(int rank, const char* what, const char* detail) {
   pthread_mutex_lock(&failures_mutex);
@@ -63,6 +68,31 @@ static void check_floats(int rank, const char* what, const float* got, const flo
     }
 }
 
+static void* abort_later(void* arg) {
+  const struct timespec pause = {0, 300 * 1000 * 1000};
+  nanosleep(&pause, NULL);
+  if (r2cclCommAbort((r2cclComm_t)arg) != r2cclSuccess)
+    failed(0, "r2cclCommAbort", r2cclGetLastError(NULL));
+  return NULL;
+}
+
+static void abort_a_blocked_receive(r2cclComm_t comm) {
+  pthread_t aborter;
+  if (pthread_create(&aborter, NULL, abort_later, comm) != 0) {
+    failed(0, "pthread_create", NULL);
+    return;
+  }
+  int32_t in[16];
+  const r2cclResult_t r = r2cclRecv(in, 16, r2cclInt32, 1, comm, NULL);
+  pthread_join(aborter, NULL);
+  if (r == r2cclSuccess) failed(0, "a receive on an aborted communicator", "succeeded");
+  int n = 0;
+  refused(0, comm, "a call on an aborted communicator", r2cclCommCount(comm, &n),
+          r2cclInvalidArgument, "not a live communicator");
+  refused(0, comm, "destroying an aborted communicator", r2cclCommDestroy(comm),
+          r2cclInvalidArgument, "r2cclCommDestroy: comm is not a live communicator");
+}
+
 static void* rank_main(void* arg) {
   const int rank = (int)(size_t)arg;
   r2cclComm_t comm = NULL;
@@ -106,14 +136,52 @@ static void* rank_main(void* arg) {
   OK(rank, comm, r2cclAllGather(send, recv, COUNT, r2cclFloat32, comm, NULL));
   check_floats(rank, "all-gather", recv, want, COUNT * NRANKS);
 
-  /* Reduce-scatter, max: block `rank` of the element-wise maximum. */
+  /* Reduce-scatter, max: block `rank` of the element-wise maximum; each block's values carry
+   * its index, so a block delivered to the wrong rank shows. */
   for (int p = 0; p < NRANKS; ++p)
     for (int i = 0; i < COUNT; ++i)
-      send[p * COUNT + i] = value((rank + p) % NRANKS, i);
+      send[p * COUNT + i] = value((rank + p) % NRANKS, i) + (float)(p * 10000);
   for (int i = 0; i < COUNT; ++i)
-    want[i] = value(2, i);
+    want[i] = value(2, i) + (float)(rank * 10000);
   OK(rank, comm, r2cclReduceScatter(send, recv, COUNT, r2cclFloat32, r2cclMax, comm, NULL));
   check_floats(rank, "reduce-scatter max", recv, want, COUNT);
+
+  /* In place: all-reduce with recvbuff == sendbuff, all-gather from recvbuff + rank * count,
+   * reduce-scatter into sendbuff + rank * count. */
+  for (int i = 0; i < COUNT; ++i) {
+    recv[i] = value(rank, i);
+    want[i] = value(0, i) + value(1, i) + value(2, i);
+  }
+  OK(rank, comm, r2cclAllReduce(recv, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL));
+  check_floats(rank, "in-place all-reduce", recv, want, COUNT);
+  for (int p = 0; p < NRANKS; ++p)
+    for (int i = 0; i < COUNT; ++i) {
+      recv[p * COUNT + i] = p == rank ? value(rank, i) : -1.0f;
+      want[p * COUNT + i] = value(p, i);
+    }
+  OK(rank, comm, r2cclAllGather(recv + rank * COUNT, recv, COUNT, r2cclFloat32, comm, NULL));
+  check_floats(rank, "in-place all-gather", recv, want, COUNT * NRANKS);
+  for (int p = 0; p < NRANKS; ++p)
+    for (int i = 0; i < COUNT; ++i)
+      recv[p * COUNT + i] = value(rank, i) + (float)(p * 10000);
+  for (int i = 0; i < COUNT; ++i)
+    want[i] = value(0, i) + value(1, i) + value(2, i) + (float)(NRANKS * rank * 10000);
+  OK(rank, comm,
+     r2cclReduceScatter(recv, recv + rank * COUNT, COUNT, r2cclFloat32, r2cclSum, comm, NULL));
+  check_floats(rank, "in-place reduce-scatter", recv + rank * COUNT, want, COUNT);
+
+  /* A registered buffer: all-reduce from it, then deregistered; a handle never made is refused. */
+  void* handle = NULL;
+  OK(rank, comm, r2cclCommRegister(comm, send, sizeof(float) * COUNT, &handle));
+  for (int i = 0; i < COUNT; ++i) {
+    send[i] = value(rank, i);
+    want[i] = value(0, i) + value(1, i) + value(2, i);
+  }
+  OK(rank, comm, r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL));
+  check_floats(rank, "all-reduce from a registered buffer", recv, want, COUNT);
+  OK(rank, comm, r2cclCommDeregister(comm, handle));
+  refused(rank, comm, "deregistering twice", r2cclCommDeregister(comm, handle),
+          r2cclInvalidArgument, "r2cclCommDeregister");
 
   /* Broadcast from rank 1. */
   for (int i = 0; i < COUNT; ++i) {
@@ -145,13 +213,37 @@ static void* rank_main(void* arg) {
       break;
     }
 
+  /* The same ring past the eager limit: both directions must be posted before either waits. */
+  int32_t* big_out = malloc(sizeof(int32_t) * BIG);
+  int32_t* big_in = malloc(sizeof(int32_t) * BIG);
+  if (!big_out || !big_in) {
+    failed(rank, "malloc", NULL);
+    return NULL;
+  }
+  for (int i = 0; i < BIG; ++i)
+    big_out[i] = rank * 1000000 + i;
+  OK(rank, comm, r2cclGroupStart());
+  OK(rank, comm, r2cclSend(big_out, BIG, r2cclInt32, (rank + 1) % NRANKS, comm, NULL));
+  OK(rank, comm, r2cclRecv(big_in, BIG, r2cclInt32, (rank + NRANKS - 1) % NRANKS, comm, NULL));
+  OK(rank, comm, r2cclGroupEnd());
+  for (int i = 0; i < BIG; ++i)
+    if (big_in[i] != ((rank + NRANKS - 1) % NRANKS) * 1000000 + i) {
+      failed(rank, "grouped send/recv past the eager limit", "wrong data");
+      break;
+    }
+  free(big_out);
+  free(big_in);
+
   /* Bad input: refused, named, and the communicator still works. */
   refused(rank, comm, "unknown datatype",
           r2cclAllReduce(send, recv, COUNT, (r2cclDataType_t)42, r2cclSum, comm, NULL),
-          r2cclInvalidArgument, "unknown datatype 42");
+          r2cclInvalidArgument, "datatype 42 is not a datatype");
+  refused(rank, comm, "an NCCL datatype r2ccl does not reduce",
+          r2cclAllReduce(send, recv, COUNT, r2cclInt8, r2cclSum, comm, NULL), r2cclInvalidArgument,
+          "datatype 0 (int8) is not supported");
   refused(rank, comm, "unknown reduction",
           r2cclAllReduce(send, recv, COUNT, r2cclFloat32, (r2cclRedOp_t)-1, comm, NULL),
-          r2cclInvalidArgument, "unknown reduction -1");
+          r2cclInvalidArgument, "op -1 is not a reduction");
   refused(rank, comm, "a stream",
           r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, (r2cclStream_t)send),
           r2cclInvalidArgument, "stream must be NULL");
@@ -183,7 +275,31 @@ static void* rank_main(void* arg) {
     }
     OK(rank, half, r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, half, NULL));
     check_floats(rank, "all-reduce on the split", recv, want, COUNT);
+    /* A group spans one communicator: the call on a second one is refused and not queued, and
+     * the group still runs what it holds. */
+    OK(rank, comm, r2cclGroupStart());
+    OK(rank, comm, r2cclSend(out, 64, r2cclInt32, (rank + 1) % NRANKS, comm, NULL));
+    OK(rank, comm, r2cclRecv(in, 64, r2cclInt32, (rank + NRANKS - 1) % NRANKS, comm, NULL));
+    refused(rank, half, "a second communicator in one group",
+            r2cclSend(out, 64, r2cclInt32, 0, half, NULL), r2cclInvalidUsage,
+            "a group spans one communicator");
+    OK(rank, comm, r2cclGroupEnd());
     OK(rank, half, r2cclCommDestroy(half));
+  }
+
+  /* Color < 0: rank 1 joins none; ranks 0 and 2 form a communicator of two. */
+  r2cclComm_t pair = NULL;
+  OK(rank, comm, r2cclCommSplit(comm, rank == 1 ? -1 : 7, 0, &pair, NULL));
+  if (rank == 1) {
+    if (pair != NULL) failed(rank, "r2cclCommSplit with color -1", "made a communicator");
+  } else if (pair == NULL) {
+    failed(rank, "r2cclCommSplit with color 7", "no communicator");
+  } else {
+    int pn = 0, pr = -1;
+    OK(rank, pair, r2cclCommCount(pair, &pn));
+    OK(rank, pair, r2cclCommUserRank(pair, &pr));
+    if (pn != 2 || pr != rank / 2) failed(rank, "the pair's size and rank", "wrong");
+    OK(rank, pair, r2cclCommDestroy(pair));
   }
 
   r2cclResult_t async = r2cclUnhandledError;
@@ -191,11 +307,18 @@ static void* rank_main(void* arg) {
   if (async != r2cclSuccess) failed(rank, "async error", r2cclGetLastError(comm));
 
   OK(rank, comm, r2cclBarrier(comm, NULL));
-  OK(rank, comm, r2cclCommFinalize(comm));
-  refused(rank, comm, "a collective after finalize",
-          r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL), r2cclInvalidUsage,
-          "finalized");
-  OK(rank, comm, r2cclCommDestroy(comm));
+  /* Rank 0 aborts its communicator from another thread while it waits for a message rank 1
+   * never sends: the receive ends with an error, and the handle is refused from then on. The
+   * other ranks keep theirs until it has. */
+  if (rank == 0) abort_a_blocked_receive(comm);
+  pthread_barrier_wait(&barrier);
+  if (rank != 0) {
+    OK(rank, comm, r2cclCommFinalize(comm));
+    refused(rank, comm, "a collective after finalize",
+            r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, NULL),
+            r2cclInvalidUsage, "finalized");
+    OK(rank, comm, r2cclCommDestroy(comm));
+  }
   free(send);
   free(recv);
   free(want);
@@ -218,6 +341,7 @@ int main(void) {
     fprintf(stderr, "FAIL: r2cclGetUniqueId: %s\n", r2cclGetLastError(NULL));
     return 1;
   }
+  pthread_barrier_init(&barrier, NULL, NRANKS);
   pthread_t threads[NRANKS];
   for (int r = 0; r < NRANKS; ++r)
     if (pthread_create(&threads[r], NULL, rank_main, (void*)(size_t)r) != 0) {

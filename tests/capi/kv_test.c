@@ -144,6 +144,20 @@ int main(void) {
   if (state != r2cclKvDone) failed("push", "not DONE");
   r2cclKvNotification note;
   char payload[64] = {0};
+  /* Into 4 bytes the payload does not fit: refused, its size said, and the notification kept. */
+  for (int i = 0, got = 0; i < 1000; ++i) { /* bounded: 10 s */
+    const r2cclResult_t r = r2cclKvGetNotification(decode, &note, payload, 4, &got);
+    if (r == r2cclSuccess && !got) {
+      const struct timespec ts = {0, 10 * 1000 * 1000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    refused(decode, "a payload larger than the capacity", r, r2cclInvalidArgument,
+            "payload has 11 bytes, more than payloadCapacity 4; it stays queued");
+    if (got || note.payloadBytes != 11 || note.request != 5)
+      failed("a payload larger than the capacity", "taken, or its size not said");
+    break;
+  }
   if (notification(decode, &note, payload, sizeof payload)) {
     if (note.request != 5 || note.state != r2cclKvDone || note.payloadBytes != 11 ||
         memcmp(payload, "first token", 11) != 0)
@@ -167,7 +181,32 @@ int main(void) {
   if (notification(decode, &note, payload, sizeof payload) && note.request != 6)
     failed("second notification", "wrong request");
 
+  /* Pull: the decode side loads the prefill side's metadata and asks for blocks 5 and 6 into 7
+   * and 8 of its pool. */
+  size_t plen = 0;
+  OK(prefill, r2cclKvGetMetadata(prefill, NULL, &plen));
+  unsigned char* pmd = malloc(plen);
+  OK(prefill, r2cclKvGetMetadata(prefill, pmd, &plen));
+  int back = -1;
+  OK(decode, r2cclKvLoadRemote(decode, pmd, plen, &back));
+  free(pmd);
+  const uint32_t s3[2] = {5, 6}, d3[2] = {7, 8};
+  const r2cclKvSpan pulled = {0, LAYERS, s3, d3, 2};
+  OK(decode, r2cclKvPull(decode, 20, back, dpool, spool, &pulled, 1));
+  state = r2cclKvFailed;
+  OK(decode, r2cclKvWait(decode, 20, 10000, &state));
+  if (state != r2cclKvDone) failed("pull", "not DONE");
+  const int sent3[2] = {5, 6}, got3[2] = {7, 8}, all3[7] = {7, 8, 10, 11, 12, 13, 14};
+  check_pool("pull", dst, sent3, got3, 2, all3, 7);
+  /* The pushes the prefill side made for the pull end in notifications here, too. */
+  if (notification(decode, &note, payload, sizeof payload) && note.state != r2cclKvDone)
+    failed("the pull's notification", note.reason);
+
   /* Bad input. */
+  char large[R2CCL_KV_MAX_PAYLOAD + 1] = {0};
+  refused(prefill, "a payload over the limit",
+          r2cclKvSubmit(prefill, 9, peer, spool, dpool, &span, 1, large, sizeof large),
+          r2cclInvalidArgument, "a payload of 4097 bytes (at most 4096)");
   const uint32_t bad[1] = {99};
   const r2cclKvSpan out_of_range = {0, LAYERS, bad, d1, 1};
   refused(prefill, "a block out of range",
@@ -181,6 +220,21 @@ int main(void) {
   /* Still usable after the refusals. */
   OK(prefill, r2cclKvSubmit(prefill, 8, peer, spool, dpool, &span, 1, NULL, 0));
   OK(prefill, r2cclKvWait(prefill, 8, 10000, &state));
+  /* A request that ended cannot be cancelled, and stays what it was. */
+  refused(prefill, "cancelling a request that ended", r2cclKvCancel(prefill, 8),
+          r2cclInvalidArgument, "request 8 already ended (DONE)");
+  OK(prefill, r2cclKvPoll(prefill, 8, &state));
+  if (state != r2cclKvDone) failed("cancel after the end", "changed the state");
+  /* An unregistered pool takes no more requests. */
+  OK(prefill, r2cclKvUnregisterPool(prefill, spool));
+  refused(prefill, "a push from an unregistered pool",
+          r2cclKvSubmit(prefill, 10, peer, spool, dpool, &span, 1, NULL, 0), r2cclInvalidArgument,
+          "pool");
+
+  /* Disconnecting ends the pair's connection: neither side reaches the other afterwards. */
+  OK(decode, r2cclKvDisconnect(decode, back));
+  refused(decode, "a pull from a disconnected peer",
+          r2cclKvPull(decode, 21, back, dpool, spool, &pulled, 1), r2cclInvalidArgument, "peer");
 
   OK(prefill, r2cclKvEngineDestroy(prefill));
   OK(decode, r2cclKvEngineDestroy(decode));

@@ -45,22 +45,36 @@ typedef enum {
   r2cclNumResults = 10
 } r2cclResult_t;
 
+/* Datatypes and reductions carry NCCL's numbers (ncclDataType_t, ncclRedOp_t), so that code
+ * written against NCCL's values keeps them. r2cclInt8, r2cclUint32, r2cclUint64 and the FP8
+ * types are named for that numbering but not supported: a call with one returns
+ * r2cclInvalidArgument. */
 typedef enum {
-  r2cclFloat32 = 0,
-  r2cclFloat16 = 1,
-  r2cclBfloat16 = 2,
-  r2cclFloat64 = 3,
-  r2cclInt32 = 4,
-  r2cclInt64 = 5,
-  r2cclUint8 = 6,
-  r2cclNumTypes = 7
+  r2cclInt8 = 0,
+  r2cclChar = 0,
+  r2cclUint8 = 1,
+  r2cclInt32 = 2,
+  r2cclInt = 2,
+  r2cclUint32 = 3,
+  r2cclInt64 = 4,
+  r2cclUint64 = 5,
+  r2cclFloat16 = 6,
+  r2cclHalf = 6,
+  r2cclFloat32 = 7,
+  r2cclFloat = 7,
+  r2cclFloat64 = 8,
+  r2cclDouble = 8,
+  r2cclBfloat16 = 9,
+  r2cclFloat8e4m3 = 10,
+  r2cclFloat8e5m2 = 11,
+  r2cclNumTypes = 12
 } r2cclDataType_t;
 
 typedef enum {
   r2cclSum = 0,
   r2cclProd = 1,
-  r2cclMin = 2,
-  r2cclMax = 3,
+  r2cclMax = 2,
+  r2cclMin = 3,
   r2cclAvg = 4,
   r2cclNumOps = 5
 } r2cclRedOp_t;
@@ -77,13 +91,15 @@ typedef void* r2cclStream_t;
 /* ---- version and errors */
 r2cclResult_t r2cclGetVersion(int* version);
 const char* r2cclGetErrorString(r2cclResult_t result);
-/* The text of the last error on `comm` (NULL: of the calling thread's last failed call); "" when
- * none. Valid until the next call that fails on that communicator or thread. */
+/* The text of the last error on `comm` (NULL, or a communicator already freed: of the calling
+ * thread's last failed call); "" when none. Valid until the calling thread's next r2ccl call. */
 const char* r2cclGetLastError(r2cclComm_t comm);
 
 /* ---- communicators */
 /* Rank 0 only: starts the rendezvous listener in this process (on R2CCL_SOCKET_IFNAME's
- * address, else the first interface that is up and not loopback) and makes the id, with a fresh
+ * address, else the first interface that is up, has an IPv4 address and is neither loopback, a
+ * rail (R2CCL_NICS) nor a container or VM bridge (docker*, br-*, virbr*, veth*), else loopback)
+ * and makes the id, with a fresh
  * random job token. Hand the 128 bytes to every rank by any means; rank 0 itself must call
  * r2cclCommInitRank in the process that made the id. */
 r2cclResult_t r2cclGetUniqueId(r2cclUniqueId* uniqueId);
@@ -102,7 +118,8 @@ r2cclResult_t r2cclCommFinalize(r2cclComm_t comm);
 /* Frees it (NULL is accepted). */
 r2cclResult_t r2cclCommDestroy(r2cclComm_t comm);
 /* Fails what is in flight and everything after, from any thread, then frees it like
- * r2cclCommDestroy. */
+ * r2cclCommDestroy (calls still inside it return an error first; the memory goes with the last
+ * of them). A handle already freed is refused with r2cclInvalidArgument, not used. */
 r2cclResult_t r2cclCommAbort(r2cclComm_t comm);
 /* The first asynchronous error (a peer left, no rail survived, an abort): r2cclSuccess while
  * none. Any thread, any time. */
@@ -138,7 +155,8 @@ r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t data
                         r2cclComm_t comm, r2cclStream_t stream);
 r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream);
-/* Calls between these are queued and run together at r2cclGroupEnd (per thread, nestable). */
+/* Calls between these are queued and run together at r2cclGroupEnd (per thread, nestable). A
+ * group spans one communicator: a call on a second one inside it returns r2cclInvalidUsage. */
 r2cclResult_t r2cclGroupStart(void);
 r2cclResult_t r2cclGroupEnd(void);
 
@@ -194,6 +212,7 @@ typedef struct {
   int verified;         /* R2CCL_KV_VERIFY: every block's checksum matched */
   size_t payloadBytes;  /* the sender's payload (e.g. the first token): its full length */
   size_t invalidBlocks; /* FAILED/CANCELLED: destination blocks not valid (their count) */
+  char reason[256];     /* FAILED/CANCELLED: why, in words (NUL-terminated, cut to fit) */
 } r2cclKvNotification;
 
 /* An engine on an endpoint of its own (R2CCL_NICS, R2CCL_KV_VERIFY, ...); `name` labels this
@@ -215,6 +234,9 @@ r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t engine, void* buf, size_t* len)
 r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t engine, const void* metadata, size_t len,
                                 int* peer);
 r2cclResult_t r2cclKvDisconnect(r2cclKvEngine_t engine, int peer);
+/* The most bytes a request's payload may carry (r2cclKvSubmit, r2cclKvSeal). */
+#define R2CCL_KV_MAX_PAYLOAD 4096
+
 /* Push request `id` (unique on this engine) of blocks of `localPool` into the peer's
  * `remotePool`; the peer gets a notification carrying `payload` once every block landed. */
 r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
@@ -236,8 +258,9 @@ r2cclResult_t r2cclKvWait(r2cclKvEngine_t engine, uint64_t id, int timeoutMs,
                           r2cclKvState_t* state);
 r2cclResult_t r2cclKvCancel(r2cclKvEngine_t engine, uint64_t id);
 /* The oldest notification not yet taken: r2cclSuccess with *got = 1 and its payload copied into
- * payload (at most payloadCapacity bytes; note->payloadBytes says how many it had), or *got = 0
- * when none is waiting. */
+ * payload, or *got = 0 when none is waiting. When its payload does not fit payloadCapacity, the
+ * notification stays queued, *got = 0, note->payloadBytes says how many bytes it needs (at most
+ * R2CCL_KV_MAX_PAYLOAD) and r2cclInvalidArgument is returned. */
 r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification* note,
                                      void* payload, size_t payloadCapacity, int* got);
 

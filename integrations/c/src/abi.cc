@@ -3,6 +3,8 @@
 namespace r2ccl::capi {
 namespace {
 thread_local std::string t_last_error;
+// What r2cclGetLastError last returned: a copy, so that a later failure does not move it.
+thread_local std::string t_returned;
 }  // namespace
 
 r2cclResult_t to_result(ErrorCode code) {
@@ -47,16 +49,17 @@ r2cclResult_t fail(ErrorSlot* slot, const Status& st) {
 }
 
 const char* last_error(ErrorSlot* slot) {
-  if (slot == nullptr) return t_last_error.c_str();
-  // Copied to the thread's own string, so that the pointer stays valid while another thread
-  // fails on the same object.
   try {
-    std::lock_guard lock(slot->mutex);
-    t_last_error = slot->text;
+    if (slot == nullptr) {
+      t_returned = t_last_error;
+    } else {
+      std::lock_guard lock(slot->mutex);
+      t_returned = slot->text;
+    }
   } catch (...) {
     return "";
   }
-  return t_last_error.c_str();
+  return t_returned.c_str();
 }
 
 }  // namespace r2ccl::capi

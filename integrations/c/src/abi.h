@@ -25,7 +25,7 @@ r2cclResult_t to_result(ErrorCode code);
 r2cclResult_t fail(ErrorSlot* slot, r2cclResult_t result, std::string message);
 r2cclResult_t fail(ErrorSlot* slot, const Status& st);
 // The text of `slot`'s last error (null: the calling thread's), valid until the thread's next
-// call that fails.
+// call of this function.
 const char* last_error(ErrorSlot* slot);
 
 // Runs `body`; an exception becomes an error result (the C caller never sees one).

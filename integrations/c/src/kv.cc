@@ -2,6 +2,7 @@
 // own, as a prefill or decode server uses it.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -33,11 +34,11 @@ struct r2cclKvEngine {
 namespace {
 
 // Bounds on what a caller's counts may ask for before anything is allocated.
-constexpr std::uint64_t kMaxPlaces = 1u << 20;    // layers x parts
-constexpr std::size_t kMaxBuffers = 1u << 16;     // buffers of one pool
-constexpr std::size_t kMaxSpans = 1u << 20;       // spans of one request
-constexpr std::size_t kMaxSpanBlocks = 1u << 24;  // blocks of one span
-constexpr std::size_t kMaxPayload = 1u << 20;     // a request's payload
+constexpr std::uint64_t kMaxPlaces = 1u << 20;  // layers x parts
+constexpr std::size_t kMaxBuffers = 1u << 16;   // buffers of one pool
+constexpr std::size_t kMaxSpans = 1u << 20;     // spans of one request
+constexpr std::size_t kMaxBlocks = 1u << 24;    // blocks of one request, all spans together
+static_assert(R2CCL_KV_MAX_PAYLOAD == kv::kMaxPayloadBytes);
 
 r2ccl::capi::ErrorSlot* slot(r2cclKvEngine* e) {
   return e != nullptr ? &e->errors : nullptr;
@@ -80,9 +81,9 @@ r2ccl::Result<kv::KvLayout> layout_of(const r2cclKvLayout* l) {
 }
 
 r2ccl::Result<kv::BlockSpan> span_of(const r2cclKvSpan& s, std::size_t index) {
-  if (s.nblocks > kMaxSpanBlocks)
+  if (s.nblocks > kMaxBlocks)
     return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("span {}: {} blocks (at most {})", index, s.nblocks, kMaxSpanBlocks));
+                  fmt::format("span {}: {} blocks (at most {})", index, s.nblocks, kMaxBlocks));
   if (s.nblocks > 0 && (s.srcBlocks == nullptr || s.dstBlocks == nullptr))
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("span {}: srcBlocks or dstBlocks is NULL", index));
@@ -100,6 +101,13 @@ r2ccl::Result<std::vector<kv::BlockSpan>> spans_of(const r2cclKvSpan* spans, std
   if (n > kMaxSpans)
     return Status(ErrorCode::kInvalidArgument, fmt::format("{} spans (at most {})", n, kMaxSpans));
   if (n > 0 && spans == nullptr) return Status(ErrorCode::kInvalidArgument, "spans is NULL");
+  std::size_t blocks = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    blocks += std::min(spans[i].nblocks, kMaxBlocks + 1);
+    if (blocks > kMaxBlocks)
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("spans 0..{} hold more than {} blocks", i, kMaxBlocks));
+  }
   std::vector<kv::BlockSpan> out;
   out.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -110,9 +118,9 @@ r2ccl::Result<std::vector<kv::BlockSpan>> spans_of(const r2cclKvSpan* spans, std
 }
 
 r2ccl::Result<r2ccl::Bytes> payload_of(const void* p, std::size_t n) {
-  if (n > kMaxPayload)
+  if (n > R2CCL_KV_MAX_PAYLOAD)
     return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("a payload of {} bytes (at most {})", n, kMaxPayload));
+                  fmt::format("a payload of {} bytes (at most {})", n, R2CCL_KV_MAX_PAYLOAD));
   if (n > 0 && p == nullptr) return Status(ErrorCode::kInvalidArgument, "payload is NULL");
   const auto* b = static_cast<const std::byte*>(p);
   return n > 0 ? r2ccl::Bytes(b, b + n) : r2ccl::Bytes();
@@ -354,16 +362,23 @@ r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification
       for (auto& n : engine->engine->poll_notifications())
         engine->notes.push_back(std::move(n));
     if (engine->notes.empty()) return r2cclSuccess;
-    const kv::Notification n = std::move(engine->notes.front());
-    engine->notes.pop_front();
+    const kv::Notification& n = engine->notes.front();
     note->request = n.request;
     note->peer = n.peer;
     note->state = state_of(n.state);
     note->verified = n.verified ? 1 : 0;
     note->payloadBytes = n.payload.size();
     note->invalidBlocks = n.invalid_blocks.size();
-    if (payloadCapacity > 0 && !n.payload.empty())
-      std::memcpy(payload, n.payload.data(), std::min(payloadCapacity, n.payload.size()));
+    const std::size_t reason = std::min(n.reason.size(), sizeof note->reason - 1);
+    std::memcpy(note->reason, n.reason.data(), reason);
+    note->reason[reason] = '\0';
+    if (n.payload.size() > payloadCapacity)
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("r2cclKvGetNotification: request {}'s payload has {} bytes, more "
+                              "than payloadCapacity {}; it stays queued",
+                              n.request, n.payload.size(), payloadCapacity));
+    if (!n.payload.empty()) std::memcpy(payload, n.payload.data(), n.payload.size());
+    engine->notes.pop_front();
     *got = 1;
     return r2cclSuccess;
   });

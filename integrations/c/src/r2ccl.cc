@@ -8,17 +8,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
-#include <chrono>
+#include <cstddef>
 #include <cstring>
-#include <exception>
-#include <iterator>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <string>
-#include <thread>
-#include <vector>
+#include <unordered_map>
+#include <utility>
 
 #include "r2ccl/coll/communicator.h"
 #include "r2ccl/runtime/bootstrap.h"
@@ -29,67 +27,86 @@ using r2ccl::ErrorCode;
 using r2ccl::Status;
 namespace coll = r2ccl::coll;
 
-// The C enumerations are the C++ ones, value for value.
-static_assert(static_cast<int>(coll::DataType::kF32) == r2cclFloat32 &&
-              static_cast<int>(coll::DataType::kF16) == r2cclFloat16 &&
-              static_cast<int>(coll::DataType::kBF16) == r2cclBfloat16 &&
-              static_cast<int>(coll::DataType::kF64) == r2cclFloat64 &&
-              static_cast<int>(coll::DataType::kI32) == r2cclInt32 &&
-              static_cast<int>(coll::DataType::kI64) == r2cclInt64 &&
-              static_cast<int>(coll::DataType::kU8) == r2cclUint8 &&
-              std::size(coll::kAllTypes) == r2cclNumTypes);
-static_assert(static_cast<int>(coll::RedOp::kSum) == r2cclSum &&
-              static_cast<int>(coll::RedOp::kProd) == r2cclProd &&
-              static_cast<int>(coll::RedOp::kMin) == r2cclMin &&
-              static_cast<int>(coll::RedOp::kMax) == r2cclMax &&
-              static_cast<int>(coll::RedOp::kAvg) == r2cclAvg &&
-              std::size(coll::kAllRedOps) == r2cclNumOps);
-
 struct r2cclComm {
   std::unique_ptr<coll::Communicator> comm;
-  std::atomic<int> active{0};  // calls inside the communicator right now
   std::atomic<bool> finalized{false};
   r2ccl::capi::ErrorSlot errors;
 };
 
 namespace {
 
-// r2cclGroupStart/End: per thread, over every communicator used inside the group.
-thread_local int t_group_depth = 0;
-thread_local std::vector<r2cclComm*> t_group_comms;
-
 using r2ccl::capi::to_result;
+using Held = std::shared_ptr<r2cclComm>;
 
-r2cclResult_t fail(r2cclComm* c, r2cclResult_t result, std::string message) {
-  return r2ccl::capi::fail(c != nullptr ? &c->errors : nullptr, result, std::move(message));
-}
-r2cclResult_t fail(r2cclComm* c, const Status& st) {
-  return r2ccl::capi::fail(c != nullptr ? &c->errors : nullptr, st);
-}
-r2cclResult_t done(r2cclComm* c, const Status& st) {
-  return st.is_ok() ? r2cclSuccess : fail(c, st);
-}
-template <typename F>
-r2cclResult_t guarded(r2cclComm* c, const char* what, F&& body) noexcept {
-  return r2ccl::capi::guarded(c != nullptr ? &c->errors : nullptr, what, std::forward<F>(body));
-}
-
-// Counts a call inside the communicator, so that r2cclCommAbort frees it only once none is.
-class Active {
+// Every live communicator, by the handle C callers hold. A call looks its handle up and holds a
+// reference for its duration, so that r2cclCommAbort or r2cclCommDestroy on another thread
+// frees the communicator only after the last call inside it returns, and a handle already
+// freed is refused rather than used.
+class Registry {
  public:
-  explicit Active(r2cclComm* c) : c_(c) { c_->active.fetch_add(1, std::memory_order_acq_rel); }
-  ~Active() { c_->active.fetch_sub(1, std::memory_order_acq_rel); }
-  Active(const Active&) = delete;
-  Active& operator=(const Active&) = delete;
+  r2cclComm_t add(std::unique_ptr<r2cclComm> c) {
+    Held held(std::move(c));
+    r2cclComm* const handle = held.get();
+    std::lock_guard lock(mutex_);
+    live_.emplace(handle, std::move(held));
+    return handle;
+  }
+  Held find(const r2cclComm* c) {
+    std::lock_guard lock(mutex_);
+    const auto it = live_.find(c);
+    return it != live_.end() ? it->second : nullptr;
+  }
+  Held remove(const r2cclComm* c) {
+    std::lock_guard lock(mutex_);
+    const auto node = live_.extract(c);
+    return node.empty() ? nullptr : node.mapped();
+  }
 
  private:
-  r2cclComm* c_;
+  std::mutex mutex_;
+  std::unordered_map<const r2cclComm*, Held> live_;
 };
 
-Status usable(const r2cclComm* c, const char* what) {
-  if (c == nullptr) return {ErrorCode::kInvalidArgument, fmt::format("{}: comm is NULL", what)};
-  if (c->finalized.load())
-    return {ErrorCode::kAborted, fmt::format("{}: the communicator was finalized", what)};
+// Never destroyed: communicators a program did not destroy are left to the process's exit, as
+// NCCL leaves them, rather than torn down by a static destructor while other threads run.
+Registry& registry() {
+  alignas(Registry) static std::byte storage[sizeof(Registry)];
+  static Registry* const r = std::construct_at(reinterpret_cast<Registry*>(storage));
+  return *r;
+}
+
+// r2cclGroupStart/End: per thread, over the one communicator used inside the group.
+thread_local int t_group_depth = 0;
+thread_local Held t_group_comm;
+
+r2cclResult_t fail(const r2cclComm* c, r2cclResult_t result, std::string message) {
+  return r2ccl::capi::fail(c != nullptr ? &const_cast<r2cclComm*>(c)->errors : nullptr, result,
+                           std::move(message));
+}
+r2cclResult_t fail(const r2cclComm* c, const Status& st) {
+  return r2ccl::capi::fail(c != nullptr ? &const_cast<r2cclComm*>(c)->errors : nullptr, st);
+}
+
+// An entry point on a communicator: the guard, the handle looked up and held while `body` runs.
+template <typename F>
+r2cclResult_t with_comm(const r2cclComm* handle, const char* what, F&& body) noexcept {
+  return r2ccl::capi::guarded(nullptr, what, [&]() -> r2cclResult_t {
+    if (handle == nullptr)
+      return fail(nullptr, r2cclInvalidArgument, fmt::format("{}: comm is NULL", what));
+    const Held c = registry().find(handle);
+    if (!c)
+      return fail(nullptr, r2cclInvalidArgument,
+                  fmt::format("{}: comm is not a live communicator (destroyed, aborted, or never "
+                              "made by r2ccl)",
+                              what));
+    return body(c);
+  });
+}
+
+Status usable(const r2cclComm& c, const char* what) {
+  if (c.finalized.load())
+    return {ErrorCode::kAborted,
+            fmt::format("{}: the communicator was finalized or aborted", what)};
   return Status::ok();
 }
 
@@ -110,20 +127,55 @@ int raw_value(const Enum& e) {
   return v;
 }
 
-r2ccl::Result<coll::DataType> data_type(const r2cclDataType_t& t, const char* what) {
+constexpr std::array<const char*, r2cclNumTypes> kTypeNames = {
+    "int8",    "uint8",   "int32",   "uint32",   "int64",      "uint64",
+    "float16", "float32", "float64", "bfloat16", "float8e4m3", "float8e5m2"};
+
+r2ccl::Result<coll::DataType> data_type(const r2cclDataType_t& t) {
   const int v = raw_value(t);
+  switch (v) {
+    case r2cclUint8:
+      return coll::DataType::kU8;
+    case r2cclInt32:
+      return coll::DataType::kI32;
+    case r2cclInt64:
+      return coll::DataType::kI64;
+    case r2cclFloat16:
+      return coll::DataType::kF16;
+    case r2cclFloat32:
+      return coll::DataType::kF32;
+    case r2cclFloat64:
+      return coll::DataType::kF64;
+    case r2cclBfloat16:
+      return coll::DataType::kBF16;
+    default:
+      break;
+  }
   if (v < 0 || v >= r2cclNumTypes)
     return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("{}: unknown datatype {} (0..{})", what, v, r2cclNumTypes - 1));
-  return static_cast<coll::DataType>(v);
+                  fmt::format("datatype {} is not a datatype (0..{})", v, r2cclNumTypes - 1));
+  return Status(ErrorCode::kInvalidArgument,
+                fmt::format("datatype {} ({}) is not supported (uint8, int32, int64, float16, "
+                            "float32, float64 and bfloat16 are)",
+                            v, kTypeNames[static_cast<std::size_t>(v)]));
 }
 
-r2ccl::Result<coll::RedOp> red_op(const r2cclRedOp_t& op, const char* what) {
-  const int v = raw_value(op);
-  if (v < 0 || v >= r2cclNumOps)
-    return Status(ErrorCode::kInvalidArgument,
-                  fmt::format("{}: unknown reduction {} (0..{})", what, v, r2cclNumOps - 1));
-  return static_cast<coll::RedOp>(v);
+r2ccl::Result<coll::RedOp> red_op(const r2cclRedOp_t& op) {
+  switch (const int v = raw_value(op)) {
+    case r2cclSum:
+      return coll::RedOp::kSum;
+    case r2cclProd:
+      return coll::RedOp::kProd;
+    case r2cclMax:
+      return coll::RedOp::kMax;
+    case r2cclMin:
+      return coll::RedOp::kMin;
+    case r2cclAvg:
+      return coll::RedOp::kAvg;
+    default:
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("op {} is not a reduction (0..{})", v, r2cclNumOps - 1));
+  }
 }
 
 // Inside r2cclGroupStart/End a collective is not queued with the point-to-point calls.
@@ -135,12 +187,18 @@ Status not_in_group(const char* what) {
 }
 
 // The address rank 0's rendezvous listener binds to: R2CCL_SOCKET_IFNAME's, else the first up
-// interface with an IPv4 address that is not loopback, else loopback.
+// interface with an IPv4 address that is not loopback, a rail or a container or VM bridge, else
+// loopback.
 r2ccl::Result<std::string> listener_address(const r2ccl::Config& config) {
   if (!config.socket_ifname.empty()) return r2ccl::interface_ipv4(config.socket_ifname);
+  const auto excluded = [&](const std::string& name) {
+    for (const char* prefix : {"docker", "br-", "virbr", "veth"})
+      if (name.starts_with(prefix)) return true;
+    return std::find(config.nics.begin(), config.nics.end(), name) != config.nics.end();
+  };
   if (auto topo = r2ccl::discover_topology(); topo.is_ok())
     for (const auto& i : topo->interfaces)
-      if (i.up && !i.loopback && !i.ipv4.empty()) return i.ipv4;
+      if (i.up && !i.loopback && !i.ipv4.empty() && !excluded(i.name)) return i.ipv4;
   return std::string("127.0.0.1");
 }
 
@@ -153,38 +211,41 @@ r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
   if (!made) return fail(nullptr, made.status().with_context(what));
   auto c = std::make_unique<r2cclComm>();
   c->comm = std::move(*made);
-  *out = c.release();
+  *out = registry().add(std::move(c));
   return r2cclSuccess;
 }
 
 // A collective: the checks every one shares, then `run` on the communicator.
 template <typename Run>
-r2cclResult_t collective(r2cclComm_t comm, r2cclStream_t stream, const char* what, Run&& run) {
-  return guarded(comm, what, [&] {
-    if (Status st = usable(comm, what); !st) return fail(comm, st);
-    if (Status st = host_stream(stream, what); !st) return fail(comm, st);
-    if (Status st = not_in_group(what); !st) return fail(comm, st);
-    Active active(comm);
-    Status st = run(*comm->comm);
-    return st.is_ok() ? r2cclSuccess : fail(comm, st.with_context(what));
+r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* what, Run&& run) {
+  return with_comm(handle, what, [&](const Held& c) {
+    if (Status st = usable(*c, what); !st) return fail(c.get(), st);
+    if (Status st = host_stream(stream, what); !st) return fail(c.get(), st);
+    if (Status st = not_in_group(what); !st) return fail(c.get(), st);
+    Status st = run(*c->comm);
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
 
 // Point to point: run at once outside a group; inside one, queued on the communicator (its own
 // group is opened the first time the thread's group uses it) and run at r2cclGroupEnd.
 template <typename Run>
-r2cclResult_t point_to_point(r2cclComm_t comm, r2cclStream_t stream, const char* what, Run&& run) {
-  return guarded(comm, what, [&] {
-    if (Status st = usable(comm, what); !st) return fail(comm, st);
-    if (Status st = host_stream(stream, what); !st) return fail(comm, st);
-    Active active(comm);
-    if (t_group_depth > 0 &&
-        std::find(t_group_comms.begin(), t_group_comms.end(), comm) == t_group_comms.end()) {
-      if (Status st = comm->comm->group_start(); !st) return fail(comm, st.with_context(what));
-      t_group_comms.push_back(comm);
+r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const char* what,
+                             Run&& run) {
+  return with_comm(handle, what, [&](const Held& c) {
+    if (Status st = usable(*c, what); !st) return fail(c.get(), st);
+    if (Status st = host_stream(stream, what); !st) return fail(c.get(), st);
+    if (t_group_depth > 0 && t_group_comm != c) {
+      if (t_group_comm)
+        return fail(c.get(), r2cclInvalidUsage,
+                    fmt::format("{}: a group spans one communicator, and this group already "
+                                "uses another",
+                                what));
+      if (Status st = c->comm->group_start(); !st) return fail(c.get(), st.with_context(what));
+      t_group_comm = c;
     }
-    Status st = run(*comm->comm);
-    return st.is_ok() ? r2cclSuccess : fail(comm, st.with_context(what));
+    Status st = run(*c->comm);
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
 
@@ -200,7 +261,7 @@ r2cclResult_t r2cclGetVersion(int* version) {
 }
 
 const char* r2cclGetErrorString(r2cclResult_t result) {
-  switch (result) {
+  switch (raw_value(result)) {
     case r2cclSuccess:
       return "no error";
     case r2cclUnhandledError:
@@ -221,18 +282,18 @@ const char* r2cclGetErrorString(r2cclResult_t result) {
       return "timed out";
     case r2cclTryAgain:
       return "resource temporarily unavailable: try again";
-    case r2cclNumResults:
-      break;
+    default:
+      return "unknown result code";
   }
-  return "unknown result code";
 }
 
 const char* r2cclGetLastError(r2cclComm_t comm) {
-  return r2ccl::capi::last_error(comm != nullptr ? &comm->errors : nullptr);
+  const Held c = comm != nullptr ? registry().find(comm) : nullptr;
+  return r2ccl::capi::last_error(c ? &c->errors : nullptr);
 }
 
 r2cclResult_t r2cclGetUniqueId(r2cclUniqueId* uniqueId) {
-  return guarded(nullptr, "r2cclGetUniqueId", [&] {
+  return r2ccl::capi::guarded(nullptr, "r2cclGetUniqueId", [&] {
     if (uniqueId == nullptr)
       return fail(nullptr, r2cclInvalidArgument, "r2cclGetUniqueId: uniqueId is NULL");
     auto config = r2ccl::parse_config(r2ccl::process_env());
@@ -248,7 +309,7 @@ r2cclResult_t r2cclGetUniqueId(r2cclUniqueId* uniqueId) {
 }
 
 r2cclResult_t r2cclCommInitRank(r2cclComm_t* comm, int nranks, r2cclUniqueId commId, int rank) {
-  return guarded(nullptr, "r2cclCommInitRank", [&] {
+  return r2ccl::capi::guarded(nullptr, "r2cclCommInitRank", [&] {
     return make_comm(comm, "r2cclCommInitRank", [&] {
       r2ccl::UniqueId id;
       std::memcpy(id.bytes.data(), commId.internal, r2ccl::UniqueId::kSize);
@@ -258,119 +319,114 @@ r2cclResult_t r2cclCommInitRank(r2cclComm_t* comm, int nranks, r2cclUniqueId com
 }
 
 r2cclResult_t r2cclCommInitFromEnv(r2cclComm_t* comm) {
-  return guarded(nullptr, "r2cclCommInitFromEnv", [&] {
+  return r2ccl::capi::guarded(nullptr, "r2cclCommInitFromEnv", [&] {
     return make_comm(comm, "r2cclCommInitFromEnv", [] { return coll::Communicator::from_env(); });
   });
 }
 
 r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* newcomm,
                              void* config) {
-  return guarded(comm, "r2cclCommSplit", [&] {
-    if (Status st = usable(comm, "r2cclCommSplit"); !st) return fail(comm, st);
+  return with_comm(comm, "r2cclCommSplit", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclCommSplit"); !st) return fail(c.get(), st);
     if (newcomm == nullptr)
-      return fail(comm, r2cclInvalidArgument, "r2cclCommSplit: newcomm is NULL");
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommSplit: newcomm is NULL");
     if (config != nullptr)
-      return fail(comm, r2cclInvalidArgument, "r2cclCommSplit: config must be NULL");
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommSplit: config must be NULL");
     *newcomm = nullptr;
-    Active active(comm);
-    auto made = comm->comm->split(color, key);
-    if (!made) return fail(comm, made.status().with_context("r2cclCommSplit"));
+    auto made = c->comm->split(color, key);
+    if (!made) return fail(c.get(), made.status().with_context("r2cclCommSplit"));
     if (!*made) return r2cclSuccess;  // color < 0: in none
-    auto c = std::make_unique<r2cclComm>();
-    c->comm = std::move(*made);
-    *newcomm = c.release();
+    auto n = std::make_unique<r2cclComm>();
+    n->comm = std::move(*made);
+    *newcomm = registry().add(std::move(n));
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclCommFinalize(r2cclComm_t comm) {
-  return guarded(comm, "r2cclCommFinalize", [&] {
-    if (Status st = usable(comm, "r2cclCommFinalize"); !st) return fail(comm, st);
+  return with_comm(comm, "r2cclCommFinalize", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclCommFinalize"); !st) return fail(c.get(), st);
     // Operations are blocking: nothing is left in flight once this thread is here.
-    comm->finalized.store(true);
+    c->finalized.store(true);
     return r2cclSuccess;
   });
 }
 
-r2cclResult_t r2cclCommDestroy(r2cclComm_t comm) {
-  return guarded(nullptr, "r2cclCommDestroy", [&] {
-    std::unique_ptr<r2cclComm> owned(comm);  // NULL: nothing to do
-    std::erase(t_group_comms, comm);
+namespace {
+// r2cclCommDestroy and r2cclCommAbort: the handle leaves the registry at once; the communicator
+// goes with the last call still inside it (this one's reference first).
+r2cclResult_t release(r2cclComm_t comm, const char* what, bool abort) {
+  return r2ccl::capi::guarded(nullptr, what, [&] {
+    if (comm == nullptr) return r2cclSuccess;
+    const Held c = registry().remove(comm);
+    if (!c)
+      return fail(nullptr, r2cclInvalidArgument,
+                  fmt::format("{}: comm is not a live communicator (destroyed, aborted, or never "
+                              "made by r2ccl)",
+                              what));
+    c->finalized.store(true);
+    if (abort) c->comm->abort();
+    if (t_group_comm == c) t_group_comm.reset();
     return r2cclSuccess;
   });
+}
+}  // namespace
+
+r2cclResult_t r2cclCommDestroy(r2cclComm_t comm) {
+  return release(comm, "r2cclCommDestroy", false);
 }
 
 r2cclResult_t r2cclCommAbort(r2cclComm_t comm) {
-  return guarded(nullptr, "r2cclCommAbort", [&] {
-    if (comm == nullptr) return r2cclSuccess;
-    comm->finalized.store(true);
-    comm->comm->abort();
-    // The calls it ended return promptly; the object is freed once none is left inside it. One
-    // that does not come back within a minute keeps it alive (leaked) rather than freed under it.
-    const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(1);
-    while (comm->active.load() > 0 && std::chrono::steady_clock::now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (comm->active.load() > 0)
-      return fail(nullptr, r2cclInternalError,
-                  "r2cclCommAbort: a call on this communicator did not return within a minute "
-                  "of the abort; the communicator was not freed");
-    std::erase(t_group_comms, comm);
-    std::unique_ptr<r2cclComm> owned(comm);  // the handle C callers hold is the owner
-    return r2cclSuccess;
-  });
+  return release(comm, "r2cclCommAbort", true);
 }
 
 r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError) {
-  return guarded(comm, "r2cclCommGetAsyncError", [&] {
-    if (comm == nullptr)
-      return fail(nullptr, r2cclInvalidArgument, "r2cclCommGetAsyncError: comm is NULL");
+  return with_comm(comm, "r2cclCommGetAsyncError", [&](const Held& c) {
     if (asyncError == nullptr)
-      return fail(comm, r2cclInvalidArgument, "r2cclCommGetAsyncError: asyncError is NULL");
-    const Status st = comm->comm->async_error();
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommGetAsyncError: asyncError is NULL");
+    const Status st = c->comm->async_error();
     *asyncError = to_result(st.code());
-    if (!st) (void)fail(comm, st);
+    if (!st) (void)fail(c.get(), st);
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclCommCount(const r2cclComm_t comm, int* count) {
-  return guarded(comm, "r2cclCommCount", [&] {
-    if (comm == nullptr) return fail(nullptr, r2cclInvalidArgument, "r2cclCommCount: comm is NULL");
-    if (count == nullptr) return fail(comm, r2cclInvalidArgument, "r2cclCommCount: count is NULL");
-    *count = comm->comm->size();
+  return with_comm(comm, "r2cclCommCount", [&](const Held& c) {
+    if (count == nullptr)
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommCount: count is NULL");
+    *count = c->comm->size();
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclCommUserRank(const r2cclComm_t comm, int* rank) {
-  return guarded(comm, "r2cclCommUserRank", [&] {
-    if (comm == nullptr)
-      return fail(nullptr, r2cclInvalidArgument, "r2cclCommUserRank: comm is NULL");
-    if (rank == nullptr) return fail(comm, r2cclInvalidArgument, "r2cclCommUserRank: rank is NULL");
-    *rank = comm->comm->rank();
+  return with_comm(comm, "r2cclCommUserRank", [&](const Held& c) {
+    if (rank == nullptr)
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommUserRank: rank is NULL");
+    *rank = c->comm->rank();
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size, void** handle) {
-  return guarded(comm, "r2cclCommRegister", [&] {
-    if (Status st = usable(comm, "r2cclCommRegister"); !st) return fail(comm, st);
+  return with_comm(comm, "r2cclCommRegister", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclCommRegister"); !st) return fail(c.get(), st);
     if (handle == nullptr)
-      return fail(comm, r2cclInvalidArgument, "r2cclCommRegister: handle is NULL");
-    Active active(comm);
-    auto h = comm->comm->register_buffer(buff, size);
-    if (!h) return fail(comm, h.status().with_context("r2cclCommRegister"));
+      return fail(c.get(), r2cclInvalidArgument, "r2cclCommRegister: handle is NULL");
+    auto h = c->comm->register_buffer(buff, size);
+    if (!h) return fail(c.get(), h.status().with_context("r2cclCommRegister"));
     *handle = reinterpret_cast<void*>(static_cast<std::uintptr_t>(*h));
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle) {
-  return guarded(comm, "r2cclCommDeregister", [&] {
-    if (Status st = usable(comm, "r2cclCommDeregister"); !st) return fail(comm, st);
-    Active active(comm);
-    return done(comm, comm->comm->deregister_buffer(static_cast<coll::Communicator::BufferHandle>(
-                          reinterpret_cast<std::uintptr_t>(handle))));
+  return with_comm(comm, "r2cclCommDeregister", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclCommDeregister"); !st) return fail(c.get(), st);
+    const Status st = c->comm->deregister_buffer(
+        static_cast<coll::Communicator::BufferHandle>(reinterpret_cast<std::uintptr_t>(handle)));
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclCommDeregister"));
   });
 }
 
@@ -378,8 +434,8 @@ r2cclResult_t r2cclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
                              r2cclStream_t stream) {
   return collective(comm, stream, "r2cclAllReduce", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op, "op"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
+    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
     return c.all_reduce(sendbuff, recvbuff, count, t, o);
   });
 }
@@ -388,7 +444,7 @@ r2cclResult_t r2cclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclDataType_t datatype, int root, r2cclComm_t comm,
                              r2cclStream_t stream) {
   return collective(comm, stream, "r2cclBroadcast", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
     return c.broadcast(sendbuff, recvbuff, count, t, root);
   });
 }
@@ -397,8 +453,8 @@ r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
                           r2cclDataType_t datatype, r2cclRedOp_t op, int root, r2cclComm_t comm,
                           r2cclStream_t stream) {
   return collective(comm, stream, "r2cclReduce", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op, "op"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
+    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
     return c.reduce(sendbuff, recvbuff, count, t, o, root);
   });
 }
@@ -406,7 +462,7 @@ r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
 r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
                              r2cclDataType_t datatype, r2cclComm_t comm, r2cclStream_t stream) {
   return collective(comm, stream, "r2cclAllGather", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
     return c.all_gather(sendbuff, recvbuff, sendcount, t);
   });
 }
@@ -415,8 +471,8 @@ r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t re
                                  r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
                                  r2cclStream_t stream) {
   return collective(comm, stream, "r2cclReduceScatter", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op, "op"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
+    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
     return c.reduce_scatter(sendbuff, recvbuff, recvcount, t, o);
   });
 }
@@ -429,7 +485,7 @@ r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream) {
 r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
   return point_to_point(comm, stream, "r2cclSend", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
     return c.send(sendbuff, count, t, peer);
   });
 }
@@ -437,7 +493,7 @@ r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t data
 r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
   return point_to_point(comm, stream, "r2cclRecv", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype, "datatype"));
+    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
     return c.recv(recvbuff, count, t, peer);
   });
 }
@@ -448,21 +504,14 @@ r2cclResult_t r2cclGroupStart(void) {
 }
 
 r2cclResult_t r2cclGroupEnd(void) {
-  return guarded(nullptr, "r2cclGroupEnd", [&] {
+  return r2ccl::capi::guarded(nullptr, "r2cclGroupEnd", [&] {
     if (t_group_depth == 0)
       return fail(nullptr, r2cclInvalidUsage, "r2cclGroupEnd without r2cclGroupStart");
     if (--t_group_depth > 0) return r2cclSuccess;
-    // Every communicator the group used runs its queue; the first failure is reported, the
-    // others still run.
-    std::vector<r2cclComm*> comms;
-    comms.swap(t_group_comms);
-    r2cclResult_t result = r2cclSuccess;
-    for (r2cclComm* c : comms) {
-      Active active(c);
-      if (Status st = c->comm->group_end(); !st && result == r2cclSuccess)
-        result = fail(c, st.with_context("r2cclGroupEnd"));
-    }
-    return result;
+    const Held c = std::exchange(t_group_comm, nullptr);
+    if (!c) return r2cclSuccess;
+    const Status st = c->comm->group_end();
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclGroupEnd"));
   });
 }
 

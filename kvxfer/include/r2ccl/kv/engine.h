@@ -46,6 +46,9 @@ struct RequestStatus {
   std::chrono::nanoseconds duration{0};  // submit to end
 };
 
+// The most bytes a request's payload may carry to the receiving side.
+inline constexpr std::size_t kMaxPayloadBytes = 4096;
+
 // What the receiving side learns about a request, once.
 struct Notification {
   std::uint64_t request = 0;
