@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "r2ccl/coll/communicator.h"
+#include "r2ccl/monitor/job_metrics.h"
 #include "r2ccl/runtime/bootstrap.h"
 #include "r2ccl/runtime/config.h"
 #include "r2ccl/runtime/topology.h"
@@ -29,6 +30,9 @@ namespace coll = r2ccl::coll;
 
 struct r2cclComm {
   std::unique_ptr<coll::Communicator> comm;
+  // R2CCL_METRICS_PORT: this rank's rail metrics for Prometheus (declared after `comm`, so that it
+  // goes first: it reads the communicator's fabric).
+  std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
   std::atomic<bool> finalized{false};
   r2ccl::capi::ErrorSlot errors;
 };
@@ -202,6 +206,14 @@ r2ccl::Result<std::string> listener_address(const r2ccl::Config& config) {
   return std::string("127.0.0.1");
 }
 
+// A made communicator, registered: the handle C callers get.
+r2cclComm_t adopt(std::unique_ptr<coll::Communicator> made) {
+  auto c = std::make_unique<r2cclComm>();
+  c->comm = std::move(made);
+  c->metrics = r2ccl::mon::JobMetrics::start(c->comm->config(), c->comm->fabric());
+  return registry().add(std::move(c));
+}
+
 template <typename Make>
 r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
   if (out == nullptr)
@@ -209,9 +221,7 @@ r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
   *out = nullptr;
   auto made = make();
   if (!made) return fail(nullptr, made.status().with_context(what));
-  auto c = std::make_unique<r2cclComm>();
-  c->comm = std::move(*made);
-  *out = registry().add(std::move(c));
+  *out = adopt(std::move(*made));
   return r2cclSuccess;
 }
 
@@ -336,9 +346,7 @@ r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* 
     auto made = c->comm->split(color, key);
     if (!made) return fail(c.get(), made.status().with_context("r2cclCommSplit"));
     if (!*made) return r2cclSuccess;  // color < 0: in none
-    auto n = std::make_unique<r2cclComm>();
-    n->comm = std::move(*made);
-    *newcomm = registry().add(std::move(n));
+    *newcomm = adopt(std::move(*made));
     return r2cclSuccess;
   });
 }

@@ -96,6 +96,12 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_CHECK", "0",
      "`1`: before every collective the ranks compare operation, count, type, reduction and root "
      "(one small exchange) and all fail with an error naming the mismatch."},
+    {"R2CCL_LIBRARY", "(bundled)",
+     "Python package: the `libr2ccl.so` to load. Default: the copy `pip install` bundled, else "
+     "the system's loader path."},
+    {"R2CCL_VLLM", "0",
+     "`1`: vLLM's collectives of its tensor-parallel group go through r2ccl (the `r2ccl` vLLM "
+     "plugin, loaded by vLLM in every process; `0` leaves vLLM as it is)."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {

@@ -1,0 +1,30 @@
+"""The CUDA device communicator vLLM builds when R2CCL_VLLM=1 on a CUDA platform. It subclasses
+vLLM's CudaCommunicator (vLLM's graph_capture asserts that) and keeps its paths: host tensors go
+over r2ccl, CUDA tensors over vLLM's own NCCL path until r2ccl serves GPU memory."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+from .ops import R2cclOps
+
+
+class R2cclCudaCommunicator(R2cclOps, CudaCommunicator):
+    def __init__(
+        self,
+        cpu_group: ProcessGroup,
+        device: torch.device | None = None,
+        device_group: ProcessGroup | None = None,
+        unique_name: str = "",
+        global_ranks: list[int] | None = None,
+        global_world_size: int | None = None,
+        tcp_store_group=None,
+        use_all2all: bool = False,
+    ):
+        super().__init__(
+            cpu_group, device, device_group, unique_name, global_ranks, global_world_size,
+            tcp_store_group, use_all2all,
+        )
+        self._start_r2ccl()

@@ -1,0 +1,88 @@
+"""One vLLM run for tests/vllm/run.py: a tiny model, tensor parallel size 2 on the mp backend,
+greedy decoding; prints the generated token ids (and r2ccl's rail metrics) as one JSON line.
+
+usage: generate.py MODEL_DIR --mode eager|compiled --dtype bfloat16|float32
+                   [--calls N] [--marker FILE --marker-after K] [--metrics-port P]
+
+Call times are wall-clock (time.time()), comparable with the driver's. With --marker, FILE is
+written once K calls have returned, so that a driver outside the vLLM
+processes can inject a fault while the remaining calls run. Which communicator the TP group
+uses is decided by the environment (R2CCL_VLLM=1: r2ccl's plugin; unset: vLLM's own)."""
+
+import argparse
+import json
+import pathlib
+import random
+import re
+import sys
+import time
+import urllib.request
+
+PROMPTS_PER_CALL = 4
+TOKENS = 32
+
+
+def prompts(call: int) -> list[str]:
+    rng = random.Random(call)
+    return [" ".join(f"w{rng.randrange(4, 2000)}" for _ in range(rng.randrange(3, 24))) for _ in range(PROMPTS_PER_CALL)]
+
+
+def rail_metrics(port: int, ranks: int) -> dict:
+    """r2ccl_rail_failovers_total and r2ccl_rail_up of every rank, summed by name."""
+    out = {}
+    for r in range(ranks):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + r}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError as e:
+            out[f"rank{r}_error"] = str(e)
+            continue
+        for name in ("r2ccl_rail_failovers_total", "r2ccl_rail_up", "r2ccl_rail_replayed_bytes_total"):
+            values = [float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+            out[f"rank{r}_{name}"] = sum(values)
+            out[f"rank{r}_{name}_series"] = len(values)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--mode", choices=["eager", "compiled"], required=True)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], required=True)
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--marker")
+    ap.add_argument("--marker-after", type=int, default=2)
+    ap.add_argument("--metrics-port", type=int)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        enforce_eager=args.mode == "eager",
+        dtype=args.dtype,
+        max_model_len=512,
+        seed=0,
+    )
+    init_s = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    tokens, times = [], []
+    for call in range(args.calls):
+        t0 = time.time()
+        outs = llm.generate(prompts(call), params, use_tqdm=False)
+        times.append([t0, time.time()])
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        if args.marker and call + 1 == args.marker_after:
+            pathlib.Path(args.marker).write_text(f"{time.time()}\n")
+    result = {"init_s": init_s, "tokens": tokens, "call_times": times}
+    if args.metrics_port:
+        result["metrics"] = rail_metrics(args.metrics_port, 2)
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
