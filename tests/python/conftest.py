@@ -1,5 +1,6 @@
-"""What the Python tests share: libr2ccl.so from the build (R2CCL_LIBRARY, set by ctest), the
-package from the source tree, loopback rails, and ranks as threads of this process."""
+"""What the Python tests share: the package from the source tree with libr2ccl.so from the build
+(R2CCL_LIBRARY, which ctest sets), or with R2CCL_TEST_INSTALLED=1 the package pip installed
+(scripts/run vllm-test); loopback rails; ranks as threads of this process."""
 
 import os
 import pathlib
@@ -9,14 +10,14 @@ import threading
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "integrations" / "python"))
 os.environ.setdefault("R2CCL_SOCKET_IFNAME", "lo")
 os.environ.setdefault("R2CCL_TIMEOUT", "20s")
-
-if "R2CCL_LIBRARY" not in os.environ:
-    built = ROOT / "build" / "lib" / "libr2ccl.so"
-    if built.exists():
-        os.environ["R2CCL_LIBRARY"] = str(built)
+if os.environ.get("R2CCL_TEST_INSTALLED") != "1":
+    sys.path.insert(0, str(ROOT / "integrations" / "python"))
+    if "R2CCL_LIBRARY" not in os.environ:
+        built = ROOT / "build" / "lib" / "libr2ccl.so"
+        if built.exists():
+            os.environ["R2CCL_LIBRARY"] = str(built)
 
 JOIN_TIMEOUT_S = 60
 

@@ -2,6 +2,7 @@
 bad input answered with an exception that names what was wrong, the communicator usable after."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import r2ccl
-from conftest import ROOT, run_ranks
+from conftest import run_ranks
 
 pytestmark = pytest.mark.usefixtures("rails")
 
@@ -256,6 +257,11 @@ def test_the_argument_forms_are_checked():
         r2ccl.Communicator(unique_id=bytes(128))
 
 
+def r2ccl_dir():
+    """Where the r2ccl this test imported lives (the source tree's, or the installed one)."""
+    return pathlib.Path(r2ccl.__file__).resolve().parents[1]
+
+
 PROCESS_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
@@ -286,7 +292,7 @@ def test_two_processes_from_a_gloo_group_or_the_environment(tmp_path, how):
             env.update(R2CCL_RANK=str(rank), R2CCL_NRANKS="2", R2CCL_BOOTSTRAP="127.0.0.1:29611")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), str(ROOT / "integrations" / "python"), how, str(tmp_path / "store")],
+                [sys.executable, str(script), str(r2ccl_dir()), how, str(tmp_path / "store")],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
         )

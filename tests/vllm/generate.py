@@ -28,7 +28,7 @@ def prompts(call: int) -> list[str]:
 
 
 def rail_metrics(port: int, ranks: int) -> dict:
-    """r2ccl_rail_failovers_total and r2ccl_rail_up of every rank, summed by name."""
+    """r2ccl's rail counters of every rank, summed by name (and how many series each has)."""
     out = {}
     for r in range(ranks):
         try:
@@ -37,7 +37,8 @@ def rail_metrics(port: int, ranks: int) -> dict:
         except OSError as e:
             out[f"rank{r}_error"] = str(e)
             continue
-        for name in ("r2ccl_rail_failovers_total", "r2ccl_rail_up", "r2ccl_rail_replayed_bytes_total"):
+        for name in ("r2ccl_rail_failovers_total", "r2ccl_rail_up", "r2ccl_rail_replayed_bytes_total",
+                     "r2ccl_rail_tx_bytes_total"):
             values = [float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
             out[f"rank{r}_{name}"] = sum(values)
             out[f"rank{r}_{name}_series"] = len(values)

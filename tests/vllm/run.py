@@ -161,9 +161,12 @@ def main() -> int:
                 tx = [m.get(f"rank{k}_r2ccl_rail_up_series", 0) for k in range(2)]
                 if min(tx) < len(RAILS):
                     failures.append(f"{name}: r2ccl's metrics do not show {len(RAILS)} rails per rank: {m}")
+                sent = [m.get(f"rank{k}_r2ccl_rail_tx_bytes_total", 0) for k in range(2)]
+                if min(sent) <= 0:
+                    failures.append(f"{name}: r2ccl carried nothing (rail bytes sent per rank: {sent})")
                 failovers = m.get("rank0_r2ccl_rail_failovers_total", 0) + m.get("rank1_r2ccl_rail_failovers_total", 0)
                 up = m.get("rank0_r2ccl_rail_up", 0) + m.get("rank1_r2ccl_rail_up", 0)
-                line += f"; rails up {up:.0f}/{2 * len(RAILS)}, failovers {failovers:.0f}"
+                line += f"; r2ccl sent {sum(sent) / 1e6:.1f} MB, rails up {up:.0f}/{2 * len(RAILS)}, failovers {failovers:.0f}"
                 if name == "r2ccl-fault":
                     fault, calls = r["fault_at_s"], r["call_times"]
                     after = sum(1 for t0, _ in calls if fault is not None and t0 >= fault)

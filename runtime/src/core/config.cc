@@ -102,6 +102,9 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_VLLM", "0",
      "`1`: vLLM's collectives of its tensor-parallel group go through r2ccl (the `r2ccl` vLLM "
      "plugin, loaded by vLLM in every process; `0` leaves vLLM as it is)."},
+    {"R2CCL_SGLANG", "0",
+     "`1`: SGLang's tensor-parallel all-reduce, all-gather and reduce-scatter of host tensors go "
+     "through r2ccl (the `r2ccl` SGLang plugin's hooks; `0` leaves SGLang as it is)."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {

@@ -1,0 +1,90 @@
+"""The hooks r2ccl's SGLang plugin installs on GroupCoordinator (see plugin.py). Each AROUND hook
+takes SGLang's original method first and falls back to it for what r2ccl does not carry."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import _lib
+from ..communicator import Communicator
+
+logger = logging.getLogger("sglang.r2ccl")
+ATTR = "_r2ccl"
+
+
+def _comm(self, *tensors: torch.Tensor) -> Communicator | None:
+    comm = getattr(self, ATTR, None)
+    if comm is None:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or str(t.dtype).removeprefix("torch.") not in _lib.DTYPES:
+            return None
+    return comm
+
+
+def after_init(result, self, *args, **kwargs):
+    """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group."""
+    setattr(self, ATTR, None)
+    if self.unique_name.startswith("tp") and self.world_size > 1:
+        comm = Communicator(self.cpu_group)
+        setattr(self, ATTR, comm)
+        logger.info("r2ccl: %s is rank %d of %d", self.unique_name, comm.rank, comm.world_size)
+    return result
+
+
+def before_destroy(self, *args, **kwargs):
+    comm = getattr(self, ATTR, None)
+    if comm is not None:
+        comm.close()
+        setattr(self, ATTR, None)
+
+
+def all_reduce(original, self, input_: torch.Tensor) -> torch.Tensor:
+    # SGLang reduces host tensors in place and returns its input; so does r2ccl here, outside
+    # torch.compile (where SGLang's custom ops below are used instead).
+    comm = _comm(self, input_)
+    if comm is None or not input_.is_contiguous() or torch.compiler.is_compiling():
+        return original(self, input_)
+    return comm.all_reduce(input_, output=input_)
+
+
+def all_reduce_in_place(original, self, input_: torch.Tensor) -> None:
+    comm = _comm(self, input_)
+    if comm is None or not input_.is_contiguous():
+        return original(self, input_)
+    comm.all_reduce(input_, output=input_)
+    return None
+
+
+def all_reduce_out_place(original, self, input_: torch.Tensor, method: str) -> torch.Tensor:
+    comm = _comm(self, input_)
+    if comm is None:
+        return original(self, input_, method)
+    return comm.all_reduce(input_.contiguous())
+
+
+def all_gather_into_tensor(original, self, output: torch.Tensor, input: torch.Tensor):
+    comm = _comm(self, output, input)
+    if comm is None or not output.is_contiguous():
+        return original(self, output, input)
+    comm.all_gather(input.contiguous(), output=output)
+    return None
+
+
+def reduce_scatter_tensor(original, self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    comm = _comm(self, output, input)
+    if comm is None or not output.is_contiguous():
+        return original(self, output, input)
+    comm.reduce_scatter(input.contiguous(), output=output)
+    return output
+
+
+AROUND = {
+    "all_reduce": all_reduce,
+    "_all_reduce_in_place": all_reduce_in_place,
+    "_all_reduce_out_place": all_reduce_out_place,
+    "_all_gather_into_tensor": all_gather_into_tensor,
+    "_reduce_scatter_tensor": reduce_scatter_tensor,
+}
