@@ -4,10 +4,10 @@
 #                  [VERSION <v>] [OPTIONAL])
 # finds one dependency. When a required one is missing, configuring stops with an error that names
 # the Debian package that provides it. Every dependency found is written, with the file that proved
-# it, to ${CMAKE_BINARY_DIR}/r2ccl-dependencies.tsv; tests/check_packages.py checks that each such
+# it, to ${PROJECT_BINARY_DIR}/r2ccl-dependencies.tsv; tests/check_packages.py checks that each such
 # file belongs to the package named here and that scripts/run installs that package.
 find_package(PkgConfig REQUIRED)
-set(R2CCL_DEPENDENCY_MANIFEST ${CMAKE_BINARY_DIR}/r2ccl-dependencies.tsv)
+set(R2CCL_DEPENDENCY_MANIFEST ${PROJECT_BINARY_DIR}/r2ccl-dependencies.tsv)
 file(WRITE ${R2CCL_DEPENDENCY_MANIFEST} "# name\tdebian package\tfile that proves it\n")
 
 function(r2ccl_dependency name)
@@ -76,16 +76,20 @@ r2ccl_dependency(OPENSSL DEBIAN libssl-dev PKGCONFIG libcrypto)
 r2ccl_dependency(HWLOC DEBIAN libhwloc-dev PKGCONFIG hwloc)
 # rdma-core's libibverbs: the verbs provider. Optional: without it r2ccl builds without verbs.
 r2ccl_dependency(IBVERBS DEBIAN libibverbs-dev PKGCONFIG libibverbs OPTIONAL)
-# prometheus-cpp: the monitor's exposition.
-r2ccl_dependency(prometheus-cpp DEBIAN prometheus-cpp-dev CMAKE prometheus-cpp CONFIG)
-# civetweb (a dependency of prometheus-cpp-dev): /healthz on the exporter's own server.
-r2ccl_dependency(civetweb DEBIAN libcivetweb-dev CMAKE civetweb CONFIG)
+if(R2CCL_METRICS OR R2CCL_BUILD_TOOLS)
+  # prometheus-cpp: the monitor's exposition (and libr2ccl's R2CCL_METRICS_PORT).
+  r2ccl_dependency(prometheus-cpp DEBIAN prometheus-cpp-dev CMAKE prometheus-cpp CONFIG)
+  # civetweb (a dependency of prometheus-cpp-dev): /healthz on the exporter's own server.
+  r2ccl_dependency(civetweb DEBIAN libcivetweb-dev CMAKE civetweb CONFIG)
+  # CLI11: command-line parsing of the benchmarks and the monitor.
+  r2ccl_dependency(CLI11 DEBIAN libcli11-dev CMAKE CLI11 CONFIG)
+endif()
 # fmt: formatting of messages and tables (g++ 12 has no <format>).
 r2ccl_dependency(fmt DEBIAN libfmt-dev CMAKE fmt CONFIG)
-# CLI11: command-line parsing of the benchmarks and tools.
-r2ccl_dependency(CLI11 DEBIAN libcli11-dev CMAKE CLI11 CONFIG)
-# nlohmann-json: JSON output of the benchmarks.
-r2ccl_dependency(nlohmann_json DEBIAN nlohmann-json3-dev CMAKE nlohmann_json VERSION 3.10 CONFIG)
+if(R2CCL_BUILD_TOOLS)
+  # nlohmann-json: JSON output of the benchmarks.
+  r2ccl_dependency(nlohmann_json DEBIAN nlohmann-json3-dev CMAKE nlohmann_json VERSION 3.10 CONFIG)
+endif()
 # xxHash: per-block checksums of KV transfers (R2CCL_KV_VERIFY).
 r2ccl_dependency(XXHASH DEBIAN libxxhash-dev PKGCONFIG libxxhash)
 # GoogleTest: unit tests.

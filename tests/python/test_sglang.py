@@ -1,6 +1,7 @@
 """r2ccl's SGLang plugin against SGLang 0.5.23 (the wheel installed without its GPU dependencies):
 each hook takes the parameters of the GroupCoordinator method it wraps, and in two processes a
-real GroupCoordinator of SGLang, built after SGLang loaded its plugins, carries its all-reduce,
+real GroupCoordinator of SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1), built after SGLang
+loaded its plugins, carries its all-reduce,
 all-gather and reduce-scatter over r2ccl (its rail counters grow), every element checked. Runs
 where SGLang is installed (scripts/run vllm-test)."""
 
@@ -91,8 +92,9 @@ RANK = textwrap.dedent(
 def test_sglangs_tp_group_carries_its_collectives_over_r2ccl(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
+    # SGLANG_USE_CPU_ENGINE=1: SGLang's CPU engine, whose collectives take host tensors.
     env = dict(os.environ, R2CCL_SGLANG="1", R2CCL_NICS="127.0.35.1,127.0.35.2", R2CCL_METRICS_PORT="19470",
-               R2CCL_SOCKET_IFNAME="lo", SGLANG_PLUGINS="r2ccl")
+               R2CCL_SOCKET_IFNAME="lo", SGLANG_PLUGINS="r2ccl", SGLANG_USE_CPU_ENGINE="1")
     # The r2ccl this test imported: the source tree's, or the installed one.
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(r2ccl.__file__)), env.get("PYTHONPATH", "")])
     procs = [

@@ -84,7 +84,8 @@ def test_the_cpu_communicator_subclasses_vllms_and_the_platform_names_it():
     assert R2cclCpuPlatform.get_device_communicator_cls() == "r2ccl.vllm.communicator.R2cclCpuCommunicator"
     assert R2cclCpuPlatform.use_custom_op_collectives() is True
     for name in ("get_device_communicator_cls", "use_custom_op_collectives"):
-        assert inspect.signature(getattr(Platform, name)) == inspect.signature(getattr(R2cclCpuPlatform, name))
+        theirs = inspect.signature(getattr(Platform, name)).parameters
+        assert list(inspect.signature(getattr(R2cclCpuPlatform, name)).parameters) == list(theirs)
 
 
 def test_the_entry_points_are_installed_and_inert_unless_enabled(monkeypatch):

@@ -19,9 +19,12 @@
 #include <utility>
 
 #include "r2ccl/coll/communicator.h"
+#if R2CCL_WITH_METRICS
 #include "r2ccl/monitor/job_metrics.h"
+#endif
 #include "r2ccl/runtime/bootstrap.h"
 #include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/topology.h"
 
 using r2ccl::ErrorCode;
@@ -30,9 +33,11 @@ namespace coll = r2ccl::coll;
 
 struct r2cclComm {
   std::unique_ptr<coll::Communicator> comm;
+#if R2CCL_WITH_METRICS
   // R2CCL_METRICS_PORT: this rank's rail metrics for Prometheus (declared after `comm`, so that it
   // goes first: it reads the communicator's fabric).
   std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
+#endif
   std::atomic<bool> finalized{false};
   r2ccl::capi::ErrorSlot errors;
 };
@@ -210,7 +215,13 @@ r2ccl::Result<std::string> listener_address(const r2ccl::Config& config) {
 r2cclComm_t adopt(std::unique_ptr<coll::Communicator> made) {
   auto c = std::make_unique<r2cclComm>();
   c->comm = std::move(made);
+#if R2CCL_WITH_METRICS
   c->metrics = r2ccl::mon::JobMetrics::start(c->comm->config(), c->comm->fabric());
+#else
+  if (c->comm->config().metrics_port)
+    R2CCL_WARN("R2CCL_METRICS_PORT is set, but this libr2ccl was built without metrics "
+               "(-DR2CCL_METRICS=OFF)");
+#endif
   return registry().add(std::move(c));
 }
 

@@ -58,10 +58,12 @@ def all_reduce_in_place(original, self, input_: torch.Tensor) -> None:
     return None
 
 
-def all_reduce_out_place(original, self, input_: torch.Tensor, method: str) -> torch.Tensor:
+def all_reduce_out_place(
+    original, self, input_: torch.Tensor, outplace_all_reduce_method: str
+) -> torch.Tensor:
     comm = _comm(self, input_)
     if comm is None:
-        return original(self, input_, method)
+        return original(self, input_, outplace_all_reduce_method)
     return comm.all_reduce(input_.contiguous())
 
 
