@@ -10,13 +10,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CHECK(call)                                                            \
-  do {                                                                         \
-    r2cclResult_t r_ = (call);                                                 \
-    if (r_ != r2cclSuccess) {                                                  \
+#define CHECK(call)                                                                  \
+  do {                                                                               \
+    r2cclResult_t r_ = (call);                                                       \
+    if (r_ != r2cclSuccess) {                                                        \
       fprintf(stderr, "%s: %s\n", r2cclGetErrorString(r_), r2cclGetLastError(comm)); \
-      return 1;                                                                \
-    }                                                                          \
+      return 1;                                                                      \
+    }                                                                                \
   } while (0)
 
 int main(void) {
@@ -30,13 +30,15 @@ int main(void) {
   float* send = malloc(sizeof(float) * N);
   float* recv = malloc(sizeof(float) * N);
   if (send == NULL || recv == NULL) return 1;
-  for (int i = 0; i < N; ++i) send[i] = (float)(rank + 1);
+  for (int i = 0; i < N; ++i)
+    send[i] = (float)(rank + 1);
   CHECK(r2cclAllReduce(send, recv, N, r2cclFloat32, r2cclSum, comm, NULL));
 
   const float want = (float)nranks * (float)(nranks + 1) / 2.0f;
   for (int i = 0; i < N; ++i)
     if (recv[i] != want) {
-      fprintf(stderr, "rank %d: element %d is %g, wanted %g\n", rank, i, (double)recv[i], (double)want);
+      fprintf(stderr, "rank %d: element %d is %g, wanted %g\n", rank, i, (double)recv[i],
+              (double)want);
       return 1;
     }
   printf("rank %d of %d: all-reduce of %d floats correct (%g)\n", rank, nranks, N, (double)want);

@@ -219,8 +219,9 @@ r2cclComm_t adopt(std::unique_ptr<coll::Communicator> made) {
   c->metrics = r2ccl::mon::JobMetrics::start(c->comm->config(), c->comm->fabric());
 #else
   if (c->comm->config().metrics_port)
-    R2CCL_WARN("R2CCL_METRICS_PORT is set, but this libr2ccl was built without metrics "
-               "(-DR2CCL_METRICS=OFF)");
+    R2CCL_WARN(
+        "R2CCL_METRICS_PORT is set, but this libr2ccl was built without metrics "
+        "(-DR2CCL_METRICS=OFF)");
 #endif
   return registry().add(std::move(c));
 }
