@@ -7,8 +7,18 @@ import torch
 from . import _lib
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def movable(t: torch.Tensor) -> bool:
+    """Whether r2ccl can move `t` at all (its device and dtype); the engines' plugins leave the
+    others to the engine's own path."""
+    return t.device.type == "cpu" and _dtype_name(t.dtype) in _lib.DTYPES
+
+
 def dtype_code(dtype: torch.dtype, what: str) -> int:
-    name = str(dtype).removeprefix("torch.")
+    name = _dtype_name(dtype)
     if name not in _lib.DTYPES:
         raise TypeError(
             f"r2ccl: {what} has dtype {dtype}, which r2ccl does not move "

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from .. import _lib
+from .._tensors import movable
 from ..communicator import Communicator
 
 logger = logging.getLogger("sglang.r2ccl")
@@ -15,13 +15,9 @@ ATTR = "_r2ccl"
 
 
 def _comm(self, *tensors: torch.Tensor) -> Communicator | None:
+    """The group's r2ccl communicator when it carries these tensors, else None."""
     comm = getattr(self, ATTR, None)
-    if comm is None:
-        return None
-    for t in tensors:
-        if t.device.type != "cpu" or str(t.dtype).removeprefix("torch.") not in _lib.DTYPES:
-            return None
-    return comm
+    return comm if comm is not None and all(movable(t) for t in tensors) else None
 
 
 def after_init(result, self, *args, **kwargs):

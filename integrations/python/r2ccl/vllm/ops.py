@@ -10,6 +10,7 @@ import logging
 import torch
 
 from .. import _lib
+from .._tensors import movable
 from ..communicator import Communicator
 
 # Under "vllm", so that vLLM's logging configuration shows it.
@@ -34,10 +35,7 @@ class R2cclOps:
             )
 
     def _takes(self, *tensors: torch.Tensor) -> bool:
-        return self.r2ccl is not None and all(
-            t.device.type == "cpu" and str(t.dtype).removeprefix("torch.") in _lib.DTYPES
-            for t in tensors
-        )
+        return self.r2ccl is not None and all(movable(t) for t in tensors)
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         if not self._takes(input_):
