@@ -20,12 +20,23 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   auto& s = *rails_[index];
   const std::uint32_t epoch = rail->hello().epoch;
   const bool readmission = epoch > 0;
+  // Both sides connected at once and the peer's connections won (become_acceptor): the one this
+  // side opened on this rail was refused by the peer as soon as its handshake ended, before it
+  // carried anything, so it gives way, and what it was given goes again on the peer's.
+  const bool lost_race = s.rail && epoch == s.epoch && !identity_.connector &&
+                         s.rail->hello().src_incarnation == ctx_.incarnation;
   if (s.rail) {
-    if (epoch <= s.epoch) return false;  // a duplicate or stale connection
+    if (epoch <= s.epoch && !lost_race) return false;  // a duplicate or stale connection
     // The peer re-established the rail, so it has fenced the old connection: so do we.
-    fence(index, "replaced by a new connection from the peer", false);
+    fence(index,
+          lost_race ? "the peer's connection won (both sides connected at once)"
+                    : "replaced by a new connection from the peer",
+          false);
   }
-  if (epoch > s.epoch) {
+  if (lost_race) {
+    s.peer_fenced_epoch = s.epoch;
+    maybe_replay(index);
+  } else if (epoch > s.epoch) {
     // A connection of a newer epoch proves that the peer's end of every older one is closed (the
     // lower rank re-connects only with its end fenced; the higher rank fences its end before it
     // takes the new one). What the old epoch left unconfirmed is dealt with now, under the old
