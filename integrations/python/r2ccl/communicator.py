@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import threading
 from collections.abc import Iterator
 
@@ -47,6 +48,17 @@ def _op_code(op: object) -> int:
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
+
+
+def _output(input: torch.Tensor, output: torch.Tensor | None, shape: tuple, why: str) -> torch.Tensor:
+    """A collective's output: a new tensor of `shape` when None, else `output` checked (a host
+    tensor, contiguous, of `input`'s dtype, with as many elements as `shape`)."""
+    if output is None:
+        return torch.empty(shape, dtype=input.dtype)
+    checked(output, "output")
+    same_dtype(input, output, "input", "output")
+    numel_is(output, math.prod(shape), "output", why)
+    return output
 
 
 class Communicator:
@@ -140,9 +152,7 @@ class Communicator:
         """The element-wise reduction of every rank's `input`, into `output` (a new tensor when
         None; `input` itself for in place)."""
         checked(input, "input")
-        output = torch.empty_like(input) if output is None else checked(output, "output")
-        same_dtype(input, output, "input", "output")
-        numel_is(output, input.numel(), "output", "all_reduce of the input")
+        output = _output(input, output, tuple(input.shape), "all_reduce of the input")
         self._run(
             self._lib.r2cclAllReduce, "AllReduce", _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"), _op_code(op),
@@ -153,12 +163,8 @@ class Communicator:
         """Every rank's `input`, rank after rank along dim 0, into `output` (world_size times
         `input`'s elements; a new tensor when None)."""
         checked(input, "input")
-        if output is None:
-            shape = (input.shape[0] * self.world_size, *input.shape[1:]) if input.dim() else (self.world_size,)
-            output = torch.empty(shape, dtype=input.dtype)
-        checked(output, "output")
-        same_dtype(input, output, "input", "output")
-        numel_is(output, input.numel() * self.world_size, "output", "all_gather of the input")
+        shape = (input.shape[0] * self.world_size, *input.shape[1:]) if input.dim() else (self.world_size,)
+        output = _output(input, output, shape, "all_gather of the input")
         self._run(
             self._lib.r2cclAllGather, "AllGather", _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"),
@@ -177,14 +183,11 @@ class Communicator:
                 f"{self.world_size} ranks"
             )
         n = input.numel() // self.world_size
-        if output is None:
-            if input.dim() and input.shape[0] % self.world_size == 0:
-                output = torch.empty((input.shape[0] // self.world_size, *input.shape[1:]), dtype=input.dtype)
-            else:
-                output = torch.empty(n, dtype=input.dtype)
-        checked(output, "output")
-        same_dtype(input, output, "input", "output")
-        numel_is(output, n, "output", "reduce_scatter of the input")
+        if input.dim() and input.shape[0] % self.world_size == 0:
+            shape = (input.shape[0] // self.world_size, *input.shape[1:])
+        else:
+            shape = (n,)
+        output = _output(input, output, shape, "reduce_scatter of the input")
         self._run(
             self._lib.r2cclReduceScatter, "ReduceScatter", _ptr(input), _ptr(output), n,
             dtype_code(input.dtype, "input"), _op_code(op),
@@ -206,9 +209,7 @@ class Communicator:
         """The reduction of every rank's `input` into `root`'s `output` (other ranks' `output`
         is left as it was)."""
         checked(input, "input")
-        output = torch.empty_like(input) if output is None else checked(output, "output")
-        same_dtype(input, output, "input", "output")
-        numel_is(output, input.numel(), "output", "reduce of the input")
+        output = _output(input, output, tuple(input.shape), "reduce of the input")
         self._run(
             self._lib.r2cclReduce, "Reduce", _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"), _op_code(op), int(root),
