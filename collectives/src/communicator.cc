@@ -5,11 +5,14 @@
 #include <boost/container/small_vector.hpp>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <iterator>
 #include <limits>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "r2ccl/coll/reduce.h"
@@ -112,6 +115,7 @@ struct Transfer {
   RegionPtr region;
   std::size_t offset = 0;
   std::size_t bytes = 0;
+  std::uint64_t rails = kAllRails;
 };
 
 // Posts the receives first (their clear-to-sends go out before the data that needs them), then
@@ -120,24 +124,137 @@ struct Transfer {
 // A round's transfers: a few per peer, kept without allocating for small worlds.
 using Transfers = boost::container::small_vector<Transfer, 8>;
 
-Status post_and_wait(Fabric& f, const Transfers& transfers) {
-  boost::container::small_vector<OpPtr, 8> ops;
-  Status first;
+using Ops = boost::container::small_vector<OpPtr, 8>;
+
+// Posts the receives first (their clear-to-sends go out before the data that needs them), then
+// the sends; gives the first error (nothing after it is posted).
+Status post(Fabric& f, const Transfers& transfers, Ops& ops) {
   for (bool recv : {true, false})
     for (const auto& t : transfers) {
-      if (t.recv != recv || !first.is_ok()) continue;
+      if (t.recv != recv) continue;
       auto op = recv ? f.irecv(t.peer, t.region, t.offset, t.bytes)
-                     : f.isend(t.peer, t.region, t.offset, t.bytes);
-      if (op)
-        ops.push_back(*op);
-      else
-        first = op.status();
+                     : f.isend(t.peer, t.region, t.offset, t.bytes, t.rails);
+      if (!op) return op.status();
+      ops.push_back(*op);
     }
+  return Status::ok();
+}
+
+Status post_and_wait(Fabric& f, const Transfers& transfers) {
+  Ops ops;
+  Status first = post(f, transfers, ops);
   for (const auto& op : ops) {
     Status st = f.wait(op);
     if (!st && first.is_ok()) first = std::move(st);
   }
   return first;
+}
+
+// Runs a plan of several lanes: each lane's phases in order, the lanes side by side.
+Status run_lanes(Fabric& fabric, const Plan& plan,
+                 const std::function<Transfers(const Phase&)>& transfers_of,
+                 const std::function<void(const Phase&)>& compute) {
+  const std::size_t n = plan.phases.size();
+  // A phase is posted only after the phase before it (in plan order) with a message to or from
+  // the same peer in the same direction: both sides then post a pair's messages in one order.
+  std::vector<std::vector<std::uint32_t>> after(n);
+  std::unordered_map<std::uint64_t, std::uint32_t> last;
+  std::vector<std::vector<std::uint32_t>> lanes(plan.lanes);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const Phase& ph = plan.phases[i];
+    if (ph.lane >= plan.lanes)
+      return {ErrorCode::kInternal, fmt::format("phase {} is in lane {} of a plan of {} lanes",
+                                                i + 1, ph.lane, plan.lanes)};
+    lanes[ph.lane].push_back(i);
+    for (const auto& s : ph.comm) {
+      if (s.bytes == 0) continue;
+      const std::uint64_t key =
+          (static_cast<std::uint64_t>(s.peer) << 1) | (s.kind == Step::Kind::kSend ? 1 : 0);
+      auto [it, fresh] = last.try_emplace(key, i);
+      if (!fresh && it->second != i) {
+        after[i].push_back(it->second);
+        it->second = i;
+      }
+    }
+  }
+  struct Lane {
+    std::size_t cursor = 0;
+    bool active = false;
+    Ops ops;
+  };
+  std::vector<Lane> state(plan.lanes);
+  std::vector<bool> posted(n, false);
+  Status first;
+  std::size_t failed_at = 0;
+  std::vector<OpPtr> waiting;
+  while (first.is_ok()) {
+    for (bool progress = true; progress && first.is_ok();) {
+      progress = false;
+      for (std::uint32_t l = 0; l < plan.lanes && first.is_ok(); ++l) {
+        Lane& lane = state[l];
+        if (lane.active || lane.cursor >= lanes[l].size()) continue;
+        const std::uint32_t i = lanes[l][lane.cursor];
+        if (!std::all_of(after[i].begin(), after[i].end(), [&](auto j) { return posted[j]; }))
+          continue;
+        progress = true;
+        posted[i] = true;
+        if (Status st = post(fabric, transfers_of(plan.phases[i]), lane.ops); !st) {
+          first = std::move(st), failed_at = i;
+          break;
+        }
+        lane.active = !lane.ops.empty();
+        if (!lane.active) {
+          compute(plan.phases[i]);
+          ++lane.cursor;
+        }
+      }
+    }
+    if (!first.is_ok()) break;
+    // Wait only while no lane has finished its phase: a finished lane goes on at once (its next
+    // phase may be what a peer needs before anything this rank waits for can arrive).
+    waiting.clear();
+    bool lane_done = false;
+    for (const auto& lane : state) {
+      if (!lane.active) continue;
+      const std::size_t before = waiting.size();
+      for (const auto& op : lane.ops)
+        if (!op->done()) waiting.push_back(op);
+      lane_done |= waiting.size() == before;
+    }
+    const bool any_active =
+        std::any_of(state.begin(), state.end(), [](const Lane& lane) { return lane.active; });
+    if (!any_active) {
+      for (std::uint32_t l = 0; l < plan.lanes; ++l)
+        if (state[l].cursor < lanes[l].size())
+          return {ErrorCode::kInternal,
+                  fmt::format("the plan cannot go on: lane {} waits at step {} of {}", l,
+                              lanes[l][state[l].cursor] + 1, n)};
+      return Status::ok();
+    }
+    if (Status st = lane_done ? Status::ok() : fabric.wait_any(waiting); !st) {
+      first = std::move(st);
+      break;
+    }
+    for (std::uint32_t l = 0; l < plan.lanes; ++l) {
+      Lane& lane = state[l];
+      if (!lane.active || !std::all_of(lane.ops.begin(), lane.ops.end(),
+                                       [](const OpPtr& op) { return op->done(); }))
+        continue;
+      const std::uint32_t i = lanes[l][lane.cursor];
+      for (const auto& op : lane.ops)
+        if (Status st = op->status(); !st && first.is_ok()) first = std::move(st), failed_at = i;
+      lane.ops.clear();
+      lane.active = false;
+      if (!first.is_ok()) break;
+      compute(plan.phases[i]);
+      ++lane.cursor;
+    }
+  }
+  // Nothing may still read or write the buffers once this returns.
+  for (auto& lane : state)
+    for (const auto& op : lane.ops)
+      (void)fabric.wait(op);
+  return first.with_context(fmt::format("step {} of {}", failed_at + 1, n));
 }
 
 }  // namespace
@@ -277,13 +394,29 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
       d.in_place = b.send && b.send == b.recv;
       break;
   }
-  if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d));
+  Algo algo = Algo::kAuto;
+  const bool agreed = agrees(d);
+  if (agreed) {
+    R2CCL_ASSIGN_OR_RETURN(agreed_, agree());
+    algo = degraded_algo(d);
+  } else {
+    algo = auto_algo(d);
+  }
+  if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d, algo));
   if (d.count == 0 && d.op != CollOp::kBarrier) return Status::ok();
-  if (!(last_plan_.valid && last_plan_.desc == d && last_plan_.requested == requested_algo_)) {
+  const auto same_net = [](const Network& x, const Network& y) {
+    return x.bandwidth == y.bandwidth && x.rails_up == y.rails_up && x.latency_s == y.latency_s;
+  };
+  if (!(last_plan_.valid && last_plan_.desc == d && last_plan_.requested == requested_algo_ &&
+        last_plan_.algo == algo &&
+        (!is_degraded_algo(algo) || same_net(last_plan_.net, agreed_)))) {
     last_plan_.valid = false;
-    R2CCL_ASSIGN_OR_RETURN(last_plan_.plan, make_plan(d, rank(), size(), auto_algo(d)));
+    R2CCL_ASSIGN_OR_RETURN(last_plan_.plan,
+                           make_plan(d, rank(), size(), algo, agreed ? &agreed_ : nullptr));
     last_plan_.desc = d;
     last_plan_.requested = requested_algo_;
+    last_plan_.algo = algo;
+    last_plan_.net = agreed ? agreed_ : Network{};
     last_plan_.valid = true;
   }
   const Plan& plan = last_plan_.plan;
@@ -304,9 +437,99 @@ Algo Communicator::auto_algo(const CollDesc& d) const {
   return choose_algo(d, size(), requested_algo_, eager);
 }
 
-Status Communicator::check_agreement(const CollDesc& d) {
+bool Communicator::agrees(const CollDesc& d) const {
+  if (d.op != CollOp::kAllReduce || size() < 2 || d.count == 0) return false;
+  if (config().degraded_algo == "off") return false;
+  if (requested_algo_ != Algo::kAuto && !is_degraded_algo(requested_algo_)) return false;
+  return d.count * type_size(d.type) >= config().degraded_min_bytes;
+}
+
+Algo Communicator::degraded_algo(const CollDesc& d) const {
+  if (is_degraded_algo(requested_algo_)) return requested_algo_;
+  if (!is_degraded(agreed_)) return auto_algo(d);
+  const std::string& want = config().degraded_algo;
+  if (want == "auto") return choose_degraded(d, agreed_);
+  auto a = parse_algo(want);
+  return a ? *a : choose_degraded(d, agreed_);
+}
+
+Communicator::LinkEstimate Communicator::measure_links() const {
+  const std::size_t k = std::min<std::size_t>(fabric_->nics().size(), 64);
+  std::vector<double> rate(k, 0);
+  std::vector<bool> up(k, false);
+  for (const auto& s : fabric_->rail_snapshot()) {
+    if (s.rail >= k) continue;
+    if (s.state != RailState::kUp && s.state != RailState::kDegraded) continue;
+    up[s.rail] = true;
+    rate[s.rail] = std::max(rate[s.rail], static_cast<double>(s.bandwidth_bps));
+  }
+  double fastest = 0;
+  for (std::size_t i = 0; i < k; ++i)
+    if (up[i]) fastest = std::max(fastest, rate[i]);
+  // Nothing measured yet: count rails, at a nominal 10 Gbit/s each.
+  constexpr double kNominal = 1.25e9;
+  LinkEstimate e;
+  for (std::size_t i = 0; i < k; ++i) {
+    if (!up[i]) continue;
+    e.rails |= std::uint64_t{1} << i;
+    e.bandwidth += rate[i] > 0 ? rate[i] : (fastest > 0 ? fastest : kNominal);
+  }
+  return e;
+}
+
+Result<Network> Communicator::agree() {
   const int p = size();
-  const Algo algo = auto_algo(d);
+  const LinkEstimate mine = link_source_ ? link_source_() : measure_links();
+  constexpr std::size_t kRecord = 24;
+  std::vector<std::byte> all(kRecord * static_cast<std::size_t>(p));
+  std::byte* own = all.data() + kRecord * static_cast<std::size_t>(rank());
+  {
+    ByteWriter w;
+    w.u64(std::bit_cast<std::uint64_t>(mine.bandwidth))
+        .u64(mine.rails)
+        .u64(static_cast<std::uint64_t>(exchange_s_ * 1e9));
+    const Bytes b = w.take();
+    std::copy(b.begin(), b.end(), own);
+  }
+  const CollDesc gather{CollOp::kAllGather, kRecord, DataType::kU8, RedOp::kSum, 0, true};
+  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), p, Algo::kOneShot));
+  const auto t0 = Clock::now();
+  if (Status st =
+          execute(plan, gather, {own, all.data()}, [] { return std::string("the exchange"); });
+      !st)
+    return st.with_context("the bandwidth agreement of degraded mode");
+  exchange_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
+  Network net;
+  double slowest_exchange = 0, fastest = 0;
+  for (int i = 0; i < p; ++i) {
+    ByteReader r(
+        std::span<const std::byte>(all.data() + kRecord * static_cast<std::size_t>(i), kRecord));
+    const double b = std::bit_cast<double>(r.u64());
+    const std::uint64_t rails = r.u64();
+    const double exchange = static_cast<double>(r.u64()) * 1e-9;
+    if (!r.ok() || !std::isfinite(b) || b < 0 || !(exchange >= 0 && exchange < 60))
+      return Status(ErrorCode::kProtocol,
+                    fmt::format("the bandwidth agreement of degraded mode: rank {} sent a "
+                                "malformed record (bandwidth {}, exchange {} s)",
+                                i, b, exchange));
+    net.bandwidth.push_back(b);
+    net.rails_up.push_back(rails);
+    slowest_exchange = std::max(slowest_exchange, exchange);
+    fastest = std::max(fastest, b);
+  }
+  // Alike on every rank: within 10% of the fastest counts as the fastest (measurements wander),
+  // below that in steps of 1/32.
+  for (auto& b : net.bandwidth) {
+    const double r = fastest > 0 ? b / fastest : 1;
+    b = r >= 0.9 ? fastest : fastest * std::max(1.0, std::round(r * 32)) / 32;
+  }
+  // A phase of a plan costs about two exchanges' time (a request to send, then the data).
+  net.latency_s = 2 * slowest_exchange;
+  return net;
+}
+
+Status Communicator::check_agreement(const CollDesc& d, Algo algo) {
+  const int p = size();
   const Bytes mine = encode_header(d, algo, op_seq_++);
   if (p == 1) return Status::ok();
   // The headers travel as a direct all-gather of kHeaderBytes bytes, in place.
@@ -411,18 +634,18 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
     return bd.region ? bd.region->base + bd.base + ref.offset : nullptr;
   };
   const std::size_t elem = type_size(d.type);
-  for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
-    const auto& phase = plan.phases[ph];
+  const auto transfers_of = [&](const Phase& phase) {
     Transfers transfers;
     for (const auto& s : phase.comm) {
       if (s.bytes == 0) continue;
       const bool is_recv = s.kind == Step::Kind::kRecv;
       const Ref& ref = is_recv ? s.dst : s.a;
-      transfers.push_back({is_recv, s.peer, at(ref).region, at(ref).base + ref.offset, s.bytes});
+      transfers.push_back(
+          {is_recv, s.peer, at(ref).region, at(ref).base + ref.offset, s.bytes, s.rails});
     }
-    Status st = post_and_wait(*fabric_, transfers);
-    if (!st)
-      return st.with_context(fmt::format("{}, step {} of {}", what(), ph + 1, plan.phases.size()));
+    return transfers;
+  };
+  const auto compute = [&](const Phase& phase) {
     for (const auto& s : phase.compute) {
       if (s.bytes == 0) continue;
       switch (s.kind) {
@@ -439,6 +662,19 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
         case Step::Kind::kRecv:
           break;
       }
+    }
+  };
+  if (plan.lanes > 1) {
+    if (Status st = run_lanes(*fabric_, plan, transfers_of, compute); !st)
+      return st.with_context(what());
+  } else {
+    for (std::size_t ph = 0; ph < plan.phases.size(); ++ph) {
+      const auto& phase = plan.phases[ph];
+      Status st = post_and_wait(*fabric_, transfers_of(phase));
+      if (!st)
+        return st.with_context(
+            fmt::format("{}, step {} of {}", what(), ph + 1, plan.phases.size()));
+      compute(phase);
     }
   }
   if (staged && rb > 0) std::memcpy(recv, ptr(Ref{Buf::kRecv, 0}), rb);

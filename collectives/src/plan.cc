@@ -4,91 +4,22 @@
 
 #include <algorithm>
 
+#include "plan_steps.h"
+
 namespace r2ccl::coll {
 namespace {
 
-using Kind = Step::Kind;
-
-int mod(int a, int p) {
-  return ((a % p) + p) % p;
-}
-
-// Splits `count` elements into p segments of near-equal size (the first count % p get one more).
-struct Segments {
-  std::size_t count, elem;
-  int p;
-  std::size_t first(int i) const {
-    const std::size_t base = count / static_cast<std::size_t>(p);
-    const std::size_t rem = count % static_cast<std::size_t>(p);
-    const auto u = static_cast<std::size_t>(i);
-    return u * base + std::min(u, rem);
-  }
-  std::size_t off(int i) const { return first(i) * elem; }
-  std::size_t len(int i) const { return (first(i + 1) - first(i)) * elem; }
-  std::size_t max_len() const { return len(0); }
-};
-
-Ref at(Buf b, std::size_t off) {
-  return Ref{b, off};
-}
-Step send(int peer, Ref a, std::size_t n) {
-  return Step{Kind::kSend, peer, a, {}, {}, n};
-}
-Step recv(int peer, Ref dst, std::size_t n) {
-  return Step{Kind::kRecv, peer, {}, {}, dst, n};
-}
-Step reduce(Ref dst, Ref a, Ref b, std::size_t n) {
-  return Step{Kind::kReduce, -1, a, b, dst, n};
-}
-Step copy(Ref dst, Ref a, std::size_t n) {
-  return Step{Kind::kCopy, -1, a, {}, dst, n};
-}
-Step avg(Ref dst, std::size_t n) {
-  return Step{Kind::kAvg, -1, {}, {}, dst, n};
-}
-
-// Reduces the p inputs of one block in rank order (so every rank computes bit-identical floats)
-// into `dst`: input(i) says where rank i's contribution lies.
-template <class Input>
-void chain(std::vector<Step>& out, int p, Ref dst, std::size_t n, Input input, bool average) {
-  if (p == 1) {
-    if (dst.buf != input(0).buf || dst.offset != input(0).offset)
-      out.push_back(copy(dst, input(0), n));
-  } else {
-    out.push_back(reduce(dst, input(0), input(1), n));
-    for (int i = 2; i < p; ++i)
-      out.push_back(reduce(dst, dst, input(i), n));
-  }
-  if (average) out.push_back(avg(dst, n));
-}
+using namespace plan_steps;
 
 // ---- all-reduce
 
 Plan allreduce_ring(const CollDesc& d, int r, int p, std::size_t elem) {
-  Segments seg{d.count, elem, p};
-  const bool average = d.redop == RedOp::kAvg;
+  std::vector<int> all(static_cast<std::size_t>(p));
+  for (int i = 0; i < p; ++i)
+    all[static_cast<std::size_t>(i)] = i;
   Plan plan;
-  plan.scratch_bytes = seg.max_len();
-  const int next = mod(r + 1, p), prev = mod(r - 1, p);
-  // Reduce-scatter: after step s this rank holds the partial sum of segment r-s-1 over s+2 ranks.
-  for (int s = 0; s + 1 < p; ++s) {
-    Phase ph;
-    const int out = mod(r - s, p), in = mod(r - s - 1, p);
-    ph.comm.push_back(send(next, at(s == 0 ? Buf::kSend : Buf::kRecv, seg.off(out)), seg.len(out)));
-    ph.comm.push_back(recv(prev, at(Buf::kScratch, 0), seg.len(in)));
-    ph.compute.push_back(reduce(at(Buf::kRecv, seg.off(in)), at(Buf::kSend, seg.off(in)),
-                                at(Buf::kScratch, 0), seg.len(in)));
-    if (average && s + 2 == p) ph.compute.push_back(avg(at(Buf::kRecv, seg.off(in)), seg.len(in)));
-    plan.phases.push_back(std::move(ph));
-  }
-  // All-gather of the reduced segments: this rank owns segment r+1.
-  for (int s = 0; s + 1 < p; ++s) {
-    Phase ph;
-    const int out = mod(r + 1 - s, p), in = mod(r - s, p);
-    ph.comm.push_back(send(next, at(Buf::kRecv, seg.off(out)), seg.len(out)));
-    ph.comm.push_back(recv(prev, at(Buf::kRecv, seg.off(in)), seg.len(in)));
-    plan.phases.push_back(std::move(ph));
-  }
+  plan.scratch_bytes = ring_scratch(d.count, elem, p);
+  ring_allreduce(plan, elem, {all, r, 0, d.count, 0, 0, d.redop == RedOp::kAvg, Step::kAllRails});
   return plan;
 }
 
@@ -357,6 +288,43 @@ Plan barrier(int r, int p) {
 
 }  // namespace
 
+namespace plan_steps {
+
+void ring_allreduce(Plan& plan, std::size_t elem, const RingPart& part) {
+  const int p = static_cast<int>(part.members.size());
+  const int r = part.me;
+  Segments seg{part.count, elem, p};
+  const std::size_t base = part.first * elem;
+  const auto member = [&](int i) { return part.members[static_cast<std::size_t>(mod(i, p))]; };
+  const int next = member(r + 1), prev = member(r - 1);
+  const Ref tmp = at(Buf::kScratch, part.scratch_at);
+  // Reduce-scatter: after step s this rank holds the partial sum of segment r-s-1 over s+2 ranks.
+  for (int s = 0; s + 1 < p; ++s) {
+    Phase ph;
+    ph.lane = part.lane;
+    const int out = mod(r - s, p), in = mod(r - s - 1, p);
+    ph.comm.push_back(send(next, at(s == 0 ? Buf::kSend : Buf::kRecv, base + seg.off(out)),
+                           seg.len(out), part.rails));
+    ph.comm.push_back(recv(prev, tmp, seg.len(in)));
+    ph.compute.push_back(reduce(at(Buf::kRecv, base + seg.off(in)),
+                                at(Buf::kSend, base + seg.off(in)), tmp, seg.len(in)));
+    if (part.average && s + 2 == p)
+      ph.compute.push_back(avg(at(Buf::kRecv, base + seg.off(in)), seg.len(in)));
+    plan.phases.push_back(std::move(ph));
+  }
+  // All-gather of the reduced segments: this rank owns segment r+1.
+  for (int s = 0; s + 1 < p; ++s) {
+    Phase ph;
+    ph.lane = part.lane;
+    const int out = mod(r + 1 - s, p), in = mod(r - s, p);
+    ph.comm.push_back(send(next, at(Buf::kRecv, base + seg.off(out)), seg.len(out), part.rails));
+    ph.comm.push_back(recv(prev, at(Buf::kRecv, base + seg.off(in)), seg.len(in)));
+    plan.phases.push_back(std::move(ph));
+  }
+}
+
+}  // namespace plan_steps
+
 std::string_view coll_op_name(CollOp op) {
   switch (op) {
     case CollOp::kAllReduce:
@@ -385,16 +353,28 @@ std::string_view algo_name(Algo a) {
       return "oneshot";
     case Algo::kTwoShot:
       return "twoshot";
+    case Algo::kBalance:
+      return "balance";
+    case Algo::kR2cc:
+      return "r2cc";
+    case Algo::kWeighted:
+      return "weighted";
   }
   return "?";
 }
 
+bool is_degraded_algo(Algo a) {
+  return a == Algo::kBalance || a == Algo::kR2cc || a == Algo::kWeighted;
+}
+
 Result<Algo> parse_algo(std::string_view text) {
-  for (Algo a : {Algo::kAuto, Algo::kRing, Algo::kOneShot, Algo::kTwoShot})
+  for (Algo a : {Algo::kAuto, Algo::kRing, Algo::kOneShot, Algo::kTwoShot, Algo::kBalance,
+                 Algo::kR2cc, Algo::kWeighted})
     if (algo_name(a) == text) return a;
-  return Status(
-      ErrorCode::kInvalidArgument,
-      fmt::format("unknown algorithm '{}': expected auto, ring, oneshot or twoshot", text));
+  return Status(ErrorCode::kInvalidArgument,
+                fmt::format("unknown algorithm '{}': expected auto, ring, oneshot, twoshot, "
+                            "balance, r2cc or weighted",
+                            text));
 }
 
 std::size_t send_bytes(const CollDesc& d, int p) {
@@ -410,6 +390,9 @@ std::size_t recv_bytes(const CollDesc& d, int p) {
 Algo choose_algo(const CollDesc& d, int nranks, Algo requested, std::size_t eager_bytes) {
   if (d.op == CollOp::kBarrier) return Algo::kOneShot;
   if (requested != Algo::kAuto) {
+    // The degraded-mode plans are all-reduces; for the other operations Balance is the ring.
+    if (is_degraded_algo(requested) && d.op != CollOp::kAllReduce)
+      return nranks <= 1 ? Algo::kOneShot : Algo::kRing;
     // Two-shot is an all-reduce algorithm; elsewhere it means "direct" like one-shot.
     if (requested == Algo::kTwoShot && d.op != CollOp::kAllReduce) return Algo::kOneShot;
     return requested;
@@ -432,7 +415,7 @@ Algo choose_algo(const CollDesc& d, int nranks, Algo requested, std::size_t eage
   return Algo::kRing;
 }
 
-Result<Plan> make_plan(const CollDesc& d, int r, int p, Algo algo) {
+Result<Plan> make_plan(const CollDesc& d, int r, int p, Algo algo, const Network* net) {
   if (p < 1 || r < 0 || r >= p)
     return Status(ErrorCode::kInvalidArgument, fmt::format("rank {} of {} ranks", r, p));
   if (d.op == CollOp::kBarrier) return barrier(r, p);
@@ -445,7 +428,9 @@ Result<Plan> make_plan(const CollDesc& d, int r, int p, Algo algo) {
     case CollOp::kAllReduce:
       if (p == 1)
         plan = allreduce_oneshot(d, r, p, elem);
-      else if (algo == Algo::kRing)
+      else if (algo == Algo::kR2cc || algo == Algo::kWeighted)
+        plan = degraded_allreduce(d, r, p, elem, algo, net);
+      else if (algo == Algo::kRing || algo == Algo::kBalance)
         plan = allreduce_ring(d, r, p, elem);
       else if (algo == Algo::kTwoShot)
         plan = allreduce_twoshot(d, r, p, elem);

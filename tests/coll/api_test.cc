@@ -125,7 +125,8 @@ TEST(Plans, AutoPicksDirectForSmallAndRingForLarge) {
   EXPECT_EQ(choose_algo(large, 4, Algo::kAuto), Algo::kRing);
   EXPECT_EQ(choose_algo(large, 4, Algo::kTwoShot), Algo::kTwoShot);
   EXPECT_EQ(parse_algo("tree").status().message(),
-            "unknown algorithm 'tree': expected auto, ring, oneshot or twoshot");
+            "unknown algorithm 'tree': expected auto, ring, oneshot, twoshot, balance, r2cc or "
+            "weighted");
 }
 
 // Two ranks: one-shot where it takes fewer rounds and handshakes than the ring's two halves.

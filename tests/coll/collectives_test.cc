@@ -228,6 +228,53 @@ TEST_P(Collectives, EveryOpTypeReductionAlgorithmAndSizeMatchesTheReference) {
   }
 }
 
+// The degraded-mode all-reduce plans (lanes, rail masks, weighted shards) on a table where some
+// ranks are slower: rank p/2 kept one rail of two at half the bandwidth, and, for the weighted
+// plan, rank 0 at three quarters on both rails too. Every case of every type and reduction.
+TEST_P(Collectives, DegradedPlansMatchTheReference) {
+  const int p = GetParam();
+  std::vector<Case> cases;
+  for (const auto& k : all_cases(p))
+    if (k.op == CollOp::kAllReduce && k.algo == Algo::kRing) cases.push_back(k);
+  for (Algo a : {Algo::kR2cc, Algo::kWeighted}) {
+    auto comms = test::make_comms(
+        p, {{"R2CCL_ALGO", std::string(algo_name(a))}, {"R2CCL_DEGRADED_MIN_BYTES", "0"}});
+    ASSERT_EQ(comms.size(), static_cast<std::size_t>(p));
+    std::vector<std::vector<std::uint64_t>> digests(static_cast<std::size_t>(p));
+    std::mutex m;
+    std::vector<std::string> errors;
+    test::on_all(comms, [&](int r, Communicator& c) {
+      c.set_link_source([r, p, a] {
+        if (r == p / 2) return Communicator::LinkEstimate{0.5e9, 0b01};
+        if (r == 0 && a == Algo::kWeighted && p > 2)
+          return Communicator::LinkEstimate{0.75e9, 0b11};
+        return Communicator::LinkEstimate{1e9, 0b11};
+      });
+      std::vector<std::string> mine;
+      for (auto k : cases) {
+        k.algo = a;
+        digests[static_cast<std::size_t>(r)].push_back(run_case(c, k, mine));
+        if (k.count > 0) {
+          EXPECT_EQ(c.last_algo(), a) << k.name();
+        }
+      }
+      if (r == 0 && p > 1) {
+        const auto& net = c.agreed_network();
+        EXPECT_EQ(net.bandwidth.size(), static_cast<std::size_t>(p));
+        EXPECT_EQ(net.rails_up[static_cast<std::size_t>(p / 2)], 0b01u);
+      }
+      std::lock_guard<std::mutex> lock(m);
+      errors.insert(errors.end(), mine.begin(), mine.end());
+    });
+    for (const auto& e : errors)
+      ADD_FAILURE() << algo_name(a) << ": " << e;
+    for (int r = 1; r < p; ++r)
+      for (std::size_t i = 0; i < digests[0].size(); ++i)
+        EXPECT_EQ(digests[0][i], digests[static_cast<std::size_t>(r)][i])
+            << algo_name(a) << ": rank " << r << " differs from rank 0 in " << cases[i].name();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Range(2, 9),
                          [](const ::testing::TestParamInfo<int>& p) {
                            return fmt::format("p{}", p.param);

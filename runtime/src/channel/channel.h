@@ -96,7 +96,7 @@ class Channel {
   std::string missing_rails() const;
 
   void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
-                 Clock::time_point deadline);
+                 Clock::time_point deadline, std::uint64_t rails = kAllRails);
   void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                  Clock::time_point deadline);
   // One-sided: writes into the peer's registered memory; no receive is matched.
@@ -201,6 +201,7 @@ class Channel {
     std::uint32_t nchunks = 0;
     std::uint32_t next_chunk = 0;
     std::uint32_t confirmed = 0;
+    std::uint64_t rails = kAllRails;  // the rails it prefers (all where none of them is usable)
   };
   struct Recv {
     OpPtr op;

@@ -18,6 +18,7 @@ using std::chrono::milliseconds;
 // Posts chunks while some rail has room: replays first, then new chunks round-robin over the
 // oldest messages in flight (kServeWindow).
 void Channel::pump() {
+  std::size_t blocked = 0;  // messages in a row whose rails had no room
   while (true) {
     InflightChunk c;
     bool replay = false;
@@ -45,8 +46,16 @@ void Channel::pump() {
       replay_.pop_front();
       continue;
     }
-    auto rail = scheduler_.pick(c.length);
-    if (!rail) return;
+    auto rail = scheduler_.pick(c.length, sit->second.rails);
+    if (!rail) {
+      // A message kept to some rails waits for them; the others in the window may still go.
+      if (replay || sit->second.rails == kAllRails ||
+          ++blocked >= std::min(kServeWindow, ready_.size()))
+        return;
+      ++serve_;
+      continue;
+    }
+    blocked = 0;
     auto& s = sit->second;
     auto& slot = *rails_[*rail];
     const auto now = Clock::now();

@@ -34,10 +34,11 @@ bool Channel::fail_if_dead(const OpPtr& op) {
 }
 
 void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
-                        Clock::time_point deadline) {
+                        Clock::time_point deadline, std::uint64_t rails) {
   if (fail_if_dead(op)) return;
   const auto seq = next_send_seq_++;
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
+  s.rails = rails;
   if (!needs_cts(length) && eager_unconsumed_ + length <= kEagerCredit) {
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,

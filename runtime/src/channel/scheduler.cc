@@ -40,12 +40,16 @@ std::size_t RailScheduler::usable_count() const {
       std::count_if(rails_.begin(), rails_.end(), [](const auto& r) { return r.usable; }));
 }
 
-std::optional<std::size_t> RailScheduler::pick(std::uint64_t bytes) {
+std::optional<std::size_t> RailScheduler::pick(std::uint64_t bytes, std::uint64_t mask) {
+  const auto in_mask = [&](std::size_t i) { return i >= 64 || ((mask >> i) & 1) != 0; };
+  bool any = false;
+  for (std::size_t i = 0; i < rails_.size(); ++i)
+    any |= rails_[i].usable && in_mask(i);
   std::optional<std::size_t> best;
   double best_finish = 0;
   for (std::size_t i = 0; i < rails_.size(); ++i) {
     const auto& r = rails_[i];
-    if (!r.usable) continue;
+    if (!r.usable || (any && !in_mask(i))) continue;
     const double finish = static_cast<double>(r.inflight + bytes) / bandwidth(i);
     if (!best || finish < best_finish) {
       best = i;

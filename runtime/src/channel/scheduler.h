@@ -27,10 +27,10 @@ class RailScheduler {
   void set_usable(std::size_t rail, bool usable);
   bool usable(std::size_t rail) const { return rails_[rail].usable; }
   std::size_t usable_count() const;
-  // The usable rail that would finish `bytes` first; reserves the bytes on it. nullopt when no
-  // rail is usable, or when that rail's window is full (waiting for it beats a slower rail).
-  // An idle rail always has room.
-  std::optional<std::size_t> pick(std::uint64_t bytes);
+  // The usable rail of `mask` (bit i: rail i; every usable rail when none of the mask is) that
+  // would finish `bytes` first; reserves the bytes on it. nullopt when no rail is usable, or when
+  // that rail's window is full (waiting for it beats a slower rail). An idle rail always has room.
+  std::optional<std::size_t> pick(std::uint64_t bytes, std::uint64_t mask = ~std::uint64_t{0});
   // Releases bytes reserved by pick() (confirmed, refused or taken back for replay).
   void release(std::size_t rail, std::uint64_t bytes);
   std::uint64_t inflight(std::size_t rail) const { return rails_[rail].inflight; }

@@ -91,8 +91,17 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_KV_MAX_INFLIGHT", "64M",
      "KV bytes in flight per peer (requests share it round-robin), 1M–16G."},
     {"R2CCL_ALGO", "auto",
-     "Collective algorithm: `auto` (by size: direct one-shot for small messages, ring for large), "
-     "`ring`, `oneshot` or `twoshot`."},
+     "Collective algorithm: `auto` (by size: direct one-shot for small messages, ring for large; "
+     "degraded mode below), `ring`, `oneshot`, `twoshot`, or an all-reduce plan of degraded mode: "
+     "`balance`, `r2cc`, `weighted`."},
+    {"R2CCL_DEGRADED_ALGO", "auto",
+     "Degraded mode: before an all-reduce of at least `R2CCL_DEGRADED_MIN_BYTES` the ranks agree "
+     "on each one's bandwidth (its rails up and their measured rates); where they differ, the "
+     "all-reduce runs `balance` (the ring), `r2cc` (R2CC-AllReduce) or `weighted` (shards weighted "
+     "by bandwidth), `auto` choosing by the cost model; `off`: no agreement, no re-planning."},
+    {"R2CCL_DEGRADED_MIN_BYTES", "1M",
+     "The smallest all-reduce (bytes per rank) for which the ranks agree on their bandwidths "
+     "(one small exchange each time)."},
     {"R2CCL_CHECK", "0",
      "`1`: before every collective the ranks compare operation, count, type, reduction and root "
      "(one small exchange) and all fail with an error naming the mismatch."},
@@ -371,6 +380,8 @@ Result<Config> parse_config(const EnvLookup& env) {
     out = *s;
     return Status::ok();
   };
+  R2CCL_RETURN_IF_ERROR(
+      size_var("R2CCL_DEGRADED_MIN_BYTES", 0, std::size_t{1} << 40, c.degraded_min_bytes));
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
   if (c.provider == "verbs") c.rail_window = 8u << 20;
   // A variable bounded by another follows it when it is not set itself.
@@ -432,9 +443,18 @@ Result<Config> parse_config(const EnvLookup& env) {
     std::string t = trim(*v);
     std::transform(t.begin(), t.end(), t.begin(),
                    [](unsigned char ch) { return std::tolower(ch); });
-    if (t != "auto" && t != "ring" && t != "oneshot" && t != "twoshot")
-      return bad("R2CCL_ALGO", *v, "auto, ring, oneshot or twoshot");
+    if (t != "auto" && t != "ring" && t != "oneshot" && t != "twoshot" && t != "balance" &&
+        t != "r2cc" && t != "weighted")
+      return bad("R2CCL_ALGO", *v, "auto, ring, oneshot, twoshot, balance, r2cc or weighted");
     c.algo = t;
+  }
+  if (auto v = get("R2CCL_DEGRADED_ALGO")) {
+    std::string t = trim(*v);
+    std::transform(t.begin(), t.end(), t.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    if (t != "auto" && t != "off" && t != "balance" && t != "r2cc" && t != "weighted")
+      return bad("R2CCL_DEGRADED_ALGO", *v, "auto, off, balance, r2cc or weighted");
+    c.degraded_algo = t;
   }
   if (auto v = get("R2CCL_CHECK")) {
     const std::string t = trim(*v);

@@ -765,11 +765,12 @@ OpPtr Endpoint::start_op(Post post) {
 }
 
 Result<OpPtr> Endpoint::isend(int peer, const RegionPtr& region, std::size_t offset,
-                              std::size_t length) {
+                              std::size_t length, std::uint64_t rails) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "send"));
-  return start_op([this, region, offset, length, peer](OpPtr op, Clock::time_point deadline) {
-    channel(peer)->post_send(std::move(op), region, offset, length, deadline);
-  });
+  return start_op(
+      [this, region, offset, length, peer, rails](OpPtr op, Clock::time_point deadline) {
+        channel(peer)->post_send(std::move(op), region, offset, length, deadline, rails);
+      });
 }
 
 Result<OpPtr> Endpoint::irecv(int peer, const RegionPtr& region, std::size_t offset,
@@ -836,6 +837,32 @@ void Endpoint::deliver_message(int peer, std::span<const std::byte> message) {
   }
   if (message_handlers_[service])
     message_handlers_[service](peer, Bytes(message.begin() + 1, message.end()));
+}
+
+Status Endpoint::wait_any(std::span<const OpPtr> ops) {
+  const auto any_done = [&] {
+    return std::any_of(ops.begin(), ops.end(), [](const OpPtr& op) { return op && op->done(); });
+  };
+  if (ops.empty() || any_done()) return Status::ok();
+  constexpr milliseconds kGrace{1000};
+  while (true) {
+    auto limit = Clock::time_point::min();
+    for (const auto& op : ops)
+      if (op) limit = std::max(limit, op->deadline() + kGrace);
+    const auto now = Clock::now();
+    if (now >= limit)
+      return any_done() ? Status::ok()
+                        : Status(ErrorCode::kTimeout, "no operation completed by its deadline");
+    if (!engine_->drive_until(any_done, limit)) {
+      // Another caller drives the loop: sleep on one operation a little, then look at all.
+      for (const auto& op : ops)
+        if (op && !op->done()) {
+          (void)op->wait(milliseconds(1));
+          break;
+        }
+    }
+    if (any_done()) return Status::ok();
+  }
 }
 
 Status Endpoint::wait(const OpPtr& op) {

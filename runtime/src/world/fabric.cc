@@ -338,9 +338,9 @@ Status Fabric::check_peer(int peer, const char* what) const {
 }
 
 Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offset,
-                            std::size_t length) {
+                            std::size_t length, std::uint64_t rails) {
   R2CCL_RETURN_IF_ERROR(check_peer(peer, "send"));
-  if (peer != rank()) return endpoint_->isend(peer, region, offset, length);
+  if (peer != rank()) return endpoint_->isend(peer, region, offset, length, rails);
   R2CCL_RETURN_IF_ERROR(check_region(region, offset, length, "send"));
   auto op = std::make_shared<Op>();
   op->set_deadline(Clock::now() + config_.timeout);
@@ -396,6 +396,10 @@ void Fabric::set_message_handler(Service service, MessageHandler handler) {
 
 Status Fabric::wait(const OpPtr& op) {
   return endpoint_->wait(op);
+}
+
+Status Fabric::wait_any(std::span<const OpPtr> ops) {
+  return endpoint_->wait_any(ops);
 }
 
 std::vector<RailSnapshot> Fabric::rail_snapshot() const {

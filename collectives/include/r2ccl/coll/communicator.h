@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "r2ccl/coll/degraded.h"
 #include "r2ccl/coll/plan.h"
 #include "r2ccl/coll/types.h"
 #include "r2ccl/runtime/fabric.h"
@@ -80,6 +81,21 @@ class Communicator {
   // The algorithm the last collective ran (for benchmarks and logs).
   Algo last_algo() const { return last_algo_; }
 
+  // Degraded mode (R2CCL_DEGRADED_ALGO): what this rank tells the others before a large
+  // all-reduce, and what they all agreed on last.
+  struct LinkEstimate {
+    double bandwidth = 0;     // bytes per second over all its usable rails
+    std::uint64_t rails = 0;  // its usable rails (bit i: rail i)
+  };
+  // This rank's estimate from its rails: those up (or degraded) to some peer, each at the
+  // fastest rate measured to any peer (rails not measured yet count as the fastest one that is).
+  LinkEstimate measure_links() const;
+  // Where the estimate comes from instead (an embedder that knows its NICs better; tests). Call
+  // it before the collectives, from the thread that runs them.
+  void set_link_source(std::function<LinkEstimate()> source) { link_source_ = std::move(source); }
+  // The table the ranks agreed on before the last large all-reduce (empty before any).
+  const Network& agreed_network() const { return agreed_; }
+
  private:
   explicit Communicator(std::unique_ptr<Fabric> fabric);
   struct Buffers {
@@ -88,9 +104,16 @@ class Communicator {
   };
   Status validate(const CollDesc& d, const Buffers& b) const;
   Status run(const CollDesc& d, Buffers b);
-  Status check_agreement(const CollDesc& d);
+  Status check_agreement(const CollDesc& d, Algo algo);
   // The algorithm for `d` (R2CCL_ALGO's, or auto's choice for this size and transport).
   Algo auto_algo(const CollDesc& d) const;
+  // Whether `d` first agrees on the ranks' bandwidths (a large all-reduce, degraded mode on).
+  bool agrees(const CollDesc& d) const;
+  // The exchange of every rank's LinkEstimate: the agreed table (bandwidths quantised alike on
+  // every rank, the latency from the last exchanges' duration).
+  Result<Network> agree();
+  // The algorithm for an all-reduce on the agreed table.
+  Algo degraded_algo(const CollDesc& d) const;
   // `what` names the operation in an error's context (built only on error).
   Status execute(const Plan& plan, const CollDesc& d, const Buffers& b,
                  const std::function<std::string()>& what);
@@ -129,8 +152,13 @@ class Communicator {
     bool valid = false;
     CollDesc desc;
     Algo requested = Algo::kAuto;
+    Algo algo = Algo::kAuto;
+    Network net;
     Plan plan;
   } last_plan_;
+  Network agreed_;
+  double exchange_s_ = 0;  // how long this rank's last agreement exchange took
+  std::function<LinkEstimate()> link_source_;
 };
 
 }  // namespace r2ccl::coll

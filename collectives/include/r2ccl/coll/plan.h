@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "r2ccl/coll/types.h"
+#include "r2ccl/runtime/op.h"
 #include "r2ccl/runtime/status.h"
 
 namespace r2ccl::coll {
@@ -26,9 +27,13 @@ enum class CollOp : std::uint8_t {
 };
 std::string_view coll_op_name(CollOp op);
 
-enum class Algo : std::uint8_t { kAuto, kRing, kOneShot, kTwoShot };
+// kBalance, kR2cc and kWeighted are the all-reduce plans for ranks of unequal bandwidth
+// (degraded.h); kBalance is the ring, named apart so that a degraded-mode choice shows.
+enum class Algo : std::uint8_t { kAuto, kRing, kOneShot, kTwoShot, kBalance, kR2cc, kWeighted };
 std::string_view algo_name(Algo a);
-Result<Algo> parse_algo(std::string_view text);  // auto ring oneshot twoshot
+// auto ring oneshot twoshot balance r2cc weighted
+Result<Algo> parse_algo(std::string_view text);
+bool is_degraded_algo(Algo a);
 
 // Where a step reads or writes: the caller's send or receive buffer, or the plan's scratch space.
 enum class Buf : std::uint8_t { kSend, kRecv, kScratch };
@@ -49,15 +54,25 @@ struct Step {
   int peer = -1;
   Ref a, b, dst;
   std::size_t bytes = 0;
+  // The rails (bit i: rail i) a send may use; its chunks go elsewhere only when none of them is
+  // left. R2CC-AllReduce keeps its rings on separate rails.
+  std::uint64_t rails = kAllRails;
+  static constexpr std::uint64_t kAllRails = r2ccl::kAllRails;
 };
 
+// Phases of one lane run one after the other; lanes run side by side (a rank may, say, all-reduce
+// one part of the data among all ranks while it all-reduces another among a subset). Messages
+// between a pair of ranks are still matched in plan order: the executor posts a phase only once
+// every earlier step (in plan order) to or from the same peer in the same direction was posted.
 struct Phase {
+  std::uint32_t lane = 0;
   std::vector<Step> comm;     // posted together (receives first), then all awaited
   std::vector<Step> compute;  // after every communication step of the phase completed
 };
 
 struct Plan {
   Algo algo = Algo::kRing;
+  std::uint32_t lanes = 1;
   std::size_t scratch_bytes = 0;
   std::vector<Phase> phases;
 };
@@ -78,9 +93,13 @@ struct CollDesc {
 // largest message that goes between them without a handshake (the transport's eager limit), or 0
 // when not known. Every rank must pass the same value (two ranks share their one channel's).
 Algo choose_algo(const CollDesc& d, int nranks, Algo requested, std::size_t eager_bytes = 0);
+struct Network;  // degraded.h
+
 // The plan of rank `rank` of `nranks`. Every rank's plan pairs with every other's: the n-th send
-// from a to b in plan order meets the n-th receive at b from a.
-Result<Plan> make_plan(const CollDesc& d, int rank, int nranks, Algo algo);
+// from a to b in plan order meets the n-th receive at b from a. The degraded-mode algorithms
+// (all-reduce only) need `net`, the ranks' agreed bandwidths; every rank must pass the same.
+Result<Plan> make_plan(const CollDesc& d, int rank, int nranks, Algo algo,
+                       const Network* net = nullptr);
 
 // Bytes each rank must provide in its send and receive buffers.
 std::size_t send_bytes(const CollDesc& d, int nranks);

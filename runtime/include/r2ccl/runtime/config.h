@@ -64,8 +64,12 @@ struct Config {
   bool kv_verify = false;                   // per-block checksums in notifications
   std::size_t kv_max_inflight = 64u << 20;  // bytes in flight per peer
   // Collectives.
-  std::string algo = "auto";  // auto | ring | oneshot | twoshot
+  std::string algo = "auto";  // auto | ring | oneshot | twoshot | balance | r2cc | weighted
   bool check = false;         // compare every collective's arguments across ranks first
+  // Degraded mode: all-reduces of at least degraded_min_bytes agree on the ranks' bandwidths
+  // first and, where they differ, run the plan degraded_algo names (auto: the cost model's).
+  std::string degraded_algo = "auto";  // auto | off | balance | r2cc | weighted
+  std::size_t degraded_min_bytes = 1u << 20;
 };
 
 struct ConfigEntry {

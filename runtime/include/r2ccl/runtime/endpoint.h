@@ -151,7 +151,9 @@ class Endpoint {
   Result<RegionPtr> register_memory(void* base, std::size_t length,
                                     MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
-  Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
+  // `rails`: see Fabric::isend.
+  Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
+                      std::uint64_t rails = kAllRails);
   Result<OpPtr> irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
   Result<OpPtr> iwrite(int peer, const RegionPtr& region, std::size_t offset,
                        const RemoteRegion& remote, std::size_t remote_offset, std::size_t length);
@@ -160,6 +162,9 @@ class Endpoint {
   using MessageHandler = std::function<void(int peer, Bytes payload)>;
   static constexpr std::size_t kServices = 2;
   void set_message_handler(std::uint8_t service, MessageHandler handler);
+  // Waits until at least one of `ops` completed (OK; the caller looks which), or fails with a
+  // timeout once every one of them is past its deadline and grace.
+  Status wait_any(std::span<const OpPtr> ops);
   Status wait(const OpPtr& op);
 
   // The out-of-band path of a world (its rank 0 relay): failover messages also go there, and

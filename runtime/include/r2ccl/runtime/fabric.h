@@ -59,8 +59,11 @@ class Fabric {
                                     MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
 
-  // Sends [offset, offset+length) of a registered region to `peer`.
-  Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
+  // Sends [offset, offset+length) of a registered region to `peer`. `rails` (bit i: rail i):
+  // the rails its chunks go on while any of them is usable (then any rail, so that nothing is
+  // lost); the collectives keep two rings apart this way.
+  Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
+                      std::uint64_t rails = kAllRails);
   // Receives the matching message from `peer` into [offset, offset+length) of a region.
   Result<OpPtr> irecv(int peer, const RegionPtr& region, std::size_t offset, std::size_t length);
   // One-sided: writes [offset, offset+length) of a local region into `remote` (a region the peer
@@ -93,6 +96,9 @@ class Fabric {
   // Waits for an operation: until it completes, or a grace period past its deadline (which moves
   // only while the peer keeps confirming data).
   Status wait(const OpPtr& op);
+  // Waits until at least one of `ops` completed (the caller looks which); a timeout once all are
+  // past their deadlines.
+  Status wait_any(std::span<const OpPtr> ops);
 
   std::vector<RailSnapshot> rail_snapshot() const;
   ProviderCounters provider_counters() const;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -11,6 +12,9 @@
 #include "r2ccl/runtime/status.h"
 
 namespace r2ccl {
+
+// Every rail (a send's rail mask: bit i is rail i).
+inline constexpr std::uint64_t kAllRails = ~std::uint64_t{0};
 
 // A send or receive in progress. Completed exactly once, on the progress thread.
 class Op {

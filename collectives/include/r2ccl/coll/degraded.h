@@ -1,0 +1,58 @@
+// Degraded mode: all-reduce when the ranks' bandwidths differ (a rank lost NICs, or one is slow).
+//
+// A plain ring runs at the slowest rank's speed for everyone. Three plans (make_plan with
+// Algo::kBalance, kR2cc, kWeighted and the agreed Network) and their cost model:
+//
+// - Balance: the ring, each rank's traffic spread over its surviving rails by their measured
+//   bandwidth (what the channel's striping does). T = 2(p-1)/p * N / b_min.
+// - R2CC-AllReduce (R²CCL): the slowest rank d keeps a fraction beta of the others' bandwidth.
+//   The first (1-X) of the data (X = 1-beta) is ring-all-reduced among all ranks while the
+//   healthy ranks ring-all-reduce the tail X among themselves on the bandwidth the first ring
+//   leaves them; then d sends its tail, in K pipelined chunks, to the healthy ranks (a piece to
+//   each), which add it and send the sums back to d and to each other.
+//   T = max(T_main, T_tail) + (1 + 1/K) X N / (beta B).
+// - Weighted (r2ccl's own): a direct reduce-scatter and all-gather in which each rank owns a
+//   shard sized so that its traffic, (1 + (p-2) s_i) N each way, is in proportion to its
+//   bandwidth (a rank too slow for that owns none), pipelined in C chunks: the reduce-scatter of
+//   chunk k runs beside the all-gather of chunk k-1, so no rank's link idles. It reaches the
+//   lower bound T_LB = max(N / b_min, 2(p-1) N / sum b) (OptCC's, for any number of slow ranks)
+//   up to the pipeline's fill, 1/C.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "r2ccl/coll/plan.h"
+
+namespace r2ccl::coll {
+
+// What the ranks agreed on: how fast each sends and receives, and a message's fixed cost.
+struct Network {
+  std::vector<double> bandwidth;  // bytes per second, per rank (all its rails together)
+  double latency_s = 0;           // per message (a round of messages sent side by side)
+  // Per rank, its usable rails (bit i: rail i); empty when not known. R2CC-AllReduce puts the
+  // healthy ranks' tail on the rails the degraded rank lost.
+  std::vector<std::uint64_t> rails_up;
+};
+
+// A rank is degraded below this fraction of the fastest rank's bandwidth.
+inline constexpr double kDegradedBelow = 0.95;
+bool is_degraded(const Network& net);
+
+// The fraction of the data each rank owns in the weighted plan (sums to 1).
+std::vector<double> weighted_shares(const std::vector<double>& bandwidth);
+
+// The all-reduce's lower bound on `net` (N = the message's bytes).
+double lower_bound_seconds(const CollDesc& d, const Network& net);
+// What the plan of `algo` takes on `net` by the cost model (all-reduce; kRing = kBalance).
+double predict_seconds(Algo algo, const CollDesc& d, const Network& net);
+// The degraded-mode algorithm the cost model says is fastest for `d` on `net`.
+Algo choose_degraded(const CollDesc& d, const Network& net);
+
+// The pipeline depth of each plan for `d` on `net` (chunks; 1 = not pipelined), chosen to
+// balance the fill (1/C of the transfer time) against C messages' latency.
+int weighted_chunks(const CollDesc& d, const Network& net);
+int r2cc_chunks(const CollDesc& d, const Network& net);
+
+}  // namespace r2ccl::coll
