@@ -43,10 +43,18 @@ CollDesc allreduce_of(const Setting& s) {
   return CollDesc{CollOp::kAllReduce, s.bytes / type_size(s.type), s.type, RedOp::kSum, 0, false};
 }
 
+// The cost model's time (hierarchical where nodes have several ranks).
+double predict(const Setting& s, Algo algo) {
+  const Cluster c = cluster_of(s);
+  const CollDesc d = allreduce_of(s);
+  if (c.gpus == 1) return predict_seconds(algo, d, c.network());
+  return predict_hierarchical_seconds(algo, d, c.nodes, c.gpus, c.network(), c.intra_bps);
+}
+
 double fault_free_ring(const Setting& s) {
   Setting h = s;
   h.lost = 0;
-  return predict_seconds(Algo::kRing, allreduce_of(s), cluster_of(h).network());
+  return predict(h, Algo::kRing);
 }
 
 Algo auto_choice(const CollDesc& d, const Network& net) {
@@ -262,7 +270,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     fmt::print("| {} | {:.6f} | {:.4f} | {:.6f} | {} | {:.2f} |\n", algo_name(algo), r->seconds,
-               r->seconds / t0, predict_seconds(algo, d, net), r->messages, wall);
+               r->seconds / t0, predict(s, algo), r->messages, wall);
   }
   return 0;
 }

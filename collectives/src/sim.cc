@@ -13,29 +13,33 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// A comm step that moves bytes, with its place in the plan order of its (peer, direction).
+// One rank's plan as the simulator keeps it: flat arrays, a phase being a range of comm steps.
 struct CommRef {
   int peer;
   bool is_send;
-  std::uint32_t ord;
-  std::size_t bytes;
+  std::uint32_t pair;  // this rank's index of (peer, direction)
+  std::uint32_t ord;   // its place among this rank's steps with the same (peer, direction)
+  std::uint64_t bytes;
   std::uint64_t rails;
 };
 struct PhaseInfo {
   std::uint32_t lane;
-  std::vector<CommRef> comm;
-  // (pair key, the ord of the phase's first step on that pair): the phase may be posted once
-  // every earlier step on each of its pairs was.
-  std::vector<std::pair<std::uint64_t, std::uint32_t>> firsts;
-  double compute_bytes = 0;
+  bool join;
+  std::uint32_t first, count;   // comm steps [first, first + count)
+  std::uint32_t pairs, npairs;  // (pair, first ord) entries [pairs, pairs + npairs)
+  double compute_bytes;
+  std::uint32_t remaining = 0;  // messages not yet complete
+  bool done = false;
 };
 struct RankState {
   std::vector<PhaseInfo> phases;
+  std::vector<CommRef> comm;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> firsts;  // (pair, first ord)
   std::vector<std::vector<std::uint32_t>> lanes;  // phase indices per lane, in plan order
   std::vector<std::size_t> cursor;
-  std::vector<bool> busy;
-  std::vector<std::uint32_t> remaining;  // per phase: messages not yet complete
-  std::unordered_map<std::uint64_t, std::uint32_t> posted;
+  std::vector<std::uint8_t> busy;
+  std::size_t done_prefix = 0;        // phases [0, done_prefix) all complete
+  std::vector<std::uint32_t> posted;  // per pair: its steps posted so far
   std::size_t lanes_left = 0;
   double finish = 0;
 };
@@ -44,12 +48,6 @@ std::uint64_t pair_key(int peer, bool is_send) {
   return (static_cast<std::uint64_t>(peer) << 1) | (is_send ? 1 : 0);
 }
 
-struct Message {
-  double send_ready = -1, recv_ready = -1;
-  std::size_t send_bytes = 0, recv_bytes = 0;
-  std::uint64_t rails = 0;
-  std::uint32_t send_phase = 0, recv_phase = 0;
-};
 struct MessageKey {
   int src, dst;
   std::uint32_t ord;
@@ -61,13 +59,28 @@ struct MessageHash {
                                       (static_cast<std::uint64_t>(k.dst) << 21) ^ k.ord);
   }
 };
+struct Message {
+  double send_ready = -1, recv_ready = -1;
+  std::uint64_t send_bytes = 0, recv_bytes = 0;
+  std::uint64_t rails = 0;
+  std::uint32_t send_phase = 0, recv_phase = 0;
+};
 
+// A message moving: its bytes left as of `since`, at `rate` from then on.
 struct Flow {
   MessageKey key;
-  double left;  // bytes
-  double size;
+  double left = 0, since = 0, rate = 0;
+  std::uint64_t version = 0;
+  std::vector<int> units;
+  bool live = false;
+};
+// A (sender, receiver, rail group) channel: one share of its two ports, split equally among the
+// messages on it.
+struct Unit {
+  int out_port, in_port;
+  std::vector<int> flows;
   double rate = 0;
-  std::vector<int> groups;  // rail groups it moves on; empty: inside the node
+  bool fixed = false;  // in the progressive filling under way
 };
 
 struct Event {
@@ -81,64 +94,54 @@ struct Event {
 
 class Sim {
  public:
-  Sim(const std::vector<Plan>& plans, const SimNetwork& net)
-      : net_(net), p_(static_cast<int>(plans.size())) {
-    ranks_.resize(plans.size());
-    for (int r = 0; r < p_; ++r)
-      prepare(r, plans[static_cast<std::size_t>(r)]);
-    group_rails();
-    const std::size_t ports = static_cast<std::size_t>(p_) * (groups_.size() + 1) * 2;
-    cap_.assign(ports, 0);
-    count_.assign(ports, 0);
-    version_.assign(ports, 0);
+  // Plans are added one rank at a time (kept in a compact form of their own), then run().
+  Sim(int ranks, const SimNetwork& net) : net_(net), p_(ranks) {
+    ranks_.resize(static_cast<std::size_t>(ranks));
   }
+  void add(int r, const Plan& plan) { prepare(r, plan); }
 
   Result<SimResult> run() {
+    group_rails();
+    const std::size_t ports = static_cast<std::size_t>(p_) * (groups_.size() + 1) * 2;
+    port_units_.resize(ports);
+    cap_.assign(ports, 0);
+    count_.assign(ports, 0);
+    port_mark_.assign(ports, 0);
     if (static_cast<int>(net_.rail_bps.size()) != p_)
       return Status(ErrorCode::kInvalidArgument,
                     fmt::format("the network describes the rails of {} ranks for {} plans",
                                 net_.rail_bps.size(), p_));
     for (int r = 0; r < p_; ++r)
       R2CCL_RETURN_IF_ERROR(post_ready(r));
-    bool dirty = true;
     while (true) {
-      if (dirty) rates();
-      dirty = false;
-      double t = events_.empty() ? kInf : events_.top().t;
-      for (const auto& f : flows_)
-        if (f.rate > 0) t = std::min(t, now_ + f.left / f.rate);
-      if (t == kInf) break;
-      const double dt = t - now_;
-      now_ = t;
-      for (auto& f : flows_)
-        f.left -= f.rate * dt;
-      // Messages done (to a relative precision: rates come from sums of shares).
-      for (std::size_t i = 0; i < flows_.size();) {
-        auto& f = flows_[i];
-        if (f.left <= 1e-9 * (f.size + 1)) {
-          const MessageKey key = f.key;
-          flows_[i] = flows_.back();
-          flows_.pop_back();
-          dirty = true;
-          R2CCL_RETURN_IF_ERROR(finish_message(key));
-        } else {
-          ++i;
-        }
+      if (!dirty_ports_.empty()) rates();
+      while (!finishes_.empty()) {  // drop entries of flows whose rate changed since
+        const auto& [t, f, v] = finishes_.top();
+        if (flows_[static_cast<std::size_t>(f)].live &&
+            flows_[static_cast<std::size_t>(f)].version == v)
+          break;
+        finishes_.pop();
       }
-      while (!events_.empty() && events_.top().t <= now_) {
+      const double tf = finishes_.empty() ? kInf : std::get<0>(finishes_.top());
+      const double te = events_.empty() ? kInf : events_.top().t;
+      const double t = std::min(tf, te);
+      if (t == kInf) break;
+      now_ = t;
+      const double until = now_ + 1e-12 * std::max(1.0, now_);
+      while (!finishes_.empty() && std::get<0>(finishes_.top()) <= until) {
+        auto [tt, f, v] = finishes_.top();
+        finishes_.pop();
+        Flow& fl = flows_[static_cast<std::size_t>(f)];
+        if (!fl.live || fl.version != v) continue;
+        R2CCL_RETURN_IF_ERROR(finish_flow(f));
+      }
+      while (!events_.empty() && events_.top().t <= until) {
         Event e = events_.top();
         events_.pop();
         if (e.kind == 0) {
           R2CCL_RETURN_IF_ERROR(start_message(e.key));
-          dirty = true;
         } else {
-          auto& rs = ranks_[static_cast<std::size_t>(e.rank)];
-          rs.busy[e.lane] = false;
-          if (++rs.cursor[e.lane] == rs.lanes[e.lane].size()) {
-            rs.finish = std::max(rs.finish, now_);
-            --rs.lanes_left;
-          }
-          R2CCL_RETURN_IF_ERROR(post_ready(e.rank));
+          R2CCL_RETURN_IF_ERROR(phase_done(e.rank, e.lane));
         }
       }
     }
@@ -164,29 +167,42 @@ class Sim {
  private:
   void prepare(int r, const Plan& plan) {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
-    std::unordered_map<std::uint64_t, std::uint32_t> next;
+    std::unordered_map<std::uint64_t, std::uint32_t> pair_index;
+    std::vector<std::uint32_t> next;
+    rs.phases.reserve(plan.phases.size());
     for (const auto& ph : plan.phases) {
-      PhaseInfo info;
-      info.lane = ph.lane;
+      PhaseInfo info{ph.lane,
+                     ph.join,
+                     static_cast<std::uint32_t>(rs.comm.size()),
+                     0,
+                     static_cast<std::uint32_t>(rs.firsts.size()),
+                     0,
+                     0};
       for (const auto& s : ph.comm) {
         if (s.bytes == 0) continue;
         const bool is_send = s.kind == Step::Kind::kSend;
-        const std::uint64_t k = pair_key(s.peer, is_send);
+        auto [it, fresh] = pair_index.try_emplace(pair_key(s.peer, is_send),
+                                                  static_cast<std::uint32_t>(next.size()));
+        if (fresh) next.push_back(0);
+        const std::uint32_t k = it->second;
         const std::uint32_t ord = next[k]++;
-        info.comm.push_back({s.peer, is_send, ord, s.bytes, s.rails});
-        if (std::none_of(info.firsts.begin(), info.firsts.end(),
-                         [&](const auto& f) { return f.first == k; }))
-          info.firsts.emplace_back(k, ord);
+        rs.comm.push_back({s.peer, is_send, k, ord, s.bytes, s.rails});
+        ++info.count;
+        const auto begin = rs.firsts.begin() + info.pairs;
+        if (std::none_of(begin, rs.firsts.end(), [&](const auto& f) { return f.first == k; })) {
+          rs.firsts.emplace_back(k, ord);
+          ++info.npairs;
+        }
       }
       for (const auto& s : ph.compute)
         info.compute_bytes += static_cast<double>(s.bytes);
       if (rs.lanes.size() <= ph.lane) rs.lanes.resize(ph.lane + 1);
       rs.lanes[ph.lane].push_back(static_cast<std::uint32_t>(rs.phases.size()));
-      rs.phases.push_back(std::move(info));
+      rs.phases.push_back(info);
     }
+    rs.posted.assign(next.size(), 0);
     rs.cursor.assign(rs.lanes.size(), 0);
-    rs.busy.assign(rs.lanes.size(), false);
-    rs.remaining.assign(rs.phases.size(), 0);
+    rs.busy.assign(rs.lanes.size(), 0);
     for (const auto& l : rs.lanes)
       rs.lanes_left += l.empty() ? 0 : 1;
   }
@@ -200,15 +216,17 @@ class Sim {
         if (rs.busy[l] || rs.cursor[l] >= rs.lanes[l].size()) continue;
         const std::uint32_t id = rs.lanes[l][rs.cursor[l]];
         const PhaseInfo& ph = rs.phases[id];
+        if (ph.join && rs.done_prefix < id) continue;
         bool ready = true;
-        for (const auto& [k, ord] : ph.firsts)
-          if (rs.posted[k] != ord) ready = false;
+        for (std::uint32_t j = ph.pairs; j < ph.pairs + ph.npairs && ready; ++j)
+          ready = rs.posted[rs.firsts[j].first] == rs.firsts[j].second;
         if (!ready) continue;
         progress = true;
-        rs.busy[l] = true;
-        rs.remaining[id] = static_cast<std::uint32_t>(ph.comm.size());
-        for (const auto& c : ph.comm) {
-          ++rs.posted[pair_key(c.peer, c.is_send)];
+        rs.busy[l] = 1;
+        rs.phases[id].remaining = ph.count;
+        for (std::uint32_t j = ph.first; j < ph.first + ph.count; ++j) {
+          const CommRef& c = rs.comm[j];
+          ++rs.posted[c.pair];
           const MessageKey key =
               c.is_send ? MessageKey{r, c.peer, c.ord} : MessageKey{c.peer, r, c.ord};
           Message& m = messages_in_[key];
@@ -223,10 +241,13 @@ class Sim {
                             fmt::format("the plans disagree: message {} from rank {} to {} is {} "
                                         "bytes at the sender and {} at the receiver",
                                         key.ord + 1, key.src, key.dst, m.send_bytes, m.recv_bytes));
-            events_.push({now_ + net_.latency_s, 0, key, 0, 0});
+            if (net_.latency_s > 0)
+              events_.push({now_ + net_.latency_s, 0, key, 0, 0});
+            else
+              R2CCL_RETURN_IF_ERROR(start_message(key));
           }
         }
-        if (ph.comm.empty()) compute_done(r, id);
+        if (ph.count == 0) compute_done(r, id);
       }
     }
     return Status::ok();
@@ -238,30 +259,111 @@ class Sim {
     events_.push({now_ + t, 1, {}, r, ph.lane});
   }
 
+  Status phase_done(int r, std::uint32_t lane) {
+    auto& rs = ranks_[static_cast<std::size_t>(r)];
+    const std::uint32_t id = rs.lanes[lane][rs.cursor[lane]];
+    rs.phases[id].done = true;
+    while (rs.done_prefix < rs.phases.size() && rs.phases[rs.done_prefix].done)
+      ++rs.done_prefix;
+    rs.busy[lane] = 0;
+    if (++rs.cursor[lane] == rs.lanes[lane].size()) {
+      rs.finish = std::max(rs.finish, now_);
+      --rs.lanes_left;
+    }
+    return post_ready(r);
+  }
+
   bool same_node(int a, int b) const {
     return !net_.node.empty() &&
            net_.node[static_cast<std::size_t>(a)] == net_.node[static_cast<std::size_t>(b)];
+  }
+
+  int new_flow() {
+    if (!free_flows_.empty()) {
+      const int f = free_flows_.back();
+      free_flows_.pop_back();
+      return f;
+    }
+    flows_.emplace_back();
+    return static_cast<int>(flows_.size() - 1);
+  }
+
+  int unit_of(int out, int in) {
+    const auto key = (static_cast<std::uint64_t>(out) << 32) | static_cast<std::uint32_t>(in);
+    // Channels stay once made (a ring uses the same ones step after step); idle ones take no
+    // share.
+    auto [it, fresh] = unit_index_.try_emplace(key, 0);
+    if (fresh) {
+      units_.push_back(Unit{out, in, {}, 0, false});
+      const int u = static_cast<int>(units_.size() - 1);
+      it->second = u;
+      port_units_[static_cast<std::size_t>(out)].push_back(u);
+      port_units_[static_cast<std::size_t>(in)].push_back(u);
+    }
+    return it->second;
   }
 
   Status start_message(const MessageKey& key) {
     const Message& m = messages_in_.at(key);
     ++messages_;
     bytes_ += static_cast<double>(m.send_bytes);
-    Flow f{key, static_cast<double>(m.send_bytes), static_cast<double>(m.send_bytes), 0, {}};
-    if (!(same_node(key.src, key.dst) && net_.intra_bps > 0)) {
+    const int f = new_flow();
+    Flow& fl = flows_[static_cast<std::size_t>(f)];
+    fl.key = key;
+    fl.left = static_cast<double>(m.send_bytes);
+    fl.since = now_;
+    fl.rate = 0;
+    fl.live = true;
+    ++fl.version;
+    fl.units.clear();
+    if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
+      fl.units.push_back(
+          unit_of(port(key.src, groups_.size(), false), port(key.dst, groups_.size(), true)));
+    } else {
       for (bool any : {false, true}) {
         for (std::size_t g = 0; g < groups_.size(); ++g)
           if ((any || (groups_[g].rails & m.rails) != 0) && group_cap(key.src, g) > 0 &&
               group_cap(key.dst, g) > 0)
-            f.groups.push_back(static_cast<int>(g));
-        if (!f.groups.empty()) break;
+            fl.units.push_back(unit_of(port(key.src, g, false), port(key.dst, g, true)));
+        if (!fl.units.empty()) break;
       }
-      if (f.groups.empty())
+      if (fl.units.empty())
         return Status(ErrorCode::kInvalidArgument,
                       fmt::format("no rail is up at both rank {} and rank {}", key.src, key.dst));
     }
-    flows_.push_back(std::move(f));
+    for (int u : fl.units) {
+      units_[static_cast<std::size_t>(u)].flows.push_back(f);
+      touch(units_[static_cast<std::size_t>(u)].out_port);
+    }
     return Status::ok();
+  }
+
+  Status finish_flow(int f) {
+    Flow& fl = flows_[static_cast<std::size_t>(f)];
+    fl.live = false;
+    for (int u : fl.units) {
+      Unit& un = units_[static_cast<std::size_t>(u)];
+      std::erase(un.flows, f);
+      touch(un.out_port);
+      touch(un.in_port);
+    }
+    free_flows_.push_back(f);
+    const MessageKey key = fl.key;
+    auto it = messages_in_.find(key);
+    const Message m = it->second;
+    messages_in_.erase(it);
+    for (auto [r, id] : {std::pair{key.src, m.send_phase}, std::pair{key.dst, m.recv_phase}}) {
+      auto& rs = ranks_[static_cast<std::size_t>(r)];
+      if (--rs.phases[id].remaining == 0) compute_done(r, id);
+    }
+    return Status::ok();
+  }
+
+  void touch(int port) {
+    if (port_mark_[static_cast<std::size_t>(port)] == 0) {
+      port_mark_[static_cast<std::size_t>(port)] = 1;
+      dirty_ports_.push_back(port);
+    }
   }
 
   // Rails every rank sees alike (the same bandwidth at every rank, in the same steps' masks) move
@@ -273,10 +375,9 @@ class Sim {
     rails = std::min<std::size_t>(rails, 64);
     std::vector<std::uint64_t> masks;
     for (const auto& rs : ranks_)
-      for (const auto& ph : rs.phases)
-        for (const auto& c : ph.comm)
-          if (c.is_send && std::find(masks.begin(), masks.end(), c.rails) == masks.end())
-            masks.push_back(c.rails);
+      for (const auto& c : rs.comm)
+        if (c.is_send && std::find(masks.begin(), masks.end(), c.rails) == masks.end())
+          masks.push_back(c.rails);
     std::vector<std::vector<double>> signature(rails);
     for (std::size_t i = 0; i < rails; ++i) {
       for (const auto& r : net_.rail_bps)
@@ -305,18 +406,6 @@ class Sim {
     return static_cast<int>((static_cast<std::size_t>(rank) * (groups_.size() + 1) + group) * 2 +
                             (in ? 1 : 0));
   }
-
-  Status finish_message(const MessageKey& key) {
-    auto it = messages_in_.find(key);
-    const Message m = it->second;
-    messages_in_.erase(it);
-    for (auto [r, id] : {std::pair{key.src, m.send_phase}, std::pair{key.dst, m.recv_phase}}) {
-      auto& rs = ranks_[static_cast<std::size_t>(r)];
-      if (--rs.remaining[id] == 0) compute_done(r, id);
-    }
-    return Status::ok();
-  }
-
   double capacity(int port) const {
     const std::size_t slot = static_cast<std::size_t>(port) / 2;
     const std::size_t group = slot % (groups_.size() + 1);
@@ -324,87 +413,83 @@ class Sim {
     return group == groups_.size() ? net_.intra_bps : group_cap(rank, group);
   }
 
-  // Rates: a channel per ordered pair of ranks (its rails' connections) shares each port
-  // max-min fairly with the other pairs' (progressive filling: the port with the smallest fair
-  // share fixes its pairs' rates at that share, what they take is removed from their other port,
-  // repeat); the messages in flight on one channel share its rate equally (the channel serves them
-  // round-robin).
+  // New rates for the channels connected (through shared ports) to a port whose channels
+  // changed: max-min fair shares by progressive filling (the port with the smallest fair share
+  // fixes its channels' rates at that share, what they take is removed from their other port,
+  // repeat); then every message on a channel gets an equal part of its rate.
   void rates() {
-    std::unordered_map<std::uint64_t, std::size_t> pair_of;
-    struct Pair {
-      int out, in;
-      std::uint32_t messages = 0;
-      double rate = -1;
-    };
-    std::vector<Pair> pairs;
-    std::vector<std::size_t> flow_pair;  // the pairs of flow f: [flow_first[f], flow_first[f+1])
-    std::vector<std::size_t> flow_first{0};
-    const auto ports = static_cast<std::uint64_t>(cap_.size());
-    auto add = [&](int out, int in) {
-      const auto key = static_cast<std::uint64_t>(out) * ports + static_cast<std::uint64_t>(in);
-      auto [it, fresh] = pair_of.try_emplace(key, pairs.size());
-      if (fresh) pairs.push_back({out, in});
-      ++pairs[it->second].messages;
-      flow_pair.push_back(it->second);
-    };
-    for (const auto& f : flows_) {
-      if (f.groups.empty())
-        add(port(f.key.src, groups_.size(), false), port(f.key.dst, groups_.size(), true));
-      for (int g : f.groups)
-        add(port(f.key.src, static_cast<std::size_t>(g), false),
-            port(f.key.dst, static_cast<std::size_t>(g), true));
-      flow_first.push_back(flow_pair.size());
+    // The connected part of the port-channel graph around the changed ports.
+    std::vector<int> ports, units;
+    for (int p : dirty_ports_) {
+      port_mark_[static_cast<std::size_t>(p)] = 2;
+      ports.push_back(p);
     }
-    std::vector<int> touched;
-    for (const auto& pr : pairs)
-      for (int port : {pr.out, pr.in})
-        if (count_[static_cast<std::size_t>(port)]++ == 0) touched.push_back(port);
-    std::vector<std::size_t> start(touched.size() + 1, 0);
-    std::unordered_map<int, std::size_t> index;
-    for (std::size_t i = 0; i < touched.size(); ++i) {
-      index[touched[i]] = i;
-      start[i + 1] = start[i] + count_[static_cast<std::size_t>(touched[i])];
-      cap_[static_cast<std::size_t>(touched[i])] = capacity(touched[i]);
+    dirty_ports_.clear();
+    for (std::size_t i = 0; i < ports.size(); ++i)
+      for (int u : port_units_[static_cast<std::size_t>(ports[i])]) {
+        Unit& un = units_[static_cast<std::size_t>(u)];
+        if (un.fixed || un.flows.empty()) continue;
+        un.fixed = true;  // reused below as "seen"; reset before the filling
+        units.push_back(u);
+        for (int q : {un.out_port, un.in_port})
+          if (port_mark_[static_cast<std::size_t>(q)] != 2) {
+            port_mark_[static_cast<std::size_t>(q)] = 2;
+            ports.push_back(q);
+          }
+      }
+    for (int p : ports) {
+      const auto up = static_cast<std::size_t>(p);
+      port_mark_[up] = 0;
+      cap_[up] = capacity(p);
+      count_[up] = 0;
+      for (int u : port_units_[up])
+        count_[up] += units_[static_cast<std::size_t>(u)].flows.empty() ? 0 : 1;
     }
-    std::vector<std::size_t> fill(start.begin(), start.end() - 1);
-    std::vector<std::size_t> on(start.back());
-    for (std::size_t i = 0; i < pairs.size(); ++i)
-      for (int port : {pairs[i].out, pairs[i].in})
-        on[fill[index[port]]++] = i;
-    using Entry = std::tuple<double, int, std::uint64_t>;
+    for (int u : units)
+      units_[static_cast<std::size_t>(u)].fixed = false;
+    using Entry = std::pair<double, int>;
     std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
-    auto share = [&](int port) {
-      return cap_[static_cast<std::size_t>(port)] / count_[static_cast<std::size_t>(port)];
-    };
-    for (int port : touched)
-      heap.emplace(share(port), port, version_[static_cast<std::size_t>(port)]);
+    for (int p : ports)
+      if (count_[static_cast<std::size_t>(p)] > 0)
+        heap.emplace(cap_[static_cast<std::size_t>(p)] / count_[static_cast<std::size_t>(p)], p);
     while (!heap.empty()) {
-      auto [s, port, v] = heap.top();
+      auto [s, p] = heap.top();
       heap.pop();
-      const auto up = static_cast<std::size_t>(port);
-      if (v != version_[up] || count_[up] == 0) continue;
-      ++version_[up];
-      const std::size_t i = index[port];
-      for (std::size_t j = start[i]; j < start[i + 1]; ++j) {
-        Pair& pr = pairs[on[j]];
-        if (pr.rate >= 0) continue;
-        pr.rate = std::max(s, 0.0);
-        --count_[up];
-        const int other = pr.out == port ? pr.in : pr.out;
+      const auto up = static_cast<std::size_t>(p);
+      if (count_[up] == 0 || s != cap_[up] / count_[up]) continue;  // stale
+      for (int u : port_units_[up]) {
+        Unit& un = units_[static_cast<std::size_t>(u)];
+        if (un.fixed || un.flows.empty()) continue;
+        un.fixed = true;
+        un.rate = std::max(s, 0.0);
+        const int other = un.out_port == p ? un.in_port : un.out_port;
         const auto uo = static_cast<std::size_t>(other);
-        cap_[uo] = std::max(0.0, cap_[uo] - pr.rate);
-        if (--count_[uo] > 0) heap.emplace(share(other), other, ++version_[uo]);
+        cap_[uo] = std::max(0.0, cap_[uo] - un.rate);
+        if (--count_[uo] > 0) heap.emplace(cap_[uo] / count_[uo], other);
       }
       count_[up] = 0;
     }
-    for (int port : touched)
-      count_[static_cast<std::size_t>(port)] = 0;
-    for (std::size_t f = 0; f < flows_.size(); ++f) {
-      flows_[f].rate = 0;
-      for (std::size_t j = flow_first[f]; j < flow_first[f + 1]; ++j) {
-        const Pair& pr = pairs[flow_pair[j]];
-        flows_[f].rate += std::max(pr.rate, 0.0) / pr.messages;
+    // Every message on these channels: its bytes so far at the old rate, then the new rate.
+    std::vector<int> changed;
+    for (int u : units) {
+      Unit& un = units_[static_cast<std::size_t>(u)];
+      un.fixed = false;
+      for (int f : un.flows)
+        changed.push_back(f);
+    }
+    std::sort(changed.begin(), changed.end());
+    changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
+    for (int f : changed) {
+      Flow& fl = flows_[static_cast<std::size_t>(f)];
+      fl.left = std::max(0.0, fl.left - fl.rate * (now_ - fl.since));
+      fl.since = now_;
+      fl.rate = 0;
+      for (int u : fl.units) {
+        const Unit& un = units_[static_cast<std::size_t>(u)];
+        fl.rate += un.rate / static_cast<double>(un.flows.size());
       }
+      ++fl.version;
+      if (fl.rate > 0) finishes_.emplace(now_ + fl.left / fl.rate, f, fl.version);
     }
   }
 
@@ -413,6 +498,14 @@ class Sim {
   std::vector<RankState> ranks_;
   std::unordered_map<MessageKey, Message, MessageHash> messages_in_;
   std::vector<Flow> flows_;
+  std::vector<int> free_flows_;
+  std::vector<Unit> units_;
+  std::unordered_map<std::uint64_t, int> unit_index_;
+  std::vector<std::vector<int>> port_units_;
+  std::vector<int> dirty_ports_;
+  std::vector<std::uint8_t> port_mark_;  // 1: dirty, 2: in the part being recomputed
+  using Finish = std::tuple<double, int, std::uint64_t>;
+  std::priority_queue<Finish, std::vector<Finish>, std::greater<>> finishes_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
   struct Group {
     std::size_t first;  // a rail of the group
@@ -423,7 +516,6 @@ class Sim {
   std::vector<Group> groups_;
   std::vector<double> cap_;
   std::vector<std::uint32_t> count_;
-  std::vector<std::uint64_t> version_;
   double now_ = 0;
   std::uint64_t messages_ = 0;
   double bytes_ = 0;
@@ -432,7 +524,9 @@ class Sim {
 }  // namespace
 
 Result<SimResult> simulate(const std::vector<Plan>& plans, const SimNetwork& net) {
-  Sim sim(plans, net);
+  Sim sim(static_cast<int>(plans.size()), net);
+  for (std::size_t r = 0; r < plans.size(); ++r)
+    sim.add(static_cast<int>(r), plans[r]);
   return sim.run();
 }
 
@@ -476,14 +570,15 @@ Network Cluster::network() const {
 
 Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo) {
   const Network net = c.network();
-  std::vector<Plan> plans;
-  plans.reserve(static_cast<std::size_t>(c.ranks()));
+  const SimNetwork sn = c.sim_network();
+  Sim sim(c.ranks(), sn);
   for (int r = 0; r < c.ranks(); ++r) {
-    auto plan = make_plan(d, r, c.ranks(), algo, &net);
+    auto plan = c.gpus > 1 ? make_hierarchical_plan(d, r, c.nodes, c.gpus, algo, &net)
+                           : make_plan(d, r, c.ranks(), algo, &net);
     if (!plan) return plan.status();
-    plans.push_back(std::move(*plan));
+    sim.add(r, *plan);
   }
-  return simulate(plans, c.sim_network());
+  return sim.run();
 }
 
 }  // namespace r2ccl::coll

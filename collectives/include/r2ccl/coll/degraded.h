@@ -50,6 +50,17 @@ double predict_seconds(Algo algo, const CollDesc& d, const Network& net);
 // The degraded-mode algorithm the cost model says is fastest for `d` on `net`.
 Algo choose_degraded(const CollDesc& d, const Network& net);
 
+// An all-reduce over nodes of `gpus` ranks each (rank = node * gpus + local): a direct
+// reduce-scatter inside the node (each local rank then owns 1/gpus of the data), the all-reduce of
+// `algo` across nodes among the ranks of the same local index (its rails' traffic), and a direct
+// all-gather inside the node. `net`: per rank, as make_plan's.
+Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int gpus, Algo algo,
+                                    const Network* net);
+// Its cost by the model: the two steps inside the node at `intra_bps`, the one across nodes by
+// predict_seconds on the slowest local index's ranks.
+double predict_hierarchical_seconds(Algo algo, const CollDesc& d, int nodes, int gpus,
+                                    const Network& net, double intra_bps);
+
 // The pipeline depth of each plan for `d` on `net` (chunks; 1 = not pipelined), chosen to
 // balance the fill (1/C of the transfer time) against C messages' latency.
 int weighted_chunks(const CollDesc& d, const Network& net);

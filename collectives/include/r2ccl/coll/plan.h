@@ -66,6 +66,8 @@ struct Step {
 // every earlier step (in plan order) to or from the same peer in the same direction was posted.
 struct Phase {
   std::uint32_t lane = 0;
+  // Waits for every phase before it in plan order, of every lane (where lanes meet again).
+  bool join = false;
   std::vector<Step> comm;     // posted together (receives first), then all awaited
   std::vector<Step> compute;  // after every communication step of the phase completed
 };

@@ -56,7 +56,8 @@ struct Cluster {
   Network network() const;
 };
 
-// Every rank's plan of `algo` for `d` on `c` (with c.network()), run on c.sim_network().
+// Every rank's plan of `algo` for `d` on `c` (with c.network(); hierarchical where nodes have
+// several ranks), run on c.sim_network().
 Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo);
 
 }  // namespace r2ccl::coll

@@ -1,0 +1,238 @@
+// Degraded mode's plans, cost model and simulator: the plans pair up and finish on the simulator
+// for every shape tried, the simulator's timing follows from first principles on small cases,
+// reproduces R²CCL's model for Balance and R2CC-AllReduce, and the weighted plan stays near the
+// lower bound.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "r2ccl/coll/degraded.h"
+#include "r2ccl/coll/sim.h"
+
+namespace r2ccl::coll {
+namespace {
+
+CollDesc allreduce(std::size_t count, DataType t = DataType::kF32, bool in_place = false) {
+  return CollDesc{CollOp::kAllReduce, count, t, RedOp::kSum, 0, in_place};
+}
+
+// Every send has its receive, same size, in the same order per pair.
+void expect_pairs(const std::vector<Plan>& plans, const std::string& what) {
+  std::map<std::pair<int, int>, std::vector<std::size_t>> sent, received;
+  for (int r = 0; r < static_cast<int>(plans.size()); ++r)
+    for (const auto& ph : plans[static_cast<std::size_t>(r)].phases)
+      for (const auto& s : ph.comm) {
+        ASSERT_NE(s.peer, r) << what;
+        if (s.bytes == 0) continue;
+        if (s.kind == Step::Kind::kSend) sent[{r, s.peer}].push_back(s.bytes);
+        if (s.kind == Step::Kind::kRecv) received[{s.peer, r}].push_back(s.bytes);
+      }
+  EXPECT_EQ(sent, received) << what;
+}
+
+TEST(DegradedPlans, PairUpAndFinishInTheSimulatorForEveryShape) {
+  for (int p : {2, 3, 4, 5, 8})
+    for (int slow : {0, p / 2, p - 1})
+      for (int shape = 0; shape < 3; ++shape)
+        for (std::size_t count : {1u, 7u, 1000u, 1u << 18})
+          for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
+            // shape 0: the slow rank lost two of four rails; 1: slow on all four (no rails
+            // known); 2: two slow ranks.
+            Network net;
+            net.latency_s = 20e-6;
+            for (int r = 0; r < p; ++r) {
+              const bool hit = r == slow || (shape == 2 && r == (slow + 1) % p);
+              net.bandwidth.push_back(hit ? 0.5e9 : 1e9);
+              if (shape == 0) net.rails_up.push_back(hit ? 0b0011 : 0b1111);
+            }
+            const std::string what = fmt::format("{} p={} slow={} shape={} count={}", algo_name(a),
+                                                 p, slow, shape, count);
+            std::vector<Plan> plans;
+            for (int r = 0; r < p; ++r) {
+              auto plan = make_plan(allreduce(count), r, p, a, &net);
+              ASSERT_TRUE(plan.is_ok()) << what;
+              EXPECT_EQ(plan->algo, a) << what;
+              plans.push_back(std::move(*plan));
+            }
+            expect_pairs(plans, what);
+            SimNetwork sn;
+            for (int r = 0; r < p; ++r)
+              sn.rail_bps.push_back(std::vector<double>(4, net.bandwidth[r] / 4));
+            sn.latency_s = net.latency_s;
+            auto res = simulate(plans, sn);
+            ASSERT_TRUE(res.is_ok()) << what << ": " << res.status().message();
+            EXPECT_GT(res->seconds, 0) << what;
+          }
+}
+
+TEST(DegradedPlans, HierarchicalPlansPairUp) {
+  Cluster c;
+  c.nodes = 4;
+  c.gpus = 3;
+  c.nics = 4;
+  c.failed = {1};
+  c.lost_nics = 2;
+  c.intra_bps = 1e11;
+  const Network net = c.network();
+  for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
+    for (std::size_t count : {5u, 1000u, 99999u}) {
+      std::vector<Plan> plans;
+      for (int r = 0; r < c.ranks(); ++r) {
+        auto plan = make_hierarchical_plan(allreduce(count), r, c.nodes, c.gpus, a, &net);
+        ASSERT_TRUE(plan.is_ok());
+        plans.push_back(std::move(*plan));
+      }
+      const std::string what = fmt::format("{} count={}", algo_name(a), count);
+      expect_pairs(plans, what);
+      auto res = simulate(plans, c.sim_network());
+      ASSERT_TRUE(res.is_ok()) << what << ": " << res.status().message();
+    }
+}
+
+TEST(Simulator, AMessageTakesTheLatencyPlusItsBytesOverTheSlowerEnd) {
+  const CollDesc d{CollOp::kBroadcast, 1000000, DataType::kU8, RedOp::kSum, 0, false};
+  std::vector<Plan> plans;
+  for (int r = 0; r < 2; ++r)
+    plans.push_back(*make_plan(d, r, 2, Algo::kOneShot));
+  SimNetwork sn;
+  sn.rail_bps = {{1e9, 1e9}, {0.5e9, 0}};  // rank 1 receives on one rail of 0.5 GB/s
+  sn.latency_s = 1e-3;
+  auto res = simulate(plans, sn);
+  ASSERT_TRUE(res.is_ok()) << res.status().message();
+  EXPECT_NEAR(res->seconds, 1e-3 + 1e6 / 0.5e9, 1e-9);
+  EXPECT_EQ(res->messages, 1u);
+}
+
+TEST(Simulator, MessagesIntoOnePortShareIt) {
+  // Ranks 1 and 2 each send 1 MB to rank 0: its one port of 1 GB/s takes 2 ms for both.
+  const CollDesc d{CollOp::kReduce, 1000000, DataType::kU8, RedOp::kSum, 0, false};
+  std::vector<Plan> plans;
+  for (int r = 0; r < 3; ++r)
+    plans.push_back(*make_plan(d, r, 3, Algo::kOneShot));
+  SimNetwork sn;
+  sn.rail_bps = {{1e9}, {1e9}, {1e9}};
+  auto res = simulate(plans, sn);
+  ASSERT_TRUE(res.is_ok());
+  EXPECT_NEAR(res->seconds, 2e-3, 1e-9);
+  EXPECT_NEAR(res->finish[1], 2e-3, 1e-9);
+}
+
+TEST(Simulator, ASendNobodyReceivesIsAHangAndSizesMustAgree) {
+  Plan sender, receiver;
+  Phase ph;
+  ph.comm.push_back(Step{Step::Kind::kSend, 1, {}, {}, {}, 100, Step::kAllRails});
+  sender.phases.push_back(ph);
+  SimNetwork sn;
+  sn.rail_bps = {{1e9}, {1e9}};
+  auto hang = simulate({sender, receiver}, sn);
+  ASSERT_FALSE(hang.is_ok());
+  EXPECT_EQ(hang.status().message(), "the plans hang: rank 0 waits in lane 0 at phase 1 of 1");
+  Phase rph;
+  rph.comm.push_back(Step{Step::Kind::kRecv, 0, {}, {}, {}, 99, Step::kAllRails});
+  receiver.phases.push_back(rph);
+  auto sizes = simulate({sender, receiver}, sn);
+  ASSERT_FALSE(sizes.is_ok());
+  EXPECT_EQ(sizes.status().message(),
+            "the plans disagree: message 1 from rank 0 to 1 is 100 bytes at the sender and 99 at "
+            "the receiver");
+}
+
+TEST(Simulator, ARailMaskKeepsAMessageOnItsRails) {
+  const CollDesc d{CollOp::kBroadcast, 1000000, DataType::kU8, RedOp::kSum, 0, false};
+  std::vector<Plan> plans;
+  for (int r = 0; r < 2; ++r)
+    plans.push_back(*make_plan(d, r, 2, Algo::kOneShot));
+  for (auto& ph : plans[0].phases)
+    for (auto& s : ph.comm)
+      s.rails = 0b01;
+  SimNetwork sn;
+  sn.rail_bps = {{1e9, 1e9}, {1e9, 1e9}};
+  auto one = simulate(plans, sn);
+  ASSERT_TRUE(one.is_ok());
+  EXPECT_NEAR(one->seconds, 1e-3, 1e-9);  // rail 0 only
+  sn.rail_bps = {{0, 1e9}, {1e9, 1e9}};   // rail 0 down at the sender: any rail left
+  auto other = simulate(plans, sn);
+  ASSERT_TRUE(other.is_ok());
+  EXPECT_NEAR(other->seconds, 1e-3, 1e-9);
+}
+
+// R²CCL's model: Balance 1/(1-X), R2CC-AllReduce 1 + nX/(2(n-1)(1-X)) of the fault-free ring;
+// the weighted plan within 3% of T_LB and never slower than R2CC-AllReduce.
+TEST(DegradedModel, SimulatorReproducesR2cclAndWeightedNearsTheLowerBound) {
+  for (int n : {3, 8, 16, 64})
+    for (auto [num, den] : {std::pair{1, 8}, {1, 4}, {1, 3}, {1, 2}}) {
+      const double x = static_cast<double>(num) / den;
+      Cluster c;
+      c.nodes = n;
+      c.nics = 24;
+      c.failed = {0};
+      c.lost_nics = 24 * num / den;
+      const CollDesc d = allreduce(std::size_t{64} << 20, DataType::kBF16);
+      Cluster healthy = c;
+      healthy.failed.clear();
+      const double t0 = predict_seconds(Algo::kRing, d, healthy.network());
+      const std::string what = fmt::format("n={} X={}/{}", n, num, den);
+      auto time = [&](Algo a) {
+        auto r = simulate(c, d, a);
+        EXPECT_TRUE(r.is_ok()) << what;
+        return r.is_ok() ? r->seconds / t0 : 0;
+      };
+      const double balance = time(Algo::kBalance), r2cc = time(Algo::kR2cc),
+                   weighted = time(Algo::kWeighted);
+      EXPECT_NEAR(balance / (1 / (1 - x)), 1, 0.01) << what;
+      EXPECT_NEAR(r2cc / (1 + n * x / (2 * (n - 1) * (1 - x))), 1, 0.01) << what;
+      const double bound = lower_bound_seconds(d, c.network()) / t0;
+      EXPECT_LE(weighted / bound, 1.03) << what;
+      EXPECT_GE(weighted / bound, 1.0) << what;
+      EXPECT_LE(weighted, r2cc) << what;
+      // The cost model the automatic choice uses agrees with the simulator here.
+      for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
+        EXPECT_NEAR(predict_seconds(a, d, c.network()) / t0, time(a), 0.01 * time(a))
+            << what << " " << algo_name(a);
+      EXPECT_EQ(choose_degraded(d, c.network()), Algo::kWeighted) << what;
+    }
+}
+
+TEST(DegradedModel, WeightedSharesMakeTrafficFollowBandwidth) {
+  // Equal ranks own equal shares.
+  for (double s : weighted_shares({2, 2, 2, 2}))
+    EXPECT_DOUBLE_EQ(s, 0.25);
+  // One rank at 3/4 of 8: (1 + (p-2) s_i) / b_i is the same for every rank.
+  const std::vector<double> b{1, 1, 1, 0.75, 1, 1, 1, 1};
+  const auto s = weighted_shares(b);
+  double sum = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    sum += s[i];
+    EXPECT_NEAR((1 + 6 * s[i]) / b[i], (1 + 6 * s[0]) / b[0], 1e-12);
+  }
+  EXPECT_NEAR(sum, 1, 1e-12);
+  // At half the bandwidth or less the slow rank owns nothing (it is bound by its own N).
+  EXPECT_EQ(weighted_shares({1, 1, 1, 0.5})[3], 0);
+}
+
+TEST(DegradedModel, LatencyDecidesThePipelineAndTheChoiceIsTheCheapest) {
+  Cluster c;
+  c.nodes = 8;
+  c.failed = {0};
+  c.lost_nics = 1;
+  c.latency_s = 50e-6;
+  const Network net = c.network();
+  EXPECT_FALSE(is_degraded(Cluster{}.network()));
+  EXPECT_TRUE(is_degraded(net));
+  // A small message is all latency: one chunk (a direct reduce-scatter and all-gather, two
+  // rounds against the ring's fourteen). A large one is pipelined.
+  EXPECT_EQ(weighted_chunks(allreduce(4096), net), 1);
+  EXPECT_GT(weighted_chunks(allreduce(64u << 20), net), 1);
+  for (std::size_t count : {4096u, 1u << 20, 64u << 20}) {
+    const Algo best = choose_degraded(allreduce(count), net);
+    for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
+      EXPECT_LE(predict_seconds(best, allreduce(count), net),
+                predict_seconds(a, allreduce(count), net))
+          << count << " " << algo_name(a);
+  }
+}
+
+}  // namespace
+}  // namespace r2ccl::coll
