@@ -169,6 +169,8 @@ class Bench {
   virtual std::string redop() const { return "none"; }
   virtual int root() const { return -1; }
   virtual std::string algo() const { return "p2p"; }
+  // Degraded mode: the table the ranks agreed on last (empty when none was).
+  virtual nlohmann::json agreed() const { return nullptr; }
   // Lines the ranks up before the timed rounds: by default on the bootstrap's control path; a
   // collective bench uses its own barrier, on the rails (as MPI benchmarks use MPI_Barrier).
   virtual Status barrier(Fabric& f) { return f.bootstrap().barrier(f.config().timeout); }
@@ -262,6 +264,15 @@ class Collective final : public Bench {
   }
   int root() const override { return has_root() ? root_ : -1; }
   std::string algo() const override { return std::string(r2ccl::coll::algo_name(c_.last_algo())); }
+  nlohmann::json agreed() const override {
+    const auto& net = c_.agreed_network();
+    if (net.bandwidth.empty()) return nullptr;
+    return {{"bandwidth_bps", net.bandwidth},
+            {"rails_up", net.rails_up},
+            {"latency_s", net.latency_s},
+            {"degraded", r2ccl::coll::is_degraded(net)},
+            {"plan", algo()}};
+  }
   Status barrier(Fabric&) override { return c_.barrier(); }
 
   Status run_once(std::size_t bytes) override {
@@ -570,6 +581,20 @@ int run(const Options& o) {
     fmt::print("# Out of bounds values : {} {}\n", exit_code == 1 ? "some" : "0",
                exit_code == 0 ? "OK" : "FAILED");
     fmt::print("# Avg bus bandwidth    : {:.4f} GB/s\n#\n", busbw_sum / rows);
+  }
+  if (const auto agreed = bench.agreed(); !agreed.is_null()) {
+    report["agreed"] = agreed;
+    if (root) {
+      std::string ranks;
+      for (std::size_t i = 0; i < agreed["bandwidth_bps"].size(); ++i)
+        ranks += fmt::format(" {:.1f}/{:#x}", agreed["bandwidth_bps"][i].get<double>() / 1e6,
+                             agreed["rails_up"][i].get<std::uint64_t>());
+      fmt::print(
+          "# Degraded mode: ranks agreed on (MB/s / rails up){}; latency {:.3f} ms; {}; "
+          "last plan {}\n#\n",
+          ranks, agreed["latency_s"].get<double>() * 1e3,
+          agreed["degraded"].get<bool>() ? "unequal" : "equal", agreed["plan"].get<std::string>());
+    }
   }
   report["avg_busbw_gbps"] = rows ? busbw_sum / rows : 0.0;
   if (root && !tails.empty()) {

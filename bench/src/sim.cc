@@ -6,6 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -21,19 +25,22 @@ using namespace r2ccl::coll;
 
 struct Setting {
   Cluster cluster;
+  std::optional<Network> plan_net;  // --plan-from
   std::size_t bytes = std::size_t{256} << 20;
   DataType type = DataType::kBF16;
   int failed_nodes = 1;
-  double lost = 0;  // fraction of a failed node's NIC bandwidth lost
+  std::vector<int> failed;  // --failed: these nodes instead of spreading failed_nodes
+  double lost = 0;          // fraction of a failed node's NIC bandwidth lost
 };
 
 // The cluster with the failed nodes spread over the job (0, nodes/f, 2 nodes/f, ...) and `lost`
 // as whole NICs (or, shaped, as every NIC slowed).
 Cluster cluster_of(const Setting& s) {
   Cluster c = s.cluster;
-  c.failed.clear();
-  for (int f = 0; f < s.failed_nodes; ++f)
-    c.failed.push_back(f * c.nodes / std::max(1, s.failed_nodes));
+  c.failed = s.failed;
+  if (s.failed.empty())
+    for (int f = 0; f < s.failed_nodes; ++f)
+      c.failed.push_back(f * c.nodes / std::max(1, s.failed_nodes));
   c.lost_nics = c.shaped ? 0 : static_cast<int>(std::lround(s.lost * c.nics));
   c.slow = c.shaped ? 1 - s.lost : 1;
   return c;
@@ -62,7 +69,7 @@ Algo auto_choice(const CollDesc& d, const Network& net) {
 }
 
 Result<double> seconds(const Setting& s, Algo algo) {
-  auto r = simulate(cluster_of(s), allreduce_of(s), algo);
+  auto r = simulate(cluster_of(s), allreduce_of(s), algo, s.plan_net ? &*s.plan_net : nullptr);
   if (!r) return r.status();
   return r->seconds;
 }
@@ -202,11 +209,19 @@ int main(int argc, char** argv) {
                "failed nodes keep every NIC, each at (1 - lost) of its speed (like tc shaping)");
   app.add_option("-f,--failed-nodes", s.failed_nodes, "nodes that lost bandwidth")
       ->check(CLI::Range(0, 65536));
+  app.add_option("--failed", s.failed, "the nodes that lost bandwidth (instead of --failed-nodes)")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
   app.add_option("-a,--algos", algos, "algorithms, comma separated: balance r2cc weighted auto");
   app.add_flag("--grid", paper_grid,
                "R²CCL's model grid: n in {3,8,16,64} x X in {1/8,1/4,1/3,1/2}, one rank per node");
   app.add_flag("--sweep", do_sweep, "time against the bandwidth lost, every algorithm (CSV)");
   app.add_option("--csv", csv, "write the grid or sweep as CSV to this file");
+  std::string plan_from;
+  app.add_option("--plan-from", plan_from,
+                 "make the plans from the table a real job agreed on (r2ccl-perf --json's "
+                 "\"agreed\"), to predict that job's own schedule")
+      ->check(CLI::ExistingFile);
   CLI11_PARSE(app, argc, argv);
   auto t = parse_type(type);
   if (!t) {
@@ -224,10 +239,34 @@ int main(int argc, char** argv) {
     }
     s.lost = static_cast<double>(lost_nics) / c.nics;
   }
+  for (int f : s.failed)
+    if (f >= c.nodes) {
+      fmt::print(stderr, "r2ccl-sim: --failed {}: there are {} nodes\n", f, c.nodes);
+      return 2;
+    }
+  if (!s.failed.empty()) s.failed_nodes = static_cast<int>(s.failed.size());
   if (s.failed_nodes > c.nodes) {
     fmt::print(stderr, "r2ccl-sim: --failed-nodes {} is more than --nodes {}\n", s.failed_nodes,
                c.nodes);
     return 2;
+  }
+  if (!plan_from.empty()) {
+    try {
+      std::ifstream in(plan_from);
+      const auto j = nlohmann::json::parse(in).at("agreed");
+      Network net;
+      net.bandwidth = j.at("bandwidth_bps").get<std::vector<double>>();
+      net.rails_up = j.at("rails_up").get<std::vector<std::uint64_t>>();
+      net.latency_s = j.at("latency_s").get<double>();
+      if (static_cast<int>(net.bandwidth.size()) != c.nodes * c.gpus ||
+          net.rails_up.size() != net.bandwidth.size())
+        throw std::runtime_error(
+            fmt::format("it has {} ranks, the cluster {}", net.bandwidth.size(), c.nodes * c.gpus));
+      s.plan_net = std::move(net);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "r2ccl-sim: --plan-from {}: {}\n", plan_from, e.what());
+      return 2;
+    }
   }
   if (paper_grid) return grid(s, csv);
   if (do_sweep) return sweep(s, csv);
@@ -262,7 +301,7 @@ int main(int argc, char** argv) {
     }
     const Algo algo = *a == Algo::kAuto ? auto_choice(d, net) : *a;
     const auto w0 = std::chrono::steady_clock::now();
-    auto r = simulate(cl, d, algo);
+    auto r = simulate(cl, d, algo, s.plan_net ? &*s.plan_net : nullptr);
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
     if (!r) {

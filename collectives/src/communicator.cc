@@ -183,7 +183,13 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
     Ops ops;
   };
   std::vector<Lane> state(plan.lanes);
-  std::vector<bool> posted(n, false);
+  std::vector<bool> posted(n, false), completed(n, false);
+  std::size_t completed_prefix = 0;  // phases [0, completed_prefix) all completed
+  const auto complete = [&](std::size_t i) {
+    completed[i] = true;
+    while (completed_prefix < n && completed[completed_prefix])
+      ++completed_prefix;
+  };
   Status first;
   std::size_t failed_at = 0;
   std::vector<OpPtr> waiting;
@@ -194,6 +200,7 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
         Lane& lane = state[l];
         if (lane.active || lane.cursor >= lanes[l].size()) continue;
         const std::uint32_t i = lanes[l][lane.cursor];
+        if (plan.phases[i].join && completed_prefix < i) continue;
         if (!std::all_of(after[i].begin(), after[i].end(), [&](auto j) { return posted[j]; }))
           continue;
         progress = true;
@@ -206,6 +213,7 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
         if (!lane.active) {
           compute(plan.phases[i]);
           ++lane.cursor;
+          complete(i);
         }
       }
     }
@@ -248,6 +256,7 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
       if (!first.is_ok()) break;
       compute(plan.phases[i]);
       ++lane.cursor;
+      complete(i);
     }
   }
   // Nothing may still read or write the buffers once this returns.
@@ -455,24 +464,24 @@ Algo Communicator::degraded_algo(const CollDesc& d) const {
 
 Communicator::LinkEstimate Communicator::measure_links() const {
   const std::size_t k = std::min<std::size_t>(fabric_->nics().size(), 64);
-  std::vector<double> rate(k, 0);
-  std::vector<bool> up(k, false);
+  // A rail counts where it is up to some peer: fully, or, where the channel found it degraded
+  // (well under its sibling rails), at its weight against the fastest of them.
+  std::vector<double> weight(k, 0);
   for (const auto& s : fabric_->rail_snapshot()) {
     if (s.rail >= k) continue;
-    if (s.state != RailState::kUp && s.state != RailState::kDegraded) continue;
-    up[s.rail] = true;
-    rate[s.rail] = std::max(rate[s.rail], static_cast<double>(s.bandwidth_bps));
+    double w = 0;
+    if (s.state == RailState::kUp) w = 1;
+    if (s.state == RailState::kDegraded) w = std::clamp(s.weight, 0.0, 1.0);
+    weight[s.rail] = std::max(weight[s.rail], w);
   }
-  double fastest = 0;
-  for (std::size_t i = 0; i < k; ++i)
-    if (up[i]) fastest = std::max(fastest, rate[i]);
-  // Nothing measured yet: count rails, at a nominal 10 Gbit/s each.
+  // Rates measured on single rails wander with the traffic far more than a lost or degraded
+  // rail changes them, so every rail counts at one nominal rate (10 Gbit/s).
   constexpr double kNominal = 1.25e9;
   LinkEstimate e;
   for (std::size_t i = 0; i < k; ++i) {
-    if (!up[i]) continue;
+    if (weight[i] <= 0) continue;
     e.rails |= std::uint64_t{1} << i;
-    e.bandwidth += rate[i] > 0 ? rate[i] : (fastest > 0 ? fastest : kNominal);
+    e.bandwidth += weight[i] * kNominal;
   }
   return e;
 }
@@ -500,7 +509,7 @@ Result<Network> Communicator::agree() {
     return st.with_context("the bandwidth agreement of degraded mode");
   exchange_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
   Network net;
-  double slowest_exchange = 0, fastest = 0;
+  double quickest_exchange = std::numeric_limits<double>::infinity();
   for (int i = 0; i < p; ++i) {
     ByteReader r(
         std::span<const std::byte>(all.data() + kRecord * static_cast<std::size_t>(i), kRecord));
@@ -514,17 +523,13 @@ Result<Network> Communicator::agree() {
                                 i, b, exchange));
     net.bandwidth.push_back(b);
     net.rails_up.push_back(rails);
-    slowest_exchange = std::max(slowest_exchange, exchange);
-    fastest = std::max(fastest, b);
+    if (exchange > 0) quickest_exchange = std::min(quickest_exchange, exchange);
   }
-  // Alike on every rank: within 10% of the fastest counts as the fastest (measurements wander),
-  // below that in steps of 1/32.
-  for (auto& b : net.bandwidth) {
-    const double r = fastest > 0 ? b / fastest : 1;
-    b = r >= 0.9 ? fastest : fastest * std::max(1.0, std::round(r * 32)) / 32;
-  }
-  // A phase of a plan costs about two exchanges' time (a request to send, then the data).
-  net.latency_s = 2 * slowest_exchange;
+  net.bandwidth = settle_bandwidths(net.bandwidth, net.rails_up);
+  // The last rank to reach the exchange waited least: its time is the network's, the others'
+  // include the wait for it. A phase of a plan costs about two of those (a request to send, then
+  // the data).
+  net.latency_s = std::isfinite(quickest_exchange) ? 2 * quickest_exchange : 0;
   return net;
 }
 

@@ -2,6 +2,7 @@
 #include "r2ccl/coll/degraded.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -379,6 +380,31 @@ std::vector<double> weighted_shares(const std::vector<double>& bandwidth) {
   for (auto& x : s)
     x /= sum;
   return s;
+}
+
+std::vector<double> settle_bandwidths(const std::vector<double>& measured,
+                                      const std::vector<std::uint64_t>& rails) {
+  std::vector<double> per_rail;
+  for (std::size_t i = 0; i < measured.size(); ++i) {
+    const int n = std::popcount(rails[i]);
+    per_rail.push_back(n > 0 ? measured[i] / n : 0);
+  }
+  std::vector<double> sorted = per_rail;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  std::vector<double> out;
+  double fastest = 0;
+  for (std::size_t i = 0; i < measured.size(); ++i) {
+    double r = per_rail[i];
+    if (median > 0 && std::abs(r / median - 1) <= 0.3) r = median;
+    out.push_back(r * std::popcount(rails[i]));
+    fastest = std::max(fastest, out.back());
+  }
+  for (auto& b : out) {
+    const double r = fastest > 0 ? b / fastest : 1;
+    b = r >= 0.9 ? fastest : fastest * std::max(1.0, std::round(r * 32)) / 32;
+  }
+  return out;
 }
 
 double lower_bound_seconds(const CollDesc& d, const Network& net) {

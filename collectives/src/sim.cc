@@ -568,8 +568,9 @@ Network Cluster::network() const {
   return net;
 }
 
-Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo) {
-  const Network net = c.network();
+Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo,
+                           const Network* plan_net) {
+  const Network net = plan_net ? *plan_net : c.network();
   const SimNetwork sn = c.sim_network();
   Sim sim(c.ranks(), sn);
   for (int r = 0; r < c.ranks(); ++r) {

@@ -116,3 +116,27 @@ def test_allreduce_resumes_after_every_nic_was_down(perf):
     assert after and int(after.group(1)) == int(m.group(1)), describe(res)
     last_failed = max(int(n) for n, _ in failed)
     assert int(after.group(1)) + len(failed) > last_failed + 1, describe(res)
+
+
+def test_degraded_mode_replans_around_lost_nics_and_survives_another(perf, tmp_path):
+    """Host 1 of 4 has lost two of its four NICs before the job: the ranks agree on a table that
+    says so (rails 0x3 for rank 1, unequal bandwidths) and the automatic choice runs a degraded
+    plan; host 2 then loses eth2 in the middle of the job, and every round's result is still
+    right on every rank."""
+    with Testbed(hosts=4, nics=4, rate="100mbit") as tb:
+        for nic in ("eth3", "eth4"):
+            tb.tb("down", "1", nic)
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        args = ["allreduce", "-d", "int32", "-b", "4M", "-e", "4M", "-w", "0", "-c", "1",
+                "--duration", "8"]
+        procs = perf_ranks(4, boot, args, hosts=[0, 1, 2, 3], json_path=str(tmp_path / "r.json"))
+        procs.append(Proc(argv=[str(TESTBED), "down", tb.name, "2", "eth2"], delay=4.0,
+                          name="host 2 eth2 down"))
+        res = launch_ranks(procs, testbed=tb, timeout=8 + SLACK_S)
+    assert [r.returncode for r in res[:4]] == [0, 0, 0, 0], describe(res)
+    assert res[4].returncode == 0, describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    line = next((x for x in res[0].stdout.splitlines() if x.startswith("# Degraded mode:")), "")
+    assert "/0x3 " in line and "unequal" in line, describe(res)
+    plan = re.search(r"last plan (\w+)$", line)
+    assert plan and plan.group(1) in ("weighted", "r2cc"), line

@@ -87,8 +87,10 @@ class Communicator {
     double bandwidth = 0;     // bytes per second over all its usable rails
     std::uint64_t rails = 0;  // its usable rails (bit i: rail i)
   };
-  // This rank's estimate from its rails: those up (or degraded) to some peer, each at the
-  // fastest rate measured to any peer (rails not measured yet count as the fastest one that is).
+  // This rank's estimate from its rails: those up to some peer count fully, those the channel
+  // found degraded at their weight against their siblings, each at one nominal rate. A rank
+  // slow on every rail alike is not seen this way (rates measured per rail are too noisy to
+  // compare across ranks); set_link_source can say so.
   LinkEstimate measure_links() const;
   // Where the estimate comes from instead (an embedder that knows its NICs better; tests). Call
   // it before the collectives, from the thread that runs them.

@@ -58,6 +58,9 @@ struct Cluster {
 
 // Every rank's plan of `algo` for `d` on `c` (with c.network(); hierarchical where nodes have
 // several ranks), run on c.sim_network().
-Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo);
+// `plan_net`: the table the plans are made from, where it differs from c.network() (what a real
+// job's ranks agreed on, to predict that job's own schedule).
+Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo,
+                           const Network* plan_net = nullptr);
 
 }  // namespace r2ccl::coll
