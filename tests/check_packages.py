@@ -224,7 +224,7 @@ def main() -> int:
             return 77
     problems: list[str] = []
     # What each scripts/run command installs, and everything those packages pull in.
-    commands = ("build", "test", "collbench", "soak", "vllm-test")
+    commands = ("build", "test", "collbench", "soak", "simplots", "vllm-test")
     lists = {c: scripts_run_list(source, "packages", c) for c in commands}
     base = base_system()
     covered = {c: closure(lists[c] + base) for c in commands}
