@@ -486,27 +486,30 @@ Communicator::LinkEstimate Communicator::measure_links() const {
   return e;
 }
 
+Result<std::vector<std::byte>> Communicator::exchange(const Bytes& mine) {
+  const std::size_t n = mine.size();
+  std::vector<std::byte> all(n * static_cast<std::size_t>(size()));
+  std::byte* own = all.data() + n * static_cast<std::size_t>(rank());
+  std::copy(mine.begin(), mine.end(), own);
+  const CollDesc gather{CollOp::kAllGather, n, DataType::kU8, RedOp::kSum, 0, true};
+  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), size(), Algo::kOneShot));
+  R2CCL_RETURN_IF_ERROR(
+      execute(plan, gather, {own, all.data()}, [] { return std::string("the exchange"); }));
+  return all;
+}
+
 Result<Network> Communicator::agree() {
   const int p = size();
   const LinkEstimate mine = link_source_ ? link_source_() : measure_links();
   constexpr std::size_t kRecord = 24;
-  std::vector<std::byte> all(kRecord * static_cast<std::size_t>(p));
-  std::byte* own = all.data() + kRecord * static_cast<std::size_t>(rank());
-  {
-    ByteWriter w;
-    w.u64(std::bit_cast<std::uint64_t>(mine.bandwidth))
-        .u64(mine.rails)
-        .u64(static_cast<std::uint64_t>(exchange_s_ * 1e9));
-    const Bytes b = w.take();
-    std::copy(b.begin(), b.end(), own);
-  }
-  const CollDesc gather{CollOp::kAllGather, kRecord, DataType::kU8, RedOp::kSum, 0, true};
-  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), p, Algo::kOneShot));
+  ByteWriter w;
+  w.u64(std::bit_cast<std::uint64_t>(mine.bandwidth))
+      .u64(mine.rails)
+      .u64(static_cast<std::uint64_t>(exchange_s_ * 1e9));
   const auto t0 = Clock::now();
-  if (Status st =
-          execute(plan, gather, {own, all.data()}, [] { return std::string("the exchange"); });
-      !st)
-    return st.with_context("the bandwidth agreement of degraded mode");
+  auto gathered = exchange(w.take());
+  if (!gathered) return gathered.status().with_context("the bandwidth agreement of degraded mode");
+  const std::vector<std::byte>& all = *gathered;
   exchange_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
   Network net;
   double quickest_exchange = std::numeric_limits<double>::infinity();
@@ -528,8 +531,11 @@ Result<Network> Communicator::agree() {
   net.bandwidth = settle_bandwidths(net.bandwidth, net.rails_up);
   // The last rank to reach the exchange waited least: its time is the network's, the others'
   // include the wait for it. A phase of a plan costs about two of those (a request to send, then
-  // the data).
-  net.latency_s = std::isfinite(quickest_exchange) ? 2 * quickest_exchange : 0;
+  // the data). Rounded to a power of two microseconds, so that the cached plan is rebuilt only
+  // when the latency really changed.
+  net.latency_s = std::isfinite(quickest_exchange)
+                      ? std::exp2(std::round(std::log2(2 * quickest_exchange * 1e6))) * 1e-6
+                      : 0;
   return net;
 }
 
@@ -537,16 +543,11 @@ Status Communicator::check_agreement(const CollDesc& d, Algo algo) {
   const int p = size();
   const Bytes mine = encode_header(d, algo, op_seq_++);
   if (p == 1) return Status::ok();
-  // The headers travel as a direct all-gather of kHeaderBytes bytes, in place.
-  std::vector<std::byte> headers(kHeaderBytes * static_cast<std::size_t>(p));
-  std::byte* own = headers.data() + kHeaderBytes * static_cast<std::size_t>(rank());
-  std::copy(mine.begin(), mine.end(), own);
-  const CollDesc gather{CollOp::kAllGather, kHeaderBytes, DataType::kU8, RedOp::kSum, 0, true};
-  R2CCL_ASSIGN_OR_RETURN(auto plan, make_plan(gather, rank(), p, Algo::kOneShot));
-  if (Status st =
-          execute(plan, gather, {own, headers.data()}, [] { return std::string("the exchange"); });
-      !st)
-    return st.with_context(fmt::format("R2CCL_CHECK exchange before {}", coll_op_name(d.op)));
+  auto gathered = exchange(mine);
+  if (!gathered)
+    return gathered.status().with_context(
+        fmt::format("R2CCL_CHECK exchange before {}", coll_op_name(d.op)));
+  const std::vector<std::byte>& headers = *gathered;
   std::vector<Header> all;
   for (int i = 0; i < p; ++i)
     all.push_back(decode_header(headers.data() + kHeaderBytes * static_cast<std::size_t>(i)));

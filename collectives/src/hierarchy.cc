@@ -9,6 +9,23 @@ namespace r2ccl::coll {
 
 using namespace plan_steps;
 
+namespace {
+
+// The ranks of local index `local`, one per node: their entries of the table.
+Network local_network(const Network& net, int nodes, int gpus, int local) {
+  Network sub;
+  sub.latency_s = net.latency_s;
+  const bool rails = net.rails_up.size() == net.bandwidth.size();
+  for (int m = 0; m < nodes && !net.bandwidth.empty(); ++m) {
+    const auto r = static_cast<std::size_t>(m * gpus + local);
+    sub.bandwidth.push_back(net.bandwidth[r]);
+    if (rails) sub.rails_up.push_back(net.rails_up[r]);
+  }
+  return sub;
+}
+
+}  // namespace
+
 Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int gpus, Algo algo,
                                     const Network* net) {
   if (d.op != CollOp::kAllReduce)
@@ -56,15 +73,7 @@ Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int 
   CollDesc sub = d;
   sub.count = mine / elem;
   sub.in_place = split || d.in_place;
-  Network subnet;
-  if (net) {
-    subnet.latency_s = net->latency_s;
-    for (int m = 0; m < nodes && !net->bandwidth.empty(); ++m) {
-      subnet.bandwidth.push_back(net->bandwidth[static_cast<std::size_t>(m * gpus + local)]);
-      if (net->rails_up.size() == static_cast<std::size_t>(p))
-        subnet.rails_up.push_back(net->rails_up[static_cast<std::size_t>(m * gpus + local)]);
-    }
-  }
+  const Network subnet = net ? local_network(*net, nodes, gpus, local) : Network{};
   R2CCL_ASSIGN_OR_RETURN(auto across, make_plan(sub, node, nodes, algo, net ? &subnet : nullptr));
   const std::size_t base = seg.off(local);
   const auto move = [&](Ref& r) {
@@ -114,16 +123,9 @@ double predict_hierarchical_seconds(Algo algo, const CollDesc& d, int nodes, int
     inside = 2 * (net.latency_s + static_cast<double>((gpus - 1) * seg.max_len()) / intra_bps);
   double across = 0;
   for (int local = 0; local < gpus; ++local) {
-    Network sub;
-    sub.latency_s = net.latency_s;
-    for (int m = 0; m < nodes; ++m)
-      sub.bandwidth.push_back(net.bandwidth[static_cast<std::size_t>(m * gpus + local)]);
-    if (net.rails_up.size() == net.bandwidth.size())
-      for (int m = 0; m < nodes; ++m)
-        sub.rails_up.push_back(net.rails_up[static_cast<std::size_t>(m * gpus + local)]);
     CollDesc part = d;
     part.count = seg.len(local) / elem;
-    across = std::max(across, predict_seconds(algo, part, sub));
+    across = std::max(across, predict_seconds(algo, part, local_network(net, nodes, gpus, local)));
   }
   return inside + across;
 }

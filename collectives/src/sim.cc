@@ -101,16 +101,16 @@ class Sim {
   void add(int r, const Plan& plan) { prepare(r, plan); }
 
   Result<SimResult> run() {
+    if (static_cast<int>(net_.rail_bps.size()) != p_)
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("the network describes the rails of {} ranks for {} plans",
+                                net_.rail_bps.size(), p_));
     group_rails();
     const std::size_t ports = static_cast<std::size_t>(p_) * (groups_.size() + 1) * 2;
     port_units_.resize(ports);
     cap_.assign(ports, 0);
     count_.assign(ports, 0);
     port_mark_.assign(ports, 0);
-    if (static_cast<int>(net_.rail_bps.size()) != p_)
-      return Status(ErrorCode::kInvalidArgument,
-                    fmt::format("the network describes the rails of {} ranks for {} plans",
-                                net_.rail_bps.size(), p_));
     for (int r = 0; r < p_; ++r)
       R2CCL_RETURN_IF_ERROR(post_ready(r));
     while (true) {

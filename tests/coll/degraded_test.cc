@@ -91,11 +91,17 @@ TEST(DegradedPlans, HierarchicalPlansPairUp) {
     }
 }
 
-TEST(Simulator, AMessageTakesTheLatencyPlusItsBytesOverTheSlowerEnd) {
-  const CollDesc d{CollOp::kBroadcast, 1000000, DataType::kU8, RedOp::kSum, 0, false};
+// Every rank's direct (one-shot) plan of a 1 MB `op` rooted at rank 0.
+std::vector<Plan> direct_plans(CollOp op, int p) {
+  const CollDesc d{op, 1000000, DataType::kU8, RedOp::kSum, 0, false};
   std::vector<Plan> plans;
-  for (int r = 0; r < 2; ++r)
-    plans.push_back(*make_plan(d, r, 2, Algo::kOneShot));
+  for (int r = 0; r < p; ++r)
+    plans.push_back(*make_plan(d, r, p, Algo::kOneShot));
+  return plans;
+}
+
+TEST(Simulator, AMessageTakesTheLatencyPlusItsBytesOverTheSlowerEnd) {
+  const auto plans = direct_plans(CollOp::kBroadcast, 2);
   SimNetwork sn;
   sn.rail_bps = {{1e9, 1e9}, {0.5e9, 0}};  // rank 1 receives on one rail of 0.5 GB/s
   sn.latency_s = 1e-3;
@@ -107,10 +113,7 @@ TEST(Simulator, AMessageTakesTheLatencyPlusItsBytesOverTheSlowerEnd) {
 
 TEST(Simulator, MessagesIntoOnePortShareIt) {
   // Ranks 1 and 2 each send 1 MB to rank 0: its one port of 1 GB/s takes 2 ms for both.
-  const CollDesc d{CollOp::kReduce, 1000000, DataType::kU8, RedOp::kSum, 0, false};
-  std::vector<Plan> plans;
-  for (int r = 0; r < 3; ++r)
-    plans.push_back(*make_plan(d, r, 3, Algo::kOneShot));
+  const auto plans = direct_plans(CollOp::kReduce, 3);
   SimNetwork sn;
   sn.rail_bps = {{1e9}, {1e9}, {1e9}};
   auto res = simulate(plans, sn);
@@ -140,10 +143,7 @@ TEST(Simulator, ASendNobodyReceivesIsAHangAndSizesMustAgree) {
 }
 
 TEST(Simulator, ARailMaskKeepsAMessageOnItsRails) {
-  const CollDesc d{CollOp::kBroadcast, 1000000, DataType::kU8, RedOp::kSum, 0, false};
-  std::vector<Plan> plans;
-  for (int r = 0; r < 2; ++r)
-    plans.push_back(*make_plan(d, r, 2, Algo::kOneShot));
+  auto plans = direct_plans(CollOp::kBroadcast, 2);
   for (auto& ph : plans[0].phases)
     for (auto& s : ph.comm)
       s.rails = 0b01;

@@ -114,6 +114,8 @@ class Communicator {
   // The exchange of every rank's LinkEstimate: the agreed table (bandwidths quantised alike on
   // every rank, the latency from the last exchanges' duration).
   Result<Network> agree();
+  // Every rank's `mine` (the same size on every rank), in rank order: a direct all-gather.
+  Result<std::vector<std::byte>> exchange(const Bytes& mine);
   // The algorithm for an all-reduce on the agreed table.
   Algo degraded_algo(const CollDesc& d) const;
   // `what` names the operation in an error's context (built only on error).
