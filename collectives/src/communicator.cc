@@ -382,6 +382,9 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   CollDesc d = desc;
   const std::string name(coll_op_name(d.op));
   if (aborted_) return {ErrorCode::kAborted, name + ": the communicator was aborted"};
+  // Every call starts an epoch, whatever becomes of it: the ranks count their calls alike, and
+  // what one rank posted for a collective that failed elsewhere cannot pair with this one.
+  fabric_->set_epoch(++epoch_);
   if (group_depth_ > 0)
     return {ErrorCode::kInvalidArgument,
             name + ": collectives cannot be queued in a group (only send and recv can)"};

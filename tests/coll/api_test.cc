@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <vector>
 
 #include "coll_test_util.h"
 #include "r2ccl/coll/reduce.h"
@@ -238,6 +241,37 @@ TEST(Communicator, WithoutCheckASizeMismatchFailsInsteadOfHanging) {
     Status st = c.barrier();
     EXPECT_EQ(st.code(), ErrorCode::kTimeout) << st.to_string();
     EXPECT_NE(st.message().find("barrier"), std::string::npos) << st.message();
+  });
+}
+
+// Rank 0 refuses a collective (a null buffer) that ranks 1 and 2 start: they post their messages
+// (the small ones complete at once, eagerly) and fail at the deadline. Once the ranks meet again
+// (as an application does after a failure, on its own path), the next collectives pair every
+// message with its own operation's: every rank gets the right sums, none of the stale 100s.
+TEST(Communicator, ACollectiveThatFailedOnSomeRanksLeavesNothingForTheNext) {
+  auto comms = test::make_comms(3, {{"R2CCL_TIMEOUT", "500ms"}});
+  ASSERT_EQ(comms.size(), 3u);
+  std::barrier meet(3);
+  test::on_all(comms, [&meet](int r, Communicator& c) {
+    for (std::size_t count : {std::size_t{1000}, std::size_t{300000}}) {
+      std::vector<float> a(count, 100.0f), b(count, 0.0f);
+      Status st =
+          c.all_reduce(r == 0 ? nullptr : a.data(), b.data(), count, DataType::kF32, RedOp::kSum);
+      if (r == 0)
+        EXPECT_EQ(st.message(),
+                  fmt::format("allreduce: the send buffer is null (count {})", count));
+      else
+        EXPECT_FALSE(st.is_ok());
+      meet.arrive_and_wait();
+      for (int round = 0; round < 3; ++round) {
+        std::fill(a.begin(), a.end(), static_cast<float>(r + 1 + round));
+        ASSERT_TRUE(c.all_reduce(a.data(), b.data(), count, DataType::kF32, RedOp::kSum).is_ok())
+            << "count " << count << ", round " << round;
+        EXPECT_EQ(std::count(b.begin(), b.end(), static_cast<float>(6 + 3 * round)),
+                  static_cast<std::ptrdiff_t>(count))
+            << "count " << count << ", round " << round;
+      }
+    }
   });
 }
 

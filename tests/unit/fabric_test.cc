@@ -246,6 +246,50 @@ TEST(Fabric, ASendWithoutAMatchingReceiveFailsAtTheDeadline) {
       << s.message();
 }
 
+// Messages posted on one side only: in epoch 1 rank 0's eager send (complete at once) and its
+// large send, which rank 1 never receives; in epoch 2 rank 1's large receive, which rank 0 never
+// sends. In epoch 3 every message pairs with its own: rank 1 gets exactly what rank 0 sent then.
+TEST(Fabric, AnEpochLeavesBehindWhatOnlyOneSideOfThePairPosted) {
+  auto w = make_world(2, {{"R2CCL_TIMEOUT", "300ms"}});
+  ASSERT_EQ(w.ranks.size(), 2u);
+  auto& a = *w.ranks[0];
+  auto& b = *w.ranks[1];
+  constexpr std::size_t kLarge = 200000, kSmall = 100;
+  std::vector<std::byte> stale(kLarge, std::byte{0xee}), src = pattern(kLarge + kSmall, 5);
+  std::vector<std::byte> dst(kLarge + kSmall, std::byte{0});
+  auto rstale = *a.register_memory(stale.data(), stale.size());
+  auto rs = *a.register_memory(src.data(), src.size());
+  auto rd = *b.register_memory(dst.data(), dst.size());
+  a.set_epoch(1);
+  b.set_epoch(1);
+  EXPECT_TRUE(a.wait(*a.isend(1, rstale, 0, kSmall)).is_ok());  // eager: buffered
+  Status s = a.wait(*a.isend(1, rstale, 0, kLarge));
+  EXPECT_NE(s.message().find("send #1.1 of 200000 bytes to rank 1 timed out after 300ms (rank 1 "
+                             "never posted the matching receive)"),
+            std::string::npos)
+      << s.message();
+  a.set_epoch(2);
+  b.set_epoch(2);
+  Status r = b.wait(*b.irecv(0, rd, 0, kLarge));
+  EXPECT_NE(r.message().find("receive #2.0 of 200000 bytes from rank 0 timed out"),
+            std::string::npos)
+      << r.message();
+  a.set_epoch(3);
+  b.set_epoch(3);
+  // A small and a large message, received in the order they were sent.
+  auto r1 = *b.irecv(0, rd, 0, kSmall);
+  auto r2 = *b.irecv(0, rd, kSmall, kLarge);
+  auto s1 = *a.isend(1, rs, 0, kSmall);
+  auto s2 = *a.isend(1, rs, kSmall, kLarge);
+  for (const auto& op : {s1, s2})
+    EXPECT_TRUE(a.wait(op).is_ok());
+  for (const auto& op : {r1, r2}) {
+    Status st = b.wait(op);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  EXPECT_EQ(dst, src);
+}
+
 TEST(Fabric, OneSidedWritesLandBeforeTheMessageThatFollowsThem) {
   auto w = make_world(2);
   ASSERT_EQ(w.ranks.size(), 2u);

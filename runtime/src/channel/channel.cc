@@ -138,10 +138,12 @@ void Channel::tick(Clock::time_point now) {
         s.started ? fmt::format("{} of {} chunks confirmed", s.confirmed, s.nchunks)
                   : fmt::format("{} never posted the matching receive", label_);
     Status why(ErrorCode::kTimeout,
-               fmt::format("{}{} #{} of {} bytes to {} timed out after {}ms ({}); rails tried: {}",
+               fmt::format("{}{} {} of {} bytes to {} timed out after {}ms ({}); rails tried: {}",
                            prefix, (seq & ChunkImm::kOneSidedBit) ? "write" : "send",
-                           seq & ~ChunkImm::kOneSidedBit, s.length, label_, config_.timeout.count(),
-                           progress, rail_summary()));
+                           (seq & ChunkImm::kOneSidedBit)
+                               ? fmt::format("#{}", seq & ~ChunkImm::kOneSidedBit)
+                               : message_number(seq),
+                           s.length, label_, config_.timeout.count(), progress, rail_summary()));
     auto op = s.op;
     drop_send(it++);
     op->complete(why);
@@ -164,10 +166,10 @@ void Channel::tick(Clock::time_point now) {
             ? fmt::format("{} of {} chunks arrived", r.arrivals.count(), r.arrivals.chunks())
             : std::string("its eager message did not arrive");
     Status why(ErrorCode::kTimeout,
-               fmt::format("{}receive #{} of {} bytes from {} timed out after {}ms ({}); "
+               fmt::format("{}receive {} of {} bytes from {} timed out after {}ms ({}); "
                            "rails tried: {}",
-                           prefix, r.seq, r.length, label_, config_.timeout.count(), progress,
-                           rail_summary()));
+                           prefix, message_number(r.seq), r.length, label_, config_.timeout.count(),
+                           progress, rail_summary()));
     r.op->complete(why);
     it = recv_slots_.erase(it);
     if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);

@@ -45,6 +45,8 @@ struct ChannelContext {
   // The peer left (on_peer_left ran): called once, from inside the channel, so it must only
   // post work for later.
   std::function<void(int peer, const std::string& why)> on_gone;
+  // The epoch this endpoint's program is in (Endpoint::set_epoch); null: always 0.
+  const std::atomic<std::uint64_t>* epoch = nullptr;
 };
 
 class Channel {
@@ -95,6 +97,10 @@ class Channel {
   void mark_started() { started_ = true; }
   std::string missing_rails() const;
 
+  // Starts epoch `epoch` of the two-sided messages (protocol.h) if it is later than the current
+  // one: both message counters jump to its first number, and what the peer sent early for the
+  // epochs before it (kept for receives or sends never posted) is dropped.
+  void enter_epoch(std::uint64_t epoch);
   void post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                  Clock::time_point deadline, std::uint64_t rails = kAllRails);
   void post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
@@ -286,6 +292,16 @@ class Channel {
   void protocol_violation(const std::string& what);
   // Messages announced (request-to-send) ahead of the receives posted here, at most.
   static constexpr std::uint64_t kEarlyWindow = 65536;
+  // The peer's message `seq`, which this side has not posted (its next is `next`): kept early
+  // (its receive or send may still be posted here), stale (its epoch is over here, so it never
+  // will be), or a protocol violation (further ahead than a peer following the protocol gets,
+  // or more than `window` kept already in `kept`).
+  struct Early {
+    bool stale = false;
+    std::optional<std::string> violation;
+  };
+  Early judge_early(std::uint64_t seq, std::uint64_t next, std::uint64_t window,
+                    std::size_t kept) const;
 
   ChannelContext ctx_;
   const Config& config_;
@@ -325,6 +341,7 @@ class Channel {
   std::map<std::uint64_t, PendingControl> control_reorder_;
   std::size_t control_reorder_bytes_ = 0;
 
+  std::uint64_t epoch_ = 0;  // of two-sided messages (enter_epoch)
   std::uint64_t next_send_seq_ = 0;
   std::uint64_t next_write_seq_ = 0;  // one-sided writes (with ChunkImm::kOneSidedBit)
   std::map<std::uint64_t, Send> sends_;

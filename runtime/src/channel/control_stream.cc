@@ -117,11 +117,11 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
     } else if (c.seq >= next_send_seq_) {
       // A receiver has at most ChunkImm::kSlots receives posted: a clear-to-send further ahead of
       // this side's sends is not one a peer following the protocol sends.
-      if (c.seq - next_send_seq_ >= ChunkImm::kSlots)
-        return protocol_violation(fmt::format(
-            "{} sent a clear-to-send for message #{}, {} ahead of the next send here (at most {})",
-            label_, c.seq, c.seq - next_send_seq_, ChunkImm::kSlots));
-      early_cts_[c.seq] = c;
+      const Early e = judge_early(c.seq, next_send_seq_, ChunkImm::kSlots, early_cts_.size());
+      if (e.violation)
+        return protocol_violation(fmt::format("{} sent a clear-to-send for message {}, {}", label_,
+                                              message_number(c.seq), *e.violation));
+      if (!e.stale) early_cts_[c.seq] = c;
     }
     // else: the send already ended (it failed)
     return;
@@ -161,11 +161,11 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
       }
       // else: the clear-to-send already went; the sender checks the length against it
     } else if (seq2 >= next_recv_seq_) {
-      if (seq2 - next_recv_seq_ >= kEarlyWindow)
+      const Early e = judge_early(seq2, next_recv_seq_, kEarlyWindow, early_rts_.size());
+      if (e.violation)
         return protocol_violation(
-            fmt::format("{} announced message #{}, {} ahead of the next receive here (at most {})",
-                        label_, seq2, seq2 - next_recv_seq_, kEarlyWindow));
-      early_rts_[seq2] = length;
+            fmt::format("{} announced message {}, {}", label_, message_number(seq2), *e.violation));
+      if (!e.stale) early_rts_[seq2] = length;
     }
     return;
   }

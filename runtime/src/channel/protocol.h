@@ -62,13 +62,35 @@ inline constexpr std::size_t kMaxControlUnconfirmed = std::size_t{64} << 20;
 // Chunks go round-robin to at most this many of the oldest messages in flight.
 inline constexpr std::size_t kServeWindow = 4;
 
+// Two-sided message numbers: an epoch in the high bits, the message's index in its epoch in the
+// low kEpochShift bits. Both sides of a pair start an epoch at the same point of their programs
+// (Endpoint::set_epoch: a communicator starts one with every collective), so that messages
+// posted by one side of an operation that failed, and never by the other, cannot pair with a
+// later operation's. An index that outgrows its bits carries into the epoch on both sides alike.
+inline constexpr unsigned kEpochShift = 24;
+inline constexpr std::uint64_t kMaxEpoch = (std::uint64_t{1} << (63 - kEpochShift)) - 1;
+// A peer's messages are kept early (their receive or send not posted here yet) from at most this
+// many epochs ahead: a peer whose operations fail quickly may run ahead of one that waits.
+inline constexpr std::uint64_t kEpochsAhead = 64;
+inline constexpr std::uint64_t epoch_of(std::uint64_t seq) {
+  return seq >> kEpochShift;
+}
+inline constexpr std::uint64_t index_of(std::uint64_t seq) {
+  return seq & ((std::uint64_t{1} << kEpochShift) - 1);
+}
+// "#index", or "#epoch.index" from the first epoch on.
+inline std::string message_number(std::uint64_t seq) {
+  return epoch_of(seq) == 0 ? fmt::format("#{}", seq)
+                            : fmt::format("#{}.{}", epoch_of(seq), index_of(seq));
+}
+
 inline std::string size_mismatch(std::uint64_t seq, const std::string& sender,
                                  const std::string& receiver, std::uint64_t sent,
                                  std::uint64_t posted) {
   return fmt::format(
-      "size mismatch in message #{} between {} and {}: the sender sends {} bytes, the "
+      "size mismatch in message {} between {} and {}: the sender sends {} bytes, the "
       "receiver posted {} bytes",
-      seq, sender, receiver, sent, posted);
+      message_number(seq), sender, receiver, sent, posted);
 }
 // Failover messages, on a surviving rail of the same peer (kFailover), or on the out-of-band
 // control path when no rail is connected; each u8 type, u32 rail, u32 epoch, then:

@@ -33,6 +33,45 @@ bool Channel::fail_if_dead(const OpPtr& op) {
   return true;
 }
 
+void Channel::enter_epoch(std::uint64_t epoch) {
+  epoch = std::min(epoch, kMaxEpoch);
+  if (epoch <= epoch_) return;
+  epoch_ = epoch;
+  const std::uint64_t first = epoch << kEpochShift;
+  next_send_seq_ = std::max(next_send_seq_, first);
+  next_recv_seq_ = std::max(next_recv_seq_, first);
+  early_cts_.erase(early_cts_.begin(), early_cts_.lower_bound(next_send_seq_));
+  early_rts_.erase(early_rts_.begin(), early_rts_.lower_bound(next_recv_seq_));
+  const auto stale = unexpected_.lower_bound(next_recv_seq_);
+  for (auto it = unexpected_.begin(); it != stale; ++it) {
+    unexpected_bytes_ -= it->second.size();
+    consumed_eager(it->second.size());
+  }
+  unexpected_.erase(unexpected_.begin(), stale);
+}
+
+Channel::Early Channel::judge_early(std::uint64_t seq, std::uint64_t next, std::uint64_t window,
+                                    std::size_t kept) const {
+  // This side's program is in `now`; a channel enters an epoch only with its first message in it.
+  const std::uint64_t now =
+      std::max(epoch_, ctx_.epoch ? ctx_.epoch->load(std::memory_order_relaxed) : 0);
+  const std::uint64_t epoch = epoch_of(seq);
+  Early e;
+  if (epoch < now) {
+    e.stale = true;
+    return e;
+  }
+  const std::uint64_t ahead = epoch == epoch_of(next) ? seq - next : index_of(seq);
+  if (epoch - now > kEpochsAhead)
+    e.violation =
+        fmt::format("{} epochs ahead of this side's (at most {})", epoch - now, kEpochsAhead);
+  else if (ahead >= window || kept >= window)
+    e.violation =
+        fmt::format("{} ahead of the next one here in its epoch, with {} kept early (at most {})",
+                    ahead, kept, window);
+  return e;
+}
+
 void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline, std::uint64_t rails) {
   if (fail_if_dead(op)) return;
@@ -179,17 +218,19 @@ void Channel::refuse_send(const OpPtr& op, std::uint64_t seq, std::uint64_t sent
 void Channel::on_eager(std::uint64_t seq, std::span<const std::byte> data) {
   auto it = recv_slots_.find(ChunkImm::slot_of(seq));
   if (it == recv_slots_.end() || it->second.seq != seq) {
-    if (seq < next_recv_seq_ || unexpected_.count(seq) != 0) {
-      consumed_eager(data.size());  // the receive already ended (failed at its deadline)
+    // The receive already ended (failed at its deadline), or its epoch is over here.
+    if (seq < next_recv_seq_ || unexpected_.count(seq) != 0 ||
+        judge_early(seq, next_recv_seq_, ~std::uint64_t{0}, 0).stale) {
+      consumed_eager(data.size());
       return;
     }
     // Kept until its receive is posted (the only copy besides the one into place), within the
     // sender's eager credit.
     if (unexpected_bytes_ + data.size() > kEagerCredit)
       return protocol_violation(fmt::format(
-          "{} sent eager message #{} ({} bytes) beyond its eager credit: {} bytes already wait "
+          "{} sent eager message {} ({} bytes) beyond its eager credit: {} bytes already wait "
           "for receives here (at most {})",
-          label_, seq, data.size(), unexpected_bytes_, kEagerCredit));
+          label_, message_number(seq), data.size(), unexpected_bytes_, kEagerCredit));
     unexpected_bytes_ += data.size();
     unexpected_.emplace(seq, Bytes(data.begin(), data.end()));
     return;

@@ -422,6 +422,7 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   if (out_of_band_) ctx.out_of_band = out_of_band_;
   ctx.events = &events_;
   ctx.detection = &failover_detection_;
+  ctx.epoch = &epoch_;
   ctx.on_user_message = [this](int peer, std::span<const std::byte> message) {
     deliver_message(peer, message);
   };
@@ -768,8 +769,11 @@ Result<OpPtr> Endpoint::isend(int peer, const RegionPtr& region, std::size_t off
                               std::size_t length, std::uint64_t rails) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "send"));
   return start_op(
-      [this, region, offset, length, peer, rails](OpPtr op, Clock::time_point deadline) {
-        channel(peer)->post_send(std::move(op), region, offset, length, deadline, rails);
+      [this, region, offset, length, peer, rails, epoch = epoch_.load(std::memory_order_relaxed)](
+          OpPtr op, Clock::time_point deadline) {
+        Channel* c = channel(peer);
+        c->enter_epoch(epoch);
+        c->post_send(std::move(op), region, offset, length, deadline, rails);
       });
 }
 
@@ -777,9 +781,13 @@ Result<OpPtr> Endpoint::irecv(int peer, const RegionPtr& region, std::size_t off
                               std::size_t length) {
   R2CCL_RETURN_IF_ERROR(check_args(peer, region, offset, length, "receive"));
   R2CCL_RETURN_IF_ERROR(check_remote_writable(region, "receive"));
-  return start_op([this, region, offset, length, peer](OpPtr op, Clock::time_point deadline) {
-    channel(peer)->post_recv(std::move(op), region, offset, length, deadline);
-  });
+  return start_op(
+      [this, region, offset, length, peer, epoch = epoch_.load(std::memory_order_relaxed)](
+          OpPtr op, Clock::time_point deadline) {
+        Channel* c = channel(peer);
+        c->enter_epoch(epoch);
+        c->post_recv(std::move(op), region, offset, length, deadline);
+      });
 }
 
 Result<OpPtr> Endpoint::iwrite(int peer, const RegionPtr& region, std::size_t offset,

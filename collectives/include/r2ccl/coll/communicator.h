@@ -138,6 +138,7 @@ class Communicator {
   std::unique_ptr<Fabric> fabric_;
   Algo requested_algo_ = Algo::kAuto;
   Algo last_algo_ = Algo::kAuto;
+  std::uint64_t epoch_ = 0;   // collectives called so far: each runs in its own message epoch
   std::uint64_t op_seq_ = 0;  // collectives run so far (in the agreement header)
   std::vector<std::byte> scratch_;
   RegionPtr scratch_region_;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -151,6 +152,13 @@ class Endpoint {
   Result<RegionPtr> register_memory(void* base, std::size_t length,
                                     MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
+  // Sends and receives posted from now on belong to `epoch` of their pair's messages, or to a
+  // later one: each pair's first message of a new epoch starts its numbering afresh on both
+  // sides, so what was posted in an earlier epoch never pairs with it. Epochs only grow; both
+  // sides of a pair must start them at the same points of their programs. A communicator starts
+  // one with every collective, so that a collective that failed on some ranks and not on others
+  // leaves no message that could pair with the next one's.
+  void set_epoch(std::uint64_t epoch) { epoch_.store(epoch, std::memory_order_relaxed); }
   // `rails`: see Fabric::isend.
   Result<OpPtr> isend(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
                       std::uint64_t rails = kAllRails);
@@ -220,6 +228,7 @@ class Endpoint {
   MetricRegistry metrics_;
   OutOfBand out_of_band_;
   std::function<void(const Status&)> on_fatal_;
+  std::atomic<std::uint64_t> epoch_{0};  // of the sends and receives posted next (set_epoch)
   std::function<void(const PeerEvent&)> peer_handler_;      // loop thread
   std::array<MessageHandler, kServices> message_handlers_;  // loop thread
   mutable std::mutex peers_mutex_;            // peers_ changes on the loop thread, under it

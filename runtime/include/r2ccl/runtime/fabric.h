@@ -5,9 +5,10 @@
 // failover message (it outlives the rails) and tells when a rank leaves.
 //
 // Messages are point-to-point and matched in order per (sender, receiver) pair, like NCCL's
-// send/recv: the n-th isend from a to b pairs with the n-th irecv at b from a, and both must give
-// the same length. The receiver announces its registered buffer (one control message); the
-// sender then stripes the message over all usable rails in chunks with one-sided writes.
+// send/recv: the n-th isend from a to b pairs with the n-th irecv at b from a (counted within an
+// epoch: set_epoch), and both must give the same length. The receiver announces its registered
+// buffer (one control message); the sender then stripes the message over all usable rails in
+// chunks with one-sided writes.
 #pragma once
 
 #include <array>
@@ -59,6 +60,9 @@ class Fabric {
                                     MemoryAccess access = MemoryAccess::kRemoteWrite);
   Status deregister_memory(const RegionPtr& region);
 
+  // Starts an epoch of every pair's messages (Endpoint::set_epoch): the collectives start one
+  // per operation.
+  void set_epoch(std::uint64_t epoch) { endpoint_->set_epoch(epoch); }
   // Sends [offset, offset+length) of a registered region to `peer`. `rails` (bit i: rail i):
   // the rails its chunks go on while any of them is usable (then any rail, so that nothing is
   // lost); the collectives keep two rings apart this way.
