@@ -7,6 +7,7 @@ label says; where this machine has it, the skip is a failure:
 
   system  the netns testbed (root, `ip netns`, veth, tc, nftables): `tests/testbed/testbed check`
   rdma    the Soft-RoCE guest: root, x86_64, qemu-system-x86_64 and a kernel with rdma_rxe
+  gpu     an NVIDIA GPU (/dev/nvidia*): the CUDA kernels' tests
   other   a Debian system with what scripts/run installs (nothing else may skip there)
 
 usage: tests/check_skips.py SOURCE_DIR BUILD_DIR JUNIT_XML [CTEST_ARGS...]
@@ -48,11 +49,22 @@ def rdma(source: Path) -> str | None:
     return "no kernel in /boot with the rdma_rxe module"
 
 
+def cuda_device(source: Path) -> str | None:
+    """None when an NVIDIA GPU is visible here (the CUDA tests' `gpu` label)."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return "no /dev/nvidia* device"
+    if shutil.which("nvidia-smi") is None:
+        return None
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    return None if r.returncode == 0 and "GPU" in r.stdout else "nvidia-smi lists no GPU"
+
+
 def debian(source: Path) -> str | None:
     return None if shutil.which("dpkg-query") else "not a Debian system (no dpkg)"
 
 
-NEEDS = {"system": ("the netns testbed", netns), "rdma": ("the Soft-RoCE guest", rdma)}
+NEEDS = {"system": ("the netns testbed", netns), "rdma": ("the Soft-RoCE guest", rdma),
+         "gpu": ("a CUDA device", cuda_device)}
 
 
 def main() -> int:

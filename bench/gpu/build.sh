@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds what runs on the GPU machines (device tool) into build-gpu/: the default build type
+# (ccache then shares the objects of build/), Hopper code (sm_90), debug information stripped;
+# then copies the shared libraries the binaries need that the GPU machines' image lacks
+# into build-gpu/carry-lib (glibc, libstdc++ and libgcc stay: the image's are newer; so does
+# NCCL, which the image has).
+# usage: bench/gpu/build.sh [TARGET...]   (default: every GPU test)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=$root/build-gpu
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(gpu_reduce_test r2ccl-gpu-perf)
+cmake -S "$root" -B "$build" -G Ninja -DR2CCL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+cmake --build "$build" --target "${targets[@]}"
+for t in "${targets[@]}"; do
+  objcopy --strip-debug "$build/bin/$t"
+done
+rm -rf "$build/carry-lib"
+mkdir -p "$build/carry-lib"
+for t in "${targets[@]}"; do
+  ldd "$build/bin/$t" | awk '$3 ~ /^\// {print $3}'
+done | sort -u | while read -r lib; do
+  case $(basename "$lib") in
+    libc.so.* | libm.so.* | libstdc++.so.* | libgcc_s.so.* | ld-linux* | libpthread.so.* | \
+      libdl.so.* | librt.so.* | libnccl.so.*) ;;  # NCCL: the GPU machines have their own
+    *) cp -L "$lib" "$build/carry-lib/" ;;
+  esac
+done
+du -sh "$build/bin" "$build/carry-lib"

@@ -1,0 +1,407 @@
+// r2ccl-gpu-perf: the NVLink all-reduce on the GPUs of one node, one process per GPU (ranks from
+// R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP, as r2ccl-perf; bench/gpu/allreduce.sh starts them).
+//   --check  every type x reduction x algorithm, sizes from 0 and odd counts up to several
+//            staging chunks, in place and out of place, eager and replayed from a CUDA graph;
+//            every element compared with the exact result
+//   --bench  bf16 sum replayed from a CUDA graph, beside NCCL in the same run: latency per call
+//            and bus bandwidth, and their ratio
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nccl.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "r2ccl/coll/communicator.h"
+#include "r2ccl/coll/gpu/device.h"
+#include "r2ccl/coll/gpu/nvlink.h"
+#include "r2ccl/coll/reduce.h"
+#include "r2ccl/coll/verify.h"
+#include "r2ccl/runtime/bootstrap.h"
+#include "r2ccl/runtime/config.h"
+
+namespace {
+
+using r2ccl::ErrorCode;
+using r2ccl::Status;
+using r2ccl::coll::Communicator;
+using r2ccl::coll::DataType;
+using r2ccl::coll::RedOp;
+namespace gpu = r2ccl::coll::gpu;
+
+struct Options {
+  bool check = false;
+  bool bench = false;
+  std::string min_bytes = "8K", max_bytes = "512M";
+  double factor = 2;
+  int iters = 200;
+  int graph_calls = 10;
+  int device = -1;
+  bool nccl = true;
+  // NvlinkComm::Options (--bench); "default": the library's defaults
+  std::string low_latency = "default", one_shot = "default", nccl_min = "default";
+  int blocks = 128, low_latency_blocks = 128;
+  std::size_t low_latency_max = 0;  // parsed from low_latency
+};
+
+Status cuda(cudaError_t e, const char* what) {
+  return gpu::cuda_status(e, what);
+}
+
+Status nccl_status(ncclResult_t r, const char* what) {
+  if (r == ncclSuccess) return Status::ok();
+  return {ErrorCode::kInternal, fmt::format("{}: {}", what, ncclGetErrorString(r))};
+}
+
+// Exact in every type: small whole numbers (quarters for the float types), distinct per rank.
+double value(std::size_t i, int rank, DataType t) {
+  const auto k = static_cast<int>((i * 7919 + static_cast<std::size_t>(rank) * 104729) % 15);
+  if (t == DataType::kU8) return static_cast<double>(k);
+  if (!r2ccl::coll::is_float(t)) return static_cast<double>(k - 7);
+  return static_cast<double>(k - 7) * 0.25;
+}
+
+struct DeviceMem {
+  void* p = nullptr;
+  explicit DeviceMem(std::size_t bytes) { (void)cudaMalloc(&p, std::max<std::size_t>(bytes, 16)); }
+  ~DeviceMem() {
+    if (p) (void)cudaFree(p);
+  }
+  DeviceMem(const DeviceMem&) = delete;
+  DeviceMem& operator=(const DeviceMem&) = delete;
+};
+
+// Runs `call` on `stream` either directly or captured once in a CUDA graph and replayed.
+Status run_on(cudaStream_t s, bool graph, const std::function<Status()>& call) {
+  if (!graph) return call();
+  cudaGraph_t g = nullptr;
+  R2CCL_RETURN_IF_ERROR(
+      cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture"));
+  Status st = call();
+  Status end = cuda(cudaStreamEndCapture(s, &g), "cudaStreamEndCapture");
+  R2CCL_RETURN_IF_ERROR(st);
+  R2CCL_RETURN_IF_ERROR(end);
+  cudaGraphExec_t exec = nullptr;
+  st = cuda(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  if (st) st = cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+  if (exec) (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(g);
+  return st;
+}
+
+int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
+  const int p = host.size(), me = host.rank();
+  const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
+  const std::size_t counts[] = {0, 1, 7, 1000, 8192 + 3, 65536 + 5, chunked};
+  int cases = 0, wrong = 0;
+  for (DataType t : r2ccl::coll::kAllTypes) {
+    const std::size_t e = r2ccl::coll::type_size(t);
+    for (RedOp op : {RedOp::kSum, RedOp::kProd, RedOp::kMin, RedOp::kMax, RedOp::kAvg}) {
+      if (op == RedOp::kAvg && !r2ccl::coll::is_float(t)) continue;
+      for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
+                                   gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
+        if (algo == gpu::NvlinkAlgo::kNccl && !gpu::nccl_built()) continue;
+        for (std::size_t count : counts) {
+          for (int variant = 0; variant < 4; ++variant) {
+            const bool in_place = variant & 1, graph = variant & 2;
+            // Products of more than a few ranks' values leave the exact range of 16-bit types.
+            if (op == RedOp::kProd && p > 4) continue;
+            std::vector<std::byte> in(count * e), want(count * e), got(count * e);
+            for (std::size_t i = 0; i < count; ++i) {
+              r2ccl::coll::set_element(in.data(), i, t, value(i, me, t));
+              double acc = value(i, 0, t);
+              for (int r = 1; r < p; ++r) {
+                const double v = value(i, r, t);
+                acc = op == RedOp::kMin    ? std::min(acc, v)
+                      : op == RedOp::kMax  ? std::max(acc, v)
+                      : op == RedOp::kProd ? acc * v
+                                           : acc + v;
+              }
+              if (op == RedOp::kAvg) acc /= p;
+              if (t == DataType::kU8)
+                acc =
+                    static_cast<double>(static_cast<std::uint8_t>(static_cast<std::int64_t>(acc)));
+              r2ccl::coll::set_element(want.data(), i, t, acc);
+            }
+            // One element off the allocation's alignment where the count allows, to walk the
+            // unaligned paths too.
+            const std::size_t shift = count % 2 == 1 ? e : 0;
+            DeviceMem a(count * e + 64), b(count * e + 64);
+            auto* src = static_cast<std::byte*>(a.p) + shift;
+            auto* dst = in_place ? src : static_cast<std::byte*>(b.p) + shift;
+            Status st =
+                cuda(cudaMemcpy(src, in.data(), count * e, cudaMemcpyHostToDevice), "copy in");
+            if (st)
+              st = run_on(s, graph, [&] { return nv.all_reduce(src, dst, count, t, op, s, algo); });
+            if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+            if (st) st = nv.check();
+            if (st)
+              st = cuda(cudaMemcpy(got.data(), dst, count * e, cudaMemcpyDeviceToHost), "copy out");
+            ++cases;
+            std::string what =
+                fmt::format("{} {} {} count {} {}{}", r2ccl::coll::type_name(t),
+                            r2ccl::coll::redop_name(op), gpu::nvlink_algo_name(algo), count,
+                            in_place ? "in place" : "out of place", graph ? ", graph" : "");
+            if (!st) {
+              fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
+              return 1;
+            }
+            const bool fuzzy = op == RedOp::kAvg && e == 2;  // a mean rounds in 16 bits
+            std::size_t bad = 0, first_bad = 0;
+            for (std::size_t i = 0; i < count; ++i) {
+              const double g = r2ccl::coll::get_element(got.data(), i, t);
+              const double w = r2ccl::coll::get_element(want.data(), i, t);
+              if (fuzzy ? std::fabs(g - w) > 0.02
+                        : std::memcmp(got.data() + i * e, want.data() + i * e, e) != 0) {
+                if (bad++ == 0) first_bad = i;
+              }
+            }
+            if (bad > 0) {
+              ++wrong;
+              fmt::print(stderr,
+                         "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
+                         me, what, bad, count, first_bad,
+                         r2ccl::coll::get_element(got.data(), first_bad, t),
+                         r2ccl::coll::get_element(want.data(), first_bad, t));
+            }
+          }
+        }
+      }
+    }
+  }
+  // Every rank's verdict, so that rank 0's line speaks for all.
+  std::int32_t mine = wrong, total = 0;
+  if (Status st = host.all_reduce(&mine, &total, 1, DataType::kI32, RedOp::kSum); !st) {
+    fmt::print(stderr, "rank {}: {}\n", me, st.to_string());
+    return 1;
+  }
+  if (me == 0)
+    fmt::print(
+        "check: {} ranks, {} cases per rank (types x reductions x low-latency/one-shot/two-shot/"
+        "nccl x sizes x in place/out of place x eager/graph): {}\n",
+        p, cases, total == 0 ? "every element right" : fmt::format("{} cases WRONG", total));
+  return total == 0 ? 0 : 1;
+}
+
+// Seconds per call of `call`, captured `calls` times in one graph and replayed `iters` times.
+r2ccl::Result<double> time_graph(cudaStream_t s, int calls, int iters,
+                                 const std::function<Status()>& call) {
+  cudaGraph_t g = nullptr;
+  R2CCL_RETURN_IF_ERROR(
+      cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture"));
+  Status st = Status::ok();
+  for (int i = 0; i < calls && st; ++i)
+    st = call();
+  Status end = cuda(cudaStreamEndCapture(s, &g), "cudaStreamEndCapture");
+  R2CCL_RETURN_IF_ERROR(st);
+  R2CCL_RETURN_IF_ERROR(end);
+  cudaGraphExec_t exec = nullptr;
+  R2CCL_RETURN_IF_ERROR(cuda(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate"));
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  (void)cudaEventCreate(&e0);
+  (void)cudaEventCreate(&e1);
+  for (int i = 0; i < 5 && st; ++i)  // warm-up
+    st = cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+  if (st) st = cuda(cudaEventRecord(e0, s), "cudaEventRecord");
+  for (int i = 0; i < iters && st; ++i)
+    st = cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+  if (st) st = cuda(cudaEventRecord(e1, s), "cudaEventRecord");
+  if (st) st = cuda(cudaEventSynchronize(e1), "cudaEventSynchronize");
+  float ms = 0;
+  if (st) st = cuda(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+  (void)cudaEventDestroy(e0);
+  (void)cudaEventDestroy(e1);
+  (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(g);
+  R2CCL_RETURN_IF_ERROR(st);
+  return static_cast<double>(ms) * 1e-3 / (static_cast<double>(iters) * calls);
+}
+
+int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options& o,
+          std::size_t min_bytes, std::size_t max_bytes) {
+  const int p = host.size(), me = host.rank();
+  ncclComm_t nc = nullptr;
+  if (o.nccl) {
+    ncclUniqueId id{};
+    if (me == 0) (void)ncclGetUniqueId(&id);
+    if (Status st = host.broadcast(&id, &id, sizeof id, DataType::kU8, 0); !st) {
+      fmt::print(stderr, "rank {}: {}\n", me, st.to_string());
+      return 1;
+    }
+    if (Status st = nccl_status(ncclCommInitRank(&nc, p, id, me), "ncclCommInitRank"); !st) {
+      fmt::print(stderr, "rank {}: {}\n", me, st.to_string());
+      return 1;
+    }
+  }
+  DeviceMem buf(max_bytes), out(max_bytes);
+  (void)cudaMemset(buf.p, 0, max_bytes);
+  const gpu::NvlinkAlgo algos[] = {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
+                                   gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kAuto};
+  if (me == 0) {
+    int dev = 0;
+    (void)cudaGetDevice(&dev);
+    cudaDeviceProp prop{};
+    (void)cudaGetDeviceProperties(&prop, dev);
+    int nv_version = 0;
+    if (o.nccl) (void)ncclGetVersion(&nv_version);
+    fmt::print(
+        "# all-reduce bf16 sum, {} ranks on {}, CUDA graph of {} calls replayed up to {} "
+        "times (fewer for large sizes); NCCL {}; low-latency up to {} bytes\n",
+        p, prop.name, o.graph_calls, o.iters, nv_version, o.low_latency_max);
+    fmt::print("{:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>11}\n", "bytes", "ll us",
+               "1shot us", "2shot us", "auto us", "nccl us", "ratio", "auto GB/s", "nccl GB/s");
+  }
+  int rc = 0;
+  for (std::size_t bytes = min_bytes; bytes <= max_bytes && rc == 0;
+       bytes = static_cast<std::size_t>(std::ceil(static_cast<double>(bytes) * o.factor))) {
+    const std::size_t count = bytes / 2;
+    const int iters = static_cast<int>(std::clamp<double>(
+        o.iters * (static_cast<double>(std::size_t{1} << 20) / static_cast<double>(bytes)), 5,
+        o.iters));
+    double t[4] = {NAN, NAN, NAN, NAN};
+    Status st = Status::ok();
+    for (int k = 0; k < 4 && st; ++k) {
+      if (algos[k] == gpu::NvlinkAlgo::kLowLatency && bytes > o.low_latency_max) continue;
+      auto r = time_graph(s, o.graph_calls, iters, [&] {
+        return nv.all_reduce(buf.p, out.p, count, DataType::kBF16, RedOp::kSum, s, algos[k]);
+      });
+      st = r ? nv.check() : r.status();
+      if (st) t[k] = *r;
+    }
+    double theirs = NAN;
+    if (st && o.nccl) {
+      auto r = time_graph(s, o.graph_calls, iters, [&] {
+        return nccl_status(ncclAllReduce(buf.p, out.p, count, ncclBfloat16, ncclSum, nc, s),
+                           "ncclAllReduce");
+      });
+      if (r)
+        theirs = *r;
+      else
+        st = r.status();
+    }
+    if (!st) {
+      fmt::print(stderr, "rank {}: {} bytes: {}\n", me, bytes, st.to_string());
+      rc = 1;
+      break;
+    }
+    const double bus = 2.0 * (p - 1) / p * static_cast<double>(bytes);
+    if (me == 0)
+      fmt::print(
+          "{:>10} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>7.2f} {:>11.1f} {:>11.1f}\n",
+          bytes, t[0] * 1e6, t[1] * 1e6, t[2] * 1e6, t[3] * 1e6, theirs * 1e6, t[3] / theirs,
+          bus / t[3] / 1e9, bus / theirs / 1e9);
+  }
+  if (nc) (void)ncclCommDestroy(nc);
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "r2ccl-gpu-perf: the NVLink all-reduce on the GPUs of one node, checked and timed "
+      "beside NCCL"};
+  app.add_flag("--check", o.check, "every type x reduction x algorithm x size, checked");
+  app.add_flag("--bench", o.bench, "bf16 sum latency and bus bandwidth beside NCCL");
+  app.add_option("-b,--min-bytes", o.min_bytes, "smallest size (--bench)");
+  app.add_option("-e,--max-bytes", o.max_bytes, "largest size (--bench)");
+  app.add_option("-f,--factor", o.factor, "size step (--bench)");
+  app.add_option("--iters", o.iters, "graph replays per size (--bench)");
+  app.add_option("--graph-calls", o.graph_calls, "calls captured in the graph (--bench)");
+  app.add_option("--device", o.device, "GPU (default: the rank modulo the GPU count)");
+  app.add_option("--low-latency-max", o.low_latency,
+                 "low-latency kernel up to this size (--bench)");
+  app.add_option("--nccl-min", o.nccl_min, "auto: NCCL from this size, 0 never (--bench)");
+  app.add_option("--one-shot-max", o.one_shot,
+                 "auto: one-shot up to this size, 0 by rank count (--bench)");
+  app.add_option("--blocks", o.blocks, "thread blocks of the staged kernels (--bench)");
+  app.add_option("--low-latency-blocks", o.low_latency_blocks,
+                 "thread blocks of the low-latency kernel (--bench)");
+  app.add_flag("!--no-nccl", o.nccl, "leave NCCL out (--bench)");
+  CLI11_PARSE(app, argc, argv);
+  if (!o.check && !o.bench) {
+    fmt::print(stderr, "r2ccl-gpu-perf: say --check, --bench or both\n");
+    return 2;
+  }
+  auto minb = r2ccl::parse_size(o.min_bytes), maxb = r2ccl::parse_size(o.max_bytes);
+  const gpu::NvlinkComm::Options defaults;
+  auto size_or = [](const std::string& text, std::size_t fallback) {
+    return text == "default" ? r2ccl::Result<std::size_t>(fallback) : r2ccl::parse_size(text);
+  };
+  auto llmax = size_or(o.low_latency, defaults.low_latency_max);
+  auto oneshot = size_or(o.one_shot, defaults.one_shot_max);
+  auto ncclmin = size_or(o.nccl_min, defaults.nccl_min_bytes);
+  if (llmax) o.low_latency_max = *llmax;
+  if (!minb || !maxb || !llmax || !oneshot || !ncclmin || *minb < 2 || *maxb < *minb ||
+      o.factor <= 1 || o.iters < 1 || o.graph_calls < 1) {
+    fmt::print(stderr,
+               "r2ccl-gpu-perf: bad sizes or counts (-b {} -e {} -f {} --iters {} "
+               "--graph-calls {})\n",
+               o.min_bytes, o.max_bytes, o.factor, o.iters, o.graph_calls);
+    return 2;
+  }
+  if (Status st = gpu::available(); !st) {
+    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", st.message());
+    return 77;
+  }
+  auto cfg = r2ccl::parse_config(r2ccl::process_env());
+  if (!cfg) {
+    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", cfg.status().message());
+    return 2;
+  }
+  auto boot = r2ccl::BootstrapOptions::from_config(*cfg);
+  if (!boot) {
+    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", boot.status().message());
+    return 2;
+  }
+  auto host = Communicator::create(*cfg, *boot);
+  if (!host) {
+    fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", boot->rank, host.status().to_string());
+    return 2;
+  }
+  int ndev = 0;
+  (void)cudaGetDeviceCount(&ndev);
+  const int device = o.device >= 0 ? o.device : (*host)->rank() % std::max(ndev, 1);
+  (void)cudaSetDevice(device);
+  cudaStream_t s = nullptr;
+  (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  int rc = 0;
+  if (o.check) {
+    gpu::NvlinkComm::Options small;
+    small.staging_bytes = std::size_t{256} << 10;  // so that the largest case takes several chunks
+    small.low_latency_max = std::size_t{64} << 10;
+    if (gpu::nccl_built()) small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
+    auto nv = gpu::NvlinkComm::create(**host, device, small);
+    if (!nv) {
+      fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
+      return 1;
+    }
+    rc = check(**host, **nv, s);
+    if (Status st = (*nv)->close(); !st) rc = 1;
+  }
+  if (o.bench && rc == 0) {
+    gpu::NvlinkComm::Options opts;
+    opts.low_latency_max = *llmax;
+    opts.one_shot_max = *oneshot;
+    opts.blocks = o.blocks;
+    opts.low_latency_blocks = o.low_latency_blocks;
+    opts.nccl_min_bytes = *ncclmin;
+    auto nv = gpu::NvlinkComm::create(**host, device, opts);
+    if (!nv) {
+      fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
+      return 1;
+    }
+    rc = bench(**host, **nv, s, o, *minb, *maxb);
+    if (Status st = (*nv)->close(); !st) rc = 1;
+  }
+  (void)cudaStreamDestroy(s);
+  return rc;
+}

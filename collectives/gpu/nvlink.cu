@@ -1,0 +1,328 @@
+// The NVLink all-reduce kernel (nvlink.h says what it does). Every phase walks the same units
+// (16-byte groups of elements) with the same (block, thread) mapping, so a thread block's barrier
+// with its peers' same-numbered blocks is enough: block b only ever reads what the peers' block b
+// wrote.
+#include <cstdint>
+
+#include "elementwise.cuh"
+#include "nvlink_kernels.h"
+
+namespace r2ccl::coll::gpu::detail {
+namespace {
+
+__device__ __forceinline__ void store_release(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ std::uint64_t now_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// This call's number (1 for the first), from the block's own counter at `base`.
+__device__ __forceinline__ std::uint32_t call_number(const NvlinkArgs& a, std::size_t base) {
+  return a.counters[base + blockIdx.x] + 1;
+}
+
+// The call is over for this block (on failure it is not counted: the communicator is broken).
+__device__ __forceinline__ void finish_call(const NvlinkArgs& a, std::size_t base,
+                                            std::uint32_t flag) {
+  if (threadIdx.x == 0) a.counters[base + blockIdx.x] = flag;
+}
+
+// Block b of this rank tells block b of every rank that it reached call `flag` at `which`
+// barrier, and waits until each of them has (counts only grow: a peer may be a call ahead).
+// False when a peer did not arrive within the timeout: the error word is set.
+__device__ bool barrier(const NvlinkArgs& a, bool mid, std::uint32_t flag) {
+  __shared__ int failed;
+  __syncthreads();
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(a.nranks)) {
+    const int peer = static_cast<int>(threadIdx.x);
+    auto* theirs = reinterpret_cast<NvlinkFlags*>(a.block[peer]);
+    auto* ours = reinterpret_cast<NvlinkFlags*>(a.block[a.rank]);
+    std::uint32_t* tell =
+        mid ? &theirs->mid[blockIdx.x][a.rank] : &theirs->start[blockIdx.x][a.rank];
+    const std::uint32_t* wait = mid ? &ours->mid[blockIdx.x][peer] : &ours->start[blockIdx.x][peer];
+    store_release(tell, flag);
+    const std::uint64_t t0 = now_ns();
+    std::uint32_t spins = 0;
+    while (static_cast<std::int32_t>(load_acquire(wait) - flag) < 0) {
+      if ((++spins & 1023) == 0 && now_ns() - t0 > a.timeout_ns) {
+        atomicExch(&a.counters[kErrorWord], 1u + static_cast<std::uint32_t>(peer));
+        failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// One unit: up to kPack<T> elements starting at element u * kPack<T>.
+template <class T>
+struct Unit {
+  T e[kPack<T>];
+};
+
+template <class T>
+__device__ __forceinline__ int unit_size(std::size_t u, std::size_t count) {
+  const std::size_t first = u * kPack<T>;
+  return count - first >= static_cast<std::size_t>(kPack<T>) ? kPack<T>
+                                                             : static_cast<int>(count - first);
+}
+
+// Loads a unit from memory that may be unaligned or end inside it.
+template <class T>
+__device__ __forceinline__ Unit<T> load(const T* base, std::size_t u, int n, bool aligned) {
+  Unit<T> x;
+  if (n == kPack<T> && aligned) {
+    const uint4 v = reinterpret_cast<const uint4*>(base)[u];
+    memcpy(x.e, &v, sizeof v);
+  } else {
+    for (int j = 0; j < n; ++j)
+      x.e[j] = base[u * kPack<T> + j];
+  }
+  return x;
+}
+
+template <class T>
+__device__ __forceinline__ void store(T* base, std::size_t u, int n, bool aligned,
+                                      const Unit<T>& x) {
+  if (n == kPack<T> && aligned) {
+    uint4 v;
+    memcpy(&v, x.e, sizeof v);
+    reinterpret_cast<uint4*>(base)[u] = v;
+  } else {
+    for (int j = 0; j < n; ++j)
+      base[u * kPack<T> + j] = x.e[j];
+  }
+}
+
+// A staging unit (always aligned, whole units of room), read past L1: the peers wrote it.
+template <class T>
+__device__ __forceinline__ Unit<T> load_staged(const T* base, std::size_t u) {
+  Unit<T> x;
+  const uint4 v = __ldcg(reinterpret_cast<const uint4*>(base) + u);
+  memcpy(x.e, &v, sizeof v);
+  return x;
+}
+
+template <class T>
+__device__ __forceinline__ void store_staged(T* base, std::size_t u, const Unit<T>& x) {
+  uint4 v;
+  memcpy(&v, x.e, sizeof v);
+  __stcg(reinterpret_cast<uint4*>(base) + u, v);
+}
+
+// The unit reduced over every rank's staging area, in rank order (the same bits on every rank).
+template <class T, RedOp Op>
+__device__ __forceinline__ Unit<T> reduce_unit(T* const* stage, int nranks, std::size_t u,
+                                               int divide_by) {
+  using A = typename Acc<T>::type;
+  A acc[kPack<T>];
+  Unit<T> x = load_staged(stage[0], u);
+#pragma unroll
+  for (int j = 0; j < kPack<T>; ++j)
+    acc[j] = widen(x.e[j]);
+  for (int r = 1; r < nranks; ++r) {
+    x = load_staged(stage[r], u);
+#pragma unroll
+    for (int j = 0; j < kPack<T>; ++j)
+      acc[j] = apply<Op>(acc[j], widen(x.e[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < kPack<T>; ++j) {
+    if constexpr (std::is_floating_point_v<A>) {
+      if (divide_by > 0) acc[j] = acc[j] / static_cast<A>(divide_by);
+    }
+    x.e[j] = narrow<T>(acc[j]);
+  }
+  return x;
+}
+
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) nvlink_all_reduce(NvlinkArgs a) {
+  const std::uint32_t flag = call_number(a, 0);
+  T* stage[kNvlinkRanks];
+  const std::size_t half = (flag & 1u) * a.staging_bytes;
+  for (int r = 0; r < a.nranks; ++r)
+    stage[r] = reinterpret_cast<T*>(a.block[r] + kFlagsBytes + half);
+  const auto* send = static_cast<const T*>(a.send);
+  auto* recv = static_cast<T*>(a.recv);
+  const bool send_aligned = reinterpret_cast<std::uintptr_t>(send) % 16 == 0;
+  const bool recv_aligned = reinterpret_cast<std::uintptr_t>(recv) % 16 == 0;
+  const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const int slices = a.two_shot ? a.nranks : 1;
+  auto begin = [&](int s) { return units * static_cast<std::size_t>(s) / slices; };
+
+  // This rank's input into its staging area, slice by slice, as the later phases walk it.
+  for (int s = 0; s < slices; ++s)
+    for (std::size_t u = begin(s) + first; u < begin(s + 1); u += stride)
+      store_staged(stage[a.rank], u, load(send, u, unit_size<T>(u, a.count), send_aligned));
+  if (!barrier(a, false, flag)) return;
+
+  if (!a.two_shot) {
+    for (std::size_t u = first; u < units; u += stride)
+      store(recv, u, unit_size<T>(u, a.count), recv_aligned,
+            reduce_unit<T, Op>(stage, a.nranks, u, a.divide_by));
+  } else {
+    // Reduce-scatter: this rank's slice, reduced into its staging area (the peers gather it
+    // from there) and into the output.
+    for (std::size_t u = begin(a.rank) + first; u < begin(a.rank + 1); u += stride) {
+      const Unit<T> x = reduce_unit<T, Op>(stage, a.nranks, u, a.divide_by);
+      store_staged(stage[a.rank], u, x);
+      store(recv, u, unit_size<T>(u, a.count), recv_aligned, x);
+    }
+    if (!barrier(a, true, flag)) return;
+    // All-gather: every other rank's slice.
+    for (int q = 0; q < a.nranks; ++q) {
+      if (q == a.rank) continue;
+      for (std::size_t u = begin(q) + first; u < begin(q + 1); u += stride)
+        store(recv, u, unit_size<T>(u, a.count), recv_aligned, load_staged(stage[q], u));
+    }
+  }
+  finish_call(a, 0, flag);
+}
+
+// ---- the low-latency kernel: (data, flag) pairs, no barrier
+
+__device__ __forceinline__ void ll_store(uint4* p, std::uint32_t d0, std::uint32_t d1,
+                                         std::uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag),
+               "r"(d1), "r"(flag)
+               : "memory");
+}
+
+// True once both halves of the line carry `flag` (each 8-byte half is written at once).
+__device__ __forceinline__ bool ll_load(const uint4* p, std::uint32_t flag, std::uint32_t& d0,
+                                        std::uint32_t& d1) {
+  std::uint32_t a, b, c, d;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+               : "l"(p)
+               : "memory");
+  d0 = a;
+  d1 = c;
+  return b == flag && d == flag;
+}
+
+// Up to 8 bytes at `off` of a buffer that may be unaligned or end there.
+__device__ __forceinline__ void load8(const std::byte* base, std::size_t off, std::size_t n,
+                                      bool aligned, std::uint32_t (&d)[2]) {
+  if (n == 8 && aligned) {
+    const uint2 v = *reinterpret_cast<const uint2*>(base + off);
+    d[0] = v.x;
+    d[1] = v.y;
+  } else {
+    d[0] = d[1] = 0;
+    memcpy(d, base + off, n);
+  }
+}
+
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
+  using A = typename Acc<T>::type;
+  constexpr int kPer = 8 / static_cast<int>(sizeof(T));  // elements per line
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const std::uint32_t flag = call_number(a, kLowLatencyCounters);
+  const std::size_t half = (flag & 1u) * a.ll_bytes;
+  auto area = [&](int owner, int sender) {
+    return reinterpret_cast<uint4*>(a.block[owner] + a.ll_offset +
+                                    static_cast<std::size_t>(sender) * 2 * a.ll_bytes + half);
+  };
+  const std::size_t bytes = a.count * sizeof(T);
+  const std::size_t lines = (bytes + 7) / 8;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const auto* in = static_cast<const std::byte*>(a.send);
+  auto* out = static_cast<std::byte*>(a.recv);
+  const bool in8 = reinterpret_cast<std::uintptr_t>(in) % 8 == 0;
+  const bool out8 = reinterpret_cast<std::uintptr_t>(out) % 8 == 0;
+
+  for (std::size_t l = first; l < lines; l += stride) {
+    std::uint32_t d[2];
+    load8(in, l * 8, bytes - l * 8 < 8 ? bytes - l * 8 : 8, in8, d);
+    for (int q = 0; q < a.nranks; ++q)
+      if (q != a.rank) ll_store(area(q, a.rank) + l, d[0], d[1], flag);
+  }
+  for (std::size_t l = first; l < lines; l += stride) {
+    const std::size_t n = bytes - l * 8 < 8 ? bytes - l * 8 : 8;
+    A acc[kPer];
+    for (int r = 0; r < a.nranks; ++r) {
+      std::uint32_t d[2];
+      if (r == a.rank) {
+        load8(in, l * 8, n, in8, d);
+      } else {
+        const uint4* line = area(a.rank, r) + l;
+        const std::uint64_t t0 = now_ns();
+        std::uint32_t spins = 0;
+        while (!ll_load(line, flag, d[0], d[1])) {
+          if ((++spins & 1023) == 0 && now_ns() - t0 > a.timeout_ns) {
+            atomicExch(&a.counters[kErrorWord], 1u + static_cast<std::uint32_t>(r));
+            failed = 1;
+            break;
+          }
+        }
+        if (failed) break;
+      }
+      T e[kPer];
+      memcpy(e, d, sizeof e);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        acc[j] = r == 0 ? widen(e[j]) : apply<Op>(acc[j], widen(e[j]));
+    }
+    if (failed) break;
+    T e[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if constexpr (std::is_floating_point_v<A>) {
+        if (a.divide_by > 0) acc[j] = acc[j] / static_cast<A>(a.divide_by);
+      }
+      e[j] = narrow<T>(acc[j]);
+    }
+    if (n == 8 && out8) {
+      uint2 v;
+      memcpy(&v, e, sizeof v);
+      *reinterpret_cast<uint2*>(out + l * 8) = v;
+    } else {
+      memcpy(out + l * 8, e, n);
+    }
+  }
+  __syncthreads();
+  if (!failed) finish_call(a, kLowLatencyCounters, flag);
+}
+
+}  // namespace
+
+cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                          cudaStream_t stream) {
+  return dispatch(t, op, [&](auto type, auto red) {
+    nvlink_all_reduce<typename decltype(type)::type, decltype(red)::value>
+        <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                               cudaStream_t stream) {
+  return dispatch(t, op, [&](auto type, auto red) {
+    low_latency<typename decltype(type)::type, decltype(red)::value>
+        <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace r2ccl::coll::gpu::detail

@@ -1,0 +1,59 @@
+// The NVLink all-reduce kernel's launcher (nvlink.cu), behind NvlinkComm (nvlink.cc). Private to
+// r2ccl_coll_gpu; C++17, as the kernels are compiled (collectives/CMakeLists.txt).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "r2ccl/coll/types.h"
+
+namespace r2ccl::coll::gpu::detail {
+
+inline constexpr int kNvlinkRanks = 8;     // gpu::kMaxNvlinkRanks
+inline constexpr int kNvlinkBlocks = 128;  // gpu::kMaxNvlinkBlocks
+
+// Each rank's block of device memory: the flags, the two staging halves, then the low-latency
+// area: for each sending rank, two halves of ll_bytes, in 16-byte lines of two (4 data bytes,
+// 4 flag bytes) pairs.
+//   start[b][r], mid[b][r]: the call count that rank r's thread block b has reached
+struct NvlinkFlags {
+  std::uint32_t start[kNvlinkBlocks][kNvlinkRanks];
+  std::uint32_t mid[kNvlinkBlocks][kNvlinkRanks];
+};
+inline constexpr std::size_t kFlagsBytes = 8192;
+static_assert(sizeof(NvlinkFlags) <= kFlagsBytes);
+// The rank's own counters (not shared): calls so far per thread block of the staged kernel, then
+// of the low-latency kernel, then the error word. Each kernel always runs on its full grid, so
+// every block of it counts every call and they agree on the call's number, which serves as the
+// barriers' and the low-latency lines' flag; its parity picks the half of the area a call uses.
+inline constexpr std::size_t kLowLatencyCounters = kNvlinkBlocks;
+inline constexpr std::size_t kErrorWord = 2 * kNvlinkBlocks;
+inline constexpr std::size_t kCounterWords = 2 * kNvlinkBlocks + 1;
+
+struct NvlinkArgs {
+  std::byte* block[kNvlinkRanks] = {};  // every rank's block, mapped here
+  std::uint32_t* counters = nullptr;    // kCounterWords words
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t count = 0;          // elements in this call (at most staging_bytes of them)
+  std::size_t staging_bytes = 0;  // per half, a multiple of 16
+  std::size_t ll_offset = 0;      // where the low-latency area starts in a rank's block
+  std::size_t ll_bytes = 0;       // per sending rank and half: twice the data it carries
+  int rank = 0;
+  int nranks = 1;
+  int divide_by = 0;  // avg: divide by the number of ranks
+  bool two_shot = false;
+  std::uint64_t timeout_ns = 0;  // a peer that does not arrive in time: the error word is set
+};
+
+cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                          cudaStream_t stream);
+// The low-latency one-shot kernel: every rank writes its input into every peer's low-latency area
+// as (data, flag) pairs, and reduces what arrives in its own; no barrier. count * element size
+// must fit ll_bytes / 2.
+cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                               cudaStream_t stream);
+
+}  // namespace r2ccl::coll::gpu::detail

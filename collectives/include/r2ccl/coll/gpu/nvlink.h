@@ -1,0 +1,113 @@
+// All-reduce among the GPUs of one node that can read each other's memory (NVLink, or PCIe peer
+// access), one process per GPU. Each rank allocates a staging area and a block of flags in device
+// memory once; the ranks exchange CUDA IPC handles over a host communicator and map each other's.
+// From then on an all-reduce is one kernel per chunk on the caller's stream: it copies the rank's
+// input into its staging area, meets the peers at a flag barrier (per thread block, flags that
+// count calls, so a CUDA graph replays it without a host step), reduces from every rank's staging
+// area in rank order (the same bits on every rank), and writes the result. Nothing is allocated
+// and nothing waits on the host per call.
+//
+//   low-latency: every rank writes its input into every peer's memory as (data, flag) pairs and
+//             reduces what arrives in its own; no barrier, no staging copy (the smallest
+//             messages);
+//   one-shot: every rank reads all of every peer's chunk (small messages: one barrier);
+//   two-shot: rank r reduces the r-th part, then every rank gathers the others' parts (two
+//             barriers, 2(p-1)/p of the data read per rank instead of p-1 times it);
+//   nccl:     NCCL's all-reduce on a communicator of the same GPUs, for the sizes where it is
+//             faster (Options::nccl_min_bytes, from r2ccl-gpu-perf --bench on the machine).
+//
+// The staging area has two halves used in turn, so a rank never overwrites data a peer may still
+// be reading. NVLink multicast is never used.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "r2ccl/coll/communicator.h"
+#include "r2ccl/coll/types.h"
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl::coll::gpu {
+
+inline constexpr int kMaxNvlinkRanks = 8;
+inline constexpr int kMaxNvlinkBlocks = 128;
+
+enum class NvlinkAlgo : std::uint8_t { kAuto, kLowLatency, kOneShot, kTwoShot, kNccl };
+std::string_view nvlink_algo_name(NvlinkAlgo a);
+
+// Whether this build of r2ccl has NCCL (NvlinkAlgo::kNccl, Options::nccl_min_bytes).
+bool nccl_built();
+
+class NvlinkComm {
+ public:
+  // kAuto's table: the low-latency kernel up to low_latency_max, then one-shot up to
+  // one_shot_max, then two-shot, and NCCL from nccl_min_bytes. The defaults are the crossovers
+  // measured on 2 x H100 (NVLink 4, NV18) with r2ccl-gpu-perf --bench, which prints every
+  // algorithm's time per size to set them for another machine.
+  struct Options {
+    std::size_t staging_bytes = std::size_t{32} << 20;  // per half; larger calls go in chunks
+    int blocks = 128;                                   // thread blocks of the staged kernel
+    // The low-latency kernel takes calls up to this size; its area is twice this per rank and
+    // half, on every rank.
+    std::size_t low_latency_max = std::size_t{512} << 10;
+    int low_latency_blocks = 128;
+    // 0: 32 MiB for two ranks (one-shot reads every peer's whole input: for more ranks two-shot
+    // takes over sooner), 1 MiB for more (not measured: no machine of more GPUs was lent).
+    std::size_t one_shot_max = 0;
+    // NCCL from this size (0: never). Needs a build with NCCL; the default asks for it where
+    // there is one.
+    std::size_t nccl_min_bytes = nccl_built() ? std::size_t{64} << 20 : 0;
+  };
+  // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
+  // exchanges and opens the IPC handles. Errors name the rank and what failed (two ranks on one
+  // GPU, GPUs that cannot map each other's memory, more than 8 ranks).
+  static Result<std::unique_ptr<NvlinkComm>> create(Communicator& host, int device,
+                                                    Options options);
+  static Result<std::unique_ptr<NvlinkComm>> create(Communicator& host, int device) {
+    return create(host, device, Options{});
+  }
+  ~NvlinkComm();
+  NvlinkComm(const NvlinkComm&) = delete;
+  NvlinkComm& operator=(const NvlinkComm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+
+  // recv[i] = op over every rank's send[i], on `stream` (the calling thread's device must be
+  // `device()`). send may equal recv. Device memory only (the error names what `send` or `recv`
+  // is otherwise). Capturable in a CUDA graph; every rank must make the same calls in the same
+  // order, as with any collective.
+  Status all_reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
+                    cudaStream_t stream, NvlinkAlgo algo = NvlinkAlgo::kAuto);
+
+  // Waits for the device, then says whether a kernel gave up on a peer that did not arrive at
+  // a barrier within R2CCL_TIMEOUT (its results are then wrong, and so are every later call's).
+  Status check() const;
+
+  // Frees this rank's memory after the peers closed their mappings of it (a host barrier): a
+  // collective, like create. The destructor does the same without the barrier where it was not
+  // called.
+  Status close();
+
+ private:
+  NvlinkComm() = default;
+  void release_nccl();
+  Communicator* host_ = nullptr;
+  int rank_ = 0, size_ = 1, device_ = 0;
+  Options options_;
+  std::byte* mine_ = nullptr;                        // flags, then the two staging halves
+  std::array<std::byte*, kMaxNvlinkRanks> peers_{};  // every rank's block, mapped (ours too)
+  std::uint32_t* counters_ = nullptr;
+  void* nccl_ = nullptr;  // ncclComm_t, where Options::nccl_min_bytes asked for one // calls so
+                          // far, per thread block (not shared)
+  bool closed_ = false;
+};
+
+}  // namespace r2ccl::coll::gpu
