@@ -96,6 +96,69 @@ Status run_on(cudaStream_t s, bool graph, const std::function<Status()>& call) {
   return st;
 }
 
+// 1 GiB and a few elements, float and bfloat16 sums, every algorithm: the largest size, checked
+// element by element (the values are small whole numbers, so every sum is exact).
+int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
+  const int p = host.size(), me = host.rank();
+  int wrong = 0;
+  for (DataType t : {DataType::kF32, DataType::kBF16}) {
+    const std::size_t e = r2ccl::coll::type_size(t);
+    const std::size_t count = (std::size_t{1} << 30) / e + 3;
+    auto element = [&](std::size_t i, int rank) {
+      return static_cast<float>(static_cast<int>((i + static_cast<std::size_t>(rank) * 7) % 9) - 4);
+    };
+    std::vector<std::byte> in(count * e), want(count * e), got(count * e);
+    for (std::size_t i = 0; i < count; ++i) {
+      float sum = 0;
+      for (int r = 0; r < p; ++r)
+        sum += element(i, r);
+      const float mine = element(i, me);
+      if (t == DataType::kF32) {
+        std::memcpy(in.data() + i * 4, &mine, 4);
+        std::memcpy(want.data() + i * 4, &sum, 4);
+      } else {
+        const std::uint16_t a = r2ccl::coll::float_to_bf16(mine),
+                            b = r2ccl::coll::float_to_bf16(sum);
+        std::memcpy(in.data() + i * 2, &a, 2);
+        std::memcpy(want.data() + i * 2, &b, 2);
+      }
+    }
+    DeviceMem src(count * e), dst(count * e);
+    if (!src.p || !dst.p) {
+      fmt::print(stderr, "rank {}: cannot allocate 2 x {} bytes\n", me, count * e);
+      return -1;
+    }
+    for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
+                                 gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
+      if (algo == gpu::NvlinkAlgo::kNccl && (!gpu::nccl_built() || p == 1)) continue;
+      Status st = cuda(cudaMemcpy(src.p, in.data(), count * e, cudaMemcpyHostToDevice), "copy in");
+      // A copy from pageable memory may return before its data lands, and the all-reduce runs on
+      // a stream that does not wait for the legacy one.
+      if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (st) st = nv.all_reduce(src.p, dst.p, count, t, RedOp::kSum, s, algo);
+      if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      if (st) st = nv.check();
+      if (st)
+        st = cuda(cudaMemcpy(got.data(), dst.p, count * e, cudaMemcpyDeviceToHost), "copy out");
+      ++cases;
+      if (!st) {
+        fmt::print(stderr, "rank {}: {} sum {} count {}: {}\n", me, r2ccl::coll::type_name(t),
+                   gpu::nvlink_algo_name(algo), count, st.to_string());
+        return -1;
+      }
+      if (got != want) {
+        ++wrong;
+        std::size_t i = 0;
+        while (i < count && std::memcmp(got.data() + i * e, want.data() + i * e, e) == 0)
+          ++i;
+        fmt::print(stderr, "rank {}: {} sum {} count {}: wrong from element {}\n", me,
+                   r2ccl::coll::type_name(t), gpu::nvlink_algo_name(algo), count, i);
+      }
+    }
+  }
+  return wrong;
+}
+
 int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
   const int p = host.size(), me = host.rank();
   const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
@@ -107,7 +170,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
       if (op == RedOp::kAvg && !r2ccl::coll::is_float(t)) continue;
       for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
                                    gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
-        if (algo == gpu::NvlinkAlgo::kNccl && !gpu::nccl_built()) continue;
+        if (algo == gpu::NvlinkAlgo::kNccl && (!gpu::nccl_built() || p == 1)) continue;
         for (std::size_t count : counts) {
           for (int variant = 0; variant < 4; ++variant) {
             const bool in_place = variant & 1, graph = variant & 2;
@@ -138,6 +201,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
             auto* dst = in_place ? src : static_cast<std::byte*>(b.p) + shift;
             Status st =
                 cuda(cudaMemcpy(src, in.data(), count * e, cudaMemcpyHostToDevice), "copy in");
+            if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // as above
             if (st)
               st = run_on(s, graph, [&] { return nv.all_reduce(src, dst, count, t, op, s, algo); });
             if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -176,6 +240,10 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
       }
     }
   }
+  if (const int large = check_large(host, nv, s, cases); large != 0) {
+    if (large < 0) return 1;
+    wrong += large;
+  }
   // Every rank's verdict, so that rank 0's line speaks for all.
   std::int32_t mine = wrong, total = 0;
   if (Status st = host.all_reduce(&mine, &total, 1, DataType::kI32, RedOp::kSum); !st) {
@@ -185,7 +253,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
   if (me == 0)
     fmt::print(
         "check: {} ranks, {} cases per rank (types x reductions x low-latency/one-shot/two-shot/"
-        "nccl x sizes x in place/out of place x eager/graph): {}\n",
+        "nccl x sizes x in place/out of place x eager/graph, and 1 GiB sums): {}\n",
         p, cases, total == 0 ? "every element right" : fmt::format("{} cases WRONG", total));
   return total == 0 ? 0 : 1;
 }

@@ -207,7 +207,9 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   if (!all_ok)
     return Status(ErrorCode::kUnavailable, "nvlink: another rank could not map the GPU memory");
 #ifdef R2CCL_HAVE_NCCL
-  if (options.nccl_min_bytes > 0) {
+  // One rank has nothing to exchange: no NCCL (whose one-rank average also left the tail of
+  // unaligned buffers unwritten in 2.28.3).
+  if (options.nccl_min_bytes > 0 && p > 1) {
     ncclUniqueId id{};
     Status made =
         c->rank_ == 0 ? nccl_status(ncclGetUniqueId(&id), "ncclGetUniqueId") : Status::ok();
@@ -296,8 +298,11 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
                                        static_cast<ncclComm_t>(nccl_), stream),
                          "nvlink all-reduce: ncclAllReduce");
 #endif
-    return {ErrorCode::kInvalidArgument,
-            "nvlink all-reduce: NCCL was not set up (NvlinkComm::Options::nccl_min_bytes)"};
+    if (algo == NvlinkAlgo::kNccl)
+      return {ErrorCode::kInvalidArgument,
+              size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
+                         : std::string("nvlink all-reduce: NCCL was not set up "
+                                       "(NvlinkComm::Options::nccl_min_bytes)")};
   }
   const bool low_latency = algo == NvlinkAlgo::kLowLatency ||
                            (algo == NvlinkAlgo::kAuto && count * elem <= options_.low_latency_max);
