@@ -237,8 +237,10 @@ def test_job_starts_with_two_nics_of_a_host_down(perf, tmp_path):
         assert sorted({e["peer"] for e in back}) == [0, 2, 3], events
         assert all(e["wall_ns"] >= up_at for e in back), (up_at, back)
     rows = [json.loads(line) for line in open(f"{ev}.rank1") if '"final"' in line]
-    assert rows and all(r["state"] == "up" for r in rows), rows
-    for nic in ("eth3", "eth4"):
+    # Every rail in use at the end: up, or judged degraded (a verdict on measured rates, which a
+    # loaded 2-core machine under a sanitizer can bring about), but carrying traffic either way.
+    assert rows and all(r["state"] in ("up", "degraded") for r in rows), rows
+    for nic in ("eth1", "eth2", "eth3", "eth4"):
         assert sum(r["tx_bytes"] for r in rows if r["nic"] == nic) > 0, rows
     for nic in ("eth1", "eth2"):
         assert not [e for e in events if e["nic"] == nic and e["kind"] == "failed"], events
