@@ -24,7 +24,6 @@
 #include "r2ccl/coll/gpu/nvlink.h"
 #include "r2ccl/coll/reduce.h"
 #include "r2ccl/coll/verify.h"
-#include "r2ccl/runtime/bootstrap.h"
 #include "r2ccl/runtime/config.h"
 
 namespace {
@@ -96,6 +95,21 @@ Status run_on(cudaStream_t s, bool graph, const std::function<Status()>& call) {
   return st;
 }
 
+// `in` into `src`, then `call` on `s`, then the kernels' error word, then `dst` into `out`.
+Status round_trip(gpu::NvlinkComm& nv, cudaStream_t s, void* src, const std::vector<std::byte>& in,
+                  const void* dst, std::vector<std::byte>& out,
+                  const std::function<Status()>& call) {
+  R2CCL_RETURN_IF_ERROR(
+      cuda(cudaMemcpy(src, in.data(), in.size(), cudaMemcpyHostToDevice), "copy in"));
+  // A copy from pageable memory may return before its data lands, and the all-reduce runs on a
+  // stream that does not wait for the legacy one.
+  R2CCL_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+  R2CCL_RETURN_IF_ERROR(call());
+  R2CCL_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
+  R2CCL_RETURN_IF_ERROR(nv.check());
+  return cuda(cudaMemcpy(out.data(), dst, out.size(), cudaMemcpyDeviceToHost), "copy out");
+}
+
 // 1 GiB and a few elements, float and bfloat16 sums, every algorithm: the largest size, checked
 // element by element (the values are small whole numbers, so every sum is exact).
 int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
@@ -131,15 +145,9 @@ int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& ca
     for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
                                  gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
       if (algo == gpu::NvlinkAlgo::kNccl && (!gpu::nccl_built() || p == 1)) continue;
-      Status st = cuda(cudaMemcpy(src.p, in.data(), count * e, cudaMemcpyHostToDevice), "copy in");
-      // A copy from pageable memory may return before its data lands, and the all-reduce runs on
-      // a stream that does not wait for the legacy one.
-      if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      if (st) st = nv.all_reduce(src.p, dst.p, count, t, RedOp::kSum, s, algo);
-      if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-      if (st) st = nv.check();
-      if (st)
-        st = cuda(cudaMemcpy(got.data(), dst.p, count * e, cudaMemcpyDeviceToHost), "copy out");
+      Status st = round_trip(nv, s, src.p, in, dst.p, got, [&] {
+        return nv.all_reduce(src.p, dst.p, count, t, RedOp::kSum, s, algo);
+      });
       ++cases;
       if (!st) {
         fmt::print(stderr, "rank {}: {} sum {} count {}: {}\n", me, r2ccl::coll::type_name(t),
@@ -199,15 +207,10 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
             DeviceMem a(count * e + 64), b(count * e + 64);
             auto* src = static_cast<std::byte*>(a.p) + shift;
             auto* dst = in_place ? src : static_cast<std::byte*>(b.p) + shift;
-            Status st =
-                cuda(cudaMemcpy(src, in.data(), count * e, cudaMemcpyHostToDevice), "copy in");
-            if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // as above
-            if (st)
-              st = run_on(s, graph, [&] { return nv.all_reduce(src, dst, count, t, op, s, algo); });
-            if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-            if (st) st = nv.check();
-            if (st)
-              st = cuda(cudaMemcpy(got.data(), dst, count * e, cudaMemcpyDeviceToHost), "copy out");
+            Status st = round_trip(nv, s, src, in, dst, got, [&] {
+              return run_on(s, graph,
+                            [&] { return nv.all_reduce(src, dst, count, t, op, s, algo); });
+            });
             ++cases;
             std::string what =
                 fmt::format("{} {} {} count {} {}{}", r2ccl::coll::type_name(t),
@@ -420,19 +423,9 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "r2ccl-gpu-perf: {}\n", st.message());
     return 77;
   }
-  auto cfg = r2ccl::parse_config(r2ccl::process_env());
-  if (!cfg) {
-    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", cfg.status().message());
-    return 2;
-  }
-  auto boot = r2ccl::BootstrapOptions::from_config(*cfg);
-  if (!boot) {
-    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", boot.status().message());
-    return 2;
-  }
-  auto host = Communicator::create(*cfg, *boot);
+  auto host = Communicator::from_env();
   if (!host) {
-    fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", boot->rank, host.status().to_string());
+    fmt::print(stderr, "r2ccl-gpu-perf: {}\n", host.status().to_string());
     return 2;
   }
   int ndev = 0;

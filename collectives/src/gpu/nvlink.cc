@@ -225,36 +225,35 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   return c;
 }
 
-void NvlinkComm::release_nccl() {
+void NvlinkComm::unmap_peers() {
 #ifdef R2CCL_HAVE_NCCL
   if (nccl_) (void)ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
 #endif
   nccl_ = nullptr;
-}
-
-NvlinkComm::~NvlinkComm() {
-  if (closed_) return;
-  release_nccl();
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && peers_[static_cast<std::size_t>(r)])
       (void)cudaIpcCloseMemHandle(peers_[static_cast<std::size_t>(r)]);
+  peers_.fill(nullptr);
+}
+
+void NvlinkComm::free_mine() {
   if (mine_) (void)cudaFree(mine_);
   if (counters_) (void)cudaFree(counters_);
+  mine_ = nullptr;
+  counters_ = nullptr;
+}
+
+NvlinkComm::~NvlinkComm() {
+  unmap_peers();
+  free_mine();
 }
 
 Status NvlinkComm::close() {
   if (closed_) return Status::ok();
   Status st = cuda_status(cudaDeviceSynchronize(), "nvlink close: cudaDeviceSynchronize");
-  release_nccl();
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_ && peers_[static_cast<std::size_t>(r)])
-      (void)cudaIpcCloseMemHandle(peers_[static_cast<std::size_t>(r)]);
-  peers_.fill(nullptr);
-  Status b = host_->barrier();
-  if (mine_) (void)cudaFree(mine_);
-  if (counters_) (void)cudaFree(counters_);
-  mine_ = nullptr;
-  counters_ = nullptr;
+  unmap_peers();
+  Status b = host_->barrier();  // every peer has unmapped this rank's memory
+  free_mine();
   closed_ = true;
   if (!st) return st;
   return b.with_context("nvlink close: the barrier before freeing");

@@ -64,7 +64,7 @@ template <class T, RedOp Op>
 cudaError_t launch(const ReduceArgs& a, cudaStream_t stream) {
   constexpr unsigned kThreads = 512;
   constexpr std::size_t kMaxBlocks = 1024;  // the grid-stride loop covers the rest
-  const std::size_t units = a.vector ? (a.count + 16 / sizeof(T) - 1) / (16 / sizeof(T)) : a.count;
+  const std::size_t units = a.vector ? (a.count + kPack<T> - 1) / kPack<T> : a.count;
   std::size_t blocks = (units + kThreads - 1) / kThreads;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   if (blocks == 0) blocks = 1;

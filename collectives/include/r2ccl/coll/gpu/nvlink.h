@@ -98,7 +98,8 @@ class NvlinkComm {
 
  private:
   NvlinkComm() = default;
-  void release_nccl();
+  void unmap_peers();  // and NCCL's communicator
+  void free_mine();
   Communicator* host_ = nullptr;
   int rank_ = 0, size_ = 1, device_ = 0;
   Options options_;
