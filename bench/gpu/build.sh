@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds what runs on the GPU machines (device tool) into build-gpu/: the default build type
+# Builds what runs on the GPU machines (device tool) into build-gpu/: the GPU tests,
+# r2ccl-gpu-perf and libr2ccl.so (for the Python package), the default build type
 # (ccache then shares the objects of build/), Hopper code (sm_90), debug information stripped;
 # then copies the shared libraries the binaries need that the GPU machines' image lacks
 # into build-gpu/carry-lib (glibc, libstdc++ and libgcc stay: the image's are newer; so does
@@ -9,16 +10,20 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=$root/build-gpu
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(gpu_reduce_test r2ccl-gpu-perf)
+[[ ${#targets[@]} -gt 0 ]] || targets=(gpu_reduce_test r2ccl-gpu-perf r2ccl)
 cmake -S "$root" -B "$build" -G Ninja -DR2CCL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 cmake --build "$build" --target "${targets[@]}"
+files=()
 for t in "${targets[@]}"; do
-  objcopy --strip-debug "$build/bin/$t"
+  if [[ $t == r2ccl ]]; then files+=("$build/lib/libr2ccl.so.0.1"); else files+=("$build/bin/$t"); fi
+done
+for f in "${files[@]}"; do
+  objcopy --strip-debug "$(readlink -f "$f")"
 done
 rm -rf "$build/carry-lib"
 mkdir -p "$build/carry-lib"
-for t in "${targets[@]}"; do
-  ldd "$build/bin/$t" | awk '$3 ~ /^\// {print $3}'
+for f in "${files[@]}"; do
+  ldd "$f" | awk '$3 ~ /^\// {print $3}'
 done | sort -u | while read -r lib; do
   case $(basename "$lib") in
     libc.so.* | libm.so.* | libstdc++.so.* | libgcc_s.so.* | ld-linux* | libpthread.so.* | \
@@ -26,4 +31,4 @@ done | sort -u | while read -r lib; do
     *) cp -L "$lib" "$build/carry-lib/" ;;
   esac
 done
-du -sh "$build/bin" "$build/carry-lib"
+du -sh "$build/bin" "$build/lib" "$build/carry-lib"

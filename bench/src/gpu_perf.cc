@@ -67,6 +67,23 @@ double value(std::size_t i, int rank, DataType t) {
   return static_cast<double>(k - 7) * 0.25;
 }
 
+// The exact reduction over p ranks of value_of(rank), as type t holds it.
+template <class ValueOf>
+double reduced(DataType t, RedOp op, int p, ValueOf value_of) {
+  double acc = value_of(0);
+  for (int r = 1; r < p; ++r) {
+    const double v = value_of(r);
+    acc = op == RedOp::kMin    ? std::min(acc, v)
+          : op == RedOp::kMax  ? std::max(acc, v)
+          : op == RedOp::kProd ? acc * v
+                               : acc + v;
+  }
+  if (op == RedOp::kAvg) acc /= p;
+  if (t == DataType::kU8)
+    acc = static_cast<double>(static_cast<std::uint8_t>(static_cast<std::int64_t>(acc)));
+  return acc;
+}
+
 struct DeviceMem {
   void* p = nullptr;
   explicit DeviceMem(std::size_t bytes) { (void)cudaMalloc(&p, std::max<std::size_t>(bytes, 16)); }
@@ -110,6 +127,23 @@ Status round_trip(gpu::NvlinkComm& nv, cudaStream_t s, void* src, const std::vec
   return cuda(cudaMemcpy(out.data(), dst, out.size(), cudaMemcpyDeviceToHost), "copy out");
 }
 
+// Where a case's elements differ from what they should be: (bad count, first bad index).
+std::pair<std::size_t, std::size_t> compare(const std::vector<std::byte>& got,
+                                            const std::vector<std::byte>& want, DataType t,
+                                            bool fuzzy) {
+  const std::size_t e = r2ccl::coll::type_size(t), count = got.size() / e;
+  std::size_t bad = 0, first_bad = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double g = r2ccl::coll::get_element(got.data(), i, t);
+    const double w = r2ccl::coll::get_element(want.data(), i, t);
+    if (fuzzy ? std::fabs(g - w) > 0.02
+              : std::memcmp(got.data() + i * e, want.data() + i * e, e) != 0) {
+      if (bad++ == 0) first_bad = i;
+    }
+  }
+  return {bad, first_bad};
+}
+
 // 1 GiB and a few elements, float and bfloat16 sums, every algorithm: the largest size, checked
 // element by element (the values are small whole numbers, so every sum is exact).
 int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
@@ -144,7 +178,7 @@ int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& ca
     }
     for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
                                  gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
-      if (algo == gpu::NvlinkAlgo::kNccl && (!gpu::nccl_built() || p == 1)) continue;
+      if (algo == gpu::NvlinkAlgo::kNccl && (!nv.has_nccl() || p == 1)) continue;
       Status st = round_trip(nv, s, src.p, in, dst.p, got, [&] {
         return nv.all_reduce(src.p, dst.p, count, t, RedOp::kSum, s, algo);
       });
@@ -167,7 +201,139 @@ int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& ca
   return wrong;
 }
 
-int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
+enum class Op { kAllGather, kReduceScatter, kBroadcast, kReduce, kSendRecv };
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kAllGather:
+      return "all-gather";
+    case Op::kReduceScatter:
+      return "reduce-scatter";
+    case Op::kBroadcast:
+      return "broadcast";
+    case Op::kReduce:
+      return "reduce";
+    case Op::kSendRecv:
+      return "send/recv";
+  }
+  return "?";
+}
+
+// All-gather, reduce-scatter, broadcast, reduce (root: the last rank) and send/recv round a ring,
+// every type (and reduction), sizes from 0 to several staging chunks, in place and out of place,
+// eager and from a CUDA graph; every element compared. Returns the cases wrong (-1: an error).
+int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const char* engine,
+              int& cases) {
+  const int p = host.size(), me = host.rank(), root = p - 1;
+  const int next = (me + 1) % p, prev = (me + p - 1) % p;
+  const std::size_t counts[] = {0, 1, 7, 1000, 65536 + 5, (std::size_t{3} << 17) + 7};
+  int wrong = 0;
+  for (Op kind : {Op::kAllGather, Op::kReduceScatter, Op::kBroadcast, Op::kReduce, Op::kSendRecv}) {
+    if (kind == Op::kSendRecv && (p == 1 || !nv.has_nccl())) continue;
+    const bool reducing = kind == Op::kReduceScatter || kind == Op::kReduce;
+    for (DataType t : r2ccl::coll::kAllTypes) {
+      const std::size_t e = r2ccl::coll::type_size(t);
+      for (RedOp op : {RedOp::kSum, RedOp::kProd, RedOp::kMin, RedOp::kMax, RedOp::kAvg}) {
+        if (!reducing && op != RedOp::kSum) continue;
+        if (op == RedOp::kAvg && !r2ccl::coll::is_float(t)) continue;
+        if (op == RedOp::kProd && p > 4) continue;
+        for (std::size_t n : counts) {
+          for (int variant = 0; variant < 4; ++variant) {
+            const bool in_place = variant & 1, graph = variant & 2;
+            if (in_place && kind == Op::kSendRecv) continue;
+            const std::size_t np = n * static_cast<std::size_t>(p);
+            const std::size_t in_n = kind == Op::kReduceScatter ? np : n;
+            const std::size_t out_n = kind == Op::kAllGather ? np : n;
+            std::vector<std::byte> in(in_n * e), want(out_n * e), got(out_n * e);
+            for (std::size_t i = 0; i < in_n; ++i)
+              r2ccl::coll::set_element(in.data(), i, t, value(i, me, t));
+            for (std::size_t i = 0; i < out_n; ++i) {
+              double w = 0;
+              switch (kind) {
+                case Op::kAllGather:
+                  w = value(i % (n ? n : 1), static_cast<int>(i / (n ? n : 1)), t);
+                  break;
+                case Op::kReduceScatter:
+                  w = reduced(t, op, p, [&](int r) { return value(me * n + i, r, t); });
+                  break;
+                case Op::kBroadcast:
+                  w = value(i, root, t);
+                  break;
+                case Op::kReduce:
+                  w = me == root ? reduced(t, op, p, [&](int r) { return value(i, r, t); })
+                      : in_place ? value(i, me, t)
+                                 : 0;
+                  break;
+                case Op::kSendRecv:
+                  w = value(i, prev, t);
+                  break;
+              }
+              r2ccl::coll::set_element(want.data(), i, t, w);
+            }
+            const std::size_t shift = n % 2 == 1 ? e : 0;
+            const std::size_t bytes = std::max(in_n, out_n) * e + 64;
+            DeviceMem a(bytes), b(bytes);
+            (void)cudaMemset(a.p, 0, bytes);
+            (void)cudaMemset(b.p, 0, bytes);
+            std::byte* src = static_cast<std::byte*>(a.p) + shift;
+            std::byte* dst = static_cast<std::byte*>(b.p) + shift;
+            if (in_place) {
+              if (kind == Op::kAllGather)
+                src = dst + static_cast<std::size_t>(me) * n * e;
+              else if (kind == Op::kReduceScatter)
+                dst = src + static_cast<std::size_t>(me) * n * e;
+              else
+                dst = src;
+            }
+            Status st = round_trip(nv, s, src, in, dst, got, [&] {
+              return run_on(s, graph, [&]() -> Status {
+                switch (kind) {
+                  case Op::kAllGather:
+                    return nv.all_gather(src, dst, n, t, s);
+                  case Op::kReduceScatter:
+                    return nv.reduce_scatter(src, dst, n, t, op, s);
+                  case Op::kBroadcast:
+                    return nv.broadcast(src, dst, n, t, root, s);
+                  case Op::kReduce:
+                    return nv.reduce(src, dst, n, t, op, root, s);
+                  case Op::kSendRecv:
+                    break;
+                }
+                R2CCL_RETURN_IF_ERROR(nv.group_start());
+                Status a1 = nv.send(src, n, t, next, s);
+                Status a2 = nv.recv(dst, n, t, prev, s);
+                Status end = nv.group_end();
+                R2CCL_RETURN_IF_ERROR(a1);
+                R2CCL_RETURN_IF_ERROR(a2);
+                return end;
+              });
+            });
+            ++cases;
+            const std::string what =
+                fmt::format("{} ({}) {} {} count {} {}{}", op_name(kind), engine,
+                            r2ccl::coll::type_name(t), r2ccl::coll::redop_name(op), n,
+                            in_place ? "in place" : "out of place", graph ? ", graph" : "");
+            if (!st) {
+              fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
+              return -1;
+            }
+            const auto [bad, first_bad] = compare(got, want, t, op == RedOp::kAvg && e == 2);
+            if (bad > 0) {
+              ++wrong;
+              fmt::print(stderr,
+                         "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
+                         me, what, bad, out_n, first_bad,
+                         r2ccl::coll::get_element(got.data(), first_bad, t),
+                         r2ccl::coll::get_element(want.data(), first_bad, t));
+            }
+          }
+        }
+      }
+    }
+  }
+  return wrong;
+}
+
+int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s) {
   const int p = host.size(), me = host.rank();
   const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
   const std::size_t counts[] = {0, 1, 7, 1000, 8192 + 3, 65536 + 5, chunked};
@@ -178,7 +344,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
       if (op == RedOp::kAvg && !r2ccl::coll::is_float(t)) continue;
       for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
                                    gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kNccl}) {
-        if (algo == gpu::NvlinkAlgo::kNccl && (!gpu::nccl_built() || p == 1)) continue;
+        if (algo == gpu::NvlinkAlgo::kNccl && (!nv.has_nccl() || p == 1)) continue;
         for (std::size_t count : counts) {
           for (int variant = 0; variant < 4; ++variant) {
             const bool in_place = variant & 1, graph = variant & 2;
@@ -187,18 +353,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
             std::vector<std::byte> in(count * e), want(count * e), got(count * e);
             for (std::size_t i = 0; i < count; ++i) {
               r2ccl::coll::set_element(in.data(), i, t, value(i, me, t));
-              double acc = value(i, 0, t);
-              for (int r = 1; r < p; ++r) {
-                const double v = value(i, r, t);
-                acc = op == RedOp::kMin    ? std::min(acc, v)
-                      : op == RedOp::kMax  ? std::max(acc, v)
-                      : op == RedOp::kProd ? acc * v
-                                           : acc + v;
-              }
-              if (op == RedOp::kAvg) acc /= p;
-              if (t == DataType::kU8)
-                acc =
-                    static_cast<double>(static_cast<std::uint8_t>(static_cast<std::int64_t>(acc)));
+              const double acc = reduced(t, op, p, [&](int r) { return value(i, r, t); });
               r2ccl::coll::set_element(want.data(), i, t, acc);
             }
             // One element off the allocation's alignment where the count allows, to walk the
@@ -220,16 +375,8 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
               fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
               return 1;
             }
-            const bool fuzzy = op == RedOp::kAvg && e == 2;  // a mean rounds in 16 bits
-            std::size_t bad = 0, first_bad = 0;
-            for (std::size_t i = 0; i < count; ++i) {
-              const double g = r2ccl::coll::get_element(got.data(), i, t);
-              const double w = r2ccl::coll::get_element(want.data(), i, t);
-              if (fuzzy ? std::fabs(g - w) > 0.02
-                        : std::memcmp(got.data() + i * e, want.data() + i * e, e) != 0) {
-                if (bad++ == 0) first_bad = i;
-              }
-            }
+            // A mean rounds in 16 bits.
+            const auto [bad, first_bad] = compare(got, want, t, op == RedOp::kAvg && e == 2);
             if (bad > 0) {
               ++wrong;
               fmt::print(stderr,
@@ -247,6 +394,17 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
     if (large < 0) return 1;
     wrong += large;
   }
+  if (const int others = check_ops(host, nv, s, "kernels", cases); others != 0) {
+    if (others < 0) return 1;
+    wrong += others;
+  }
+  // The same through NCCL, where there is NCCL: a communicator that hands it every size.
+  if (nccl) {
+    if (const int others = check_ops(host, *nccl, s, "nccl", cases); others != 0) {
+      if (others < 0) return 1;
+      wrong += others;
+    }
+  }
   // Every rank's verdict, so that rank 0's line speaks for all.
   std::int32_t mine = wrong, total = 0;
   if (Status st = host.all_reduce(&mine, &total, 1, DataType::kI32, RedOp::kSum); !st) {
@@ -255,8 +413,10 @@ int check(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s) {
   }
   if (me == 0)
     fmt::print(
-        "check: {} ranks, {} cases per rank (types x reductions x low-latency/one-shot/two-shot/"
-        "nccl x sizes x in place/out of place x eager/graph, and 1 GiB sums): {}\n",
+        "check: {} ranks, {} cases per rank (all-reduce: types x reductions x low-latency/"
+        "one-shot/two-shot/nccl x sizes x in place/out of place x eager/graph, and 1 GiB sums; "
+        "all-gather, reduce-scatter, broadcast, reduce, send/recv: the same on the kernels and "
+        "on NCCL): {}\n",
         p, cases, total == 0 ? "every element right" : fmt::format("{} cases WRONG", total));
   return total == 0 ? 0 : 1;
 }
@@ -439,13 +599,21 @@ int main(int argc, char** argv) {
     gpu::NvlinkComm::Options small;
     small.staging_bytes = std::size_t{256} << 10;  // so that the largest case takes several chunks
     small.low_latency_max = std::size_t{64} << 10;
-    if (gpu::nccl_built()) small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
+    small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
     auto nv = gpu::NvlinkComm::create(**host, device, small);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
       return 1;
     }
-    rc = check(**host, **nv, s);
+    gpu::NvlinkComm::Options all_nccl = small;
+    all_nccl.nccl_min_bytes = 1;
+    auto nc = gpu::NvlinkComm::create(**host, device, all_nccl);
+    if (!nc) {
+      fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nc.status().to_string());
+      return 1;
+    }
+    rc = check(**host, **nv, (*nc)->has_nccl() ? nc->get() : nullptr, s);
+    if (Status st = (*nc)->close(); !st) rc = 1;
     if (Status st = (*nv)->close(); !st) rc = 1;
   }
   if (o.bench && rc == 0) {

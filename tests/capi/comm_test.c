@@ -247,6 +247,21 @@ static void* rank_main(void* arg) {
   refused(rank, comm, "a stream",
           r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, comm, (r2cclStream_t)send),
           r2cclInvalidArgument, "stream must be NULL");
+  {
+    /* Device memory: where this library has none (no CUDA in the build, or no device here),
+     * setting up a communicator's GPU side is refused on every rank and says why. */
+    int cuda = -1;
+    OK(rank, NULL, r2cclGetCudaSupport(&cuda));
+    if (cuda != 0 && cuda != 1) failed(rank, "r2cclGetCudaSupport", "neither 0 nor 1");
+    refused(rank, NULL, "r2cclGetCudaSupport(NULL)", r2cclGetCudaSupport(NULL),
+            r2cclInvalidArgument, "supported is NULL");
+    if (cuda == 0) {
+      const r2cclResult_t r = r2cclCommBindDevice(comm, 0);
+      if (r == r2cclSuccess) failed(rank, "r2cclCommBindDevice", "succeeded without CUDA");
+      if (strstr(r2cclGetLastError(comm), "CUDA") == NULL)
+        failed(rank, "r2cclCommBindDevice", r2cclGetLastError(comm));
+    }
+  }
   refused(rank, NULL, "a NULL communicator",
           r2cclAllReduce(send, recv, COUNT, r2cclFloat32, r2cclSum, NULL, NULL),
           r2cclInvalidArgument, "comm is NULL");

@@ -10,18 +10,18 @@
 #include "r2ccl/coll/gpu/device.h"
 
 #ifdef R2CCL_HAVE_NCCL
-#include <nccl.h>
+#include "nccl_api.h"
 #endif
 
 namespace r2ccl::coll::gpu {
 
 static_assert(kMaxNvlinkRanks == detail::kNvlinkRanks && kMaxNvlinkBlocks == detail::kNvlinkBlocks);
 
-bool nccl_built() {
+Status nccl_available() {
 #ifdef R2CCL_HAVE_NCCL
-  return true;
+  return detail::nccl().status();
 #else
-  return false;
+  return {ErrorCode::kUnavailable, "this build of r2ccl has no NCCL (nccl.h was not found)"};
 #endif
 }
 
@@ -43,49 +43,6 @@ std::string_view nvlink_algo_name(NvlinkAlgo a) {
 
 namespace {
 
-#ifdef R2CCL_HAVE_NCCL
-Status nccl_status(ncclResult_t r, std::string_view what) {
-  if (r == ncclSuccess) return Status::ok();
-  return {ErrorCode::kInternal, fmt::format("{}: {}", what, ncclGetErrorString(r))};
-}
-
-ncclDataType_t nccl_type(DataType t) {
-  switch (t) {
-    case DataType::kF32:
-      return ncclFloat32;
-    case DataType::kF16:
-      return ncclFloat16;
-    case DataType::kBF16:
-      return ncclBfloat16;
-    case DataType::kF64:
-      return ncclFloat64;
-    case DataType::kI32:
-      return ncclInt32;
-    case DataType::kI64:
-      return ncclInt64;
-    case DataType::kU8:
-      return ncclUint8;
-  }
-  return ncclUint8;
-}
-
-ncclRedOp_t nccl_op(RedOp op) {
-  switch (op) {
-    case RedOp::kSum:
-      return ncclSum;
-    case RedOp::kProd:
-      return ncclProd;
-    case RedOp::kMin:
-      return ncclMin;
-    case RedOp::kMax:
-      return ncclMax;
-    case RedOp::kAvg:
-      return ncclAvg;
-  }
-  return ncclSum;
-}
-#endif
-
 // What each rank tells the others when the communicator is made.
 struct Card {
   cudaIpcMemHandle_t handle{};
@@ -95,7 +52,8 @@ struct Card {
   std::uint64_t nccl_min_bytes = 0;
   std::int32_t blocks = 0;
   std::int32_t low_latency_blocks = 0;
-  std::int32_t ok = 0;  // 0: this rank could not allocate (the others then fail too)
+  std::int32_t ok = 0;    // 0: this rank could not allocate (the others then fail too)
+  std::int32_t nccl = 0;  // NCCL loads here
 };
 
 }  // namespace
@@ -115,9 +73,6 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   options.low_latency_max = std::max<std::size_t>(options.low_latency_max / 16 * 16, 16);
   if (options.one_shot_max == 0)
     options.one_shot_max = p <= 2 ? std::size_t{32} << 20 : std::size_t{1} << 20;
-  if (options.nccl_min_bytes > 0 && !nccl_built())
-    return Status(ErrorCode::kUnavailable,
-                  "nvlink: nccl_min_bytes is set, but this build of r2ccl has no NCCL");
   std::unique_ptr<NvlinkComm> c(new NvlinkComm());
   c->host_ = &host;
   c->rank_ = host.rank();
@@ -160,6 +115,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
     std::memcpy(card.uuid, prop.uuid.bytes, sizeof card.uuid);
     card.ok = 1;
   }
+  card.nccl = p > 1 && nccl_available().is_ok() ? 1 : 0;
   std::vector<Card> cards(static_cast<std::size_t>(p));
   R2CCL_RETURN_IF_ERROR(host.all_gather(&card, cards.data(), sizeof(Card), DataType::kU8)
                             .with_context("nvlink: exchanging the IPC handles"));
@@ -207,18 +163,21 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   if (!all_ok)
     return Status(ErrorCode::kUnavailable, "nvlink: another rank could not map the GPU memory");
 #ifdef R2CCL_HAVE_NCCL
-  // One rank has nothing to exchange: no NCCL (whose one-rank average also left the tail of
-  // unaligned buffers unwritten in 2.28.3).
-  if (options.nccl_min_bytes > 0 && p > 1) {
+  // NCCL where every rank has it. One rank has nothing to exchange: no NCCL (whose one-rank
+  // average also left the tail of unaligned buffers unwritten in 2.28.3).
+  bool everyone_nccl = true;
+  for (const Card& k : cards)
+    everyone_nccl = everyone_nccl && k.nccl != 0;
+  if (everyone_nccl) {
+    const detail::Nccl* n = *detail::nccl();
     ncclUniqueId id{};
-    Status made =
-        c->rank_ == 0 ? nccl_status(ncclGetUniqueId(&id), "ncclGetUniqueId") : Status::ok();
-    R2CCL_RETURN_IF_ERROR(made.with_context("nvlink: NCCL for large calls"));
+    Status made = c->rank_ == 0 ? n->check(n->GetUniqueId(&id), "ncclGetUniqueId") : Status::ok();
+    R2CCL_RETURN_IF_ERROR(made.with_context("nvlink: NCCL"));
     R2CCL_RETURN_IF_ERROR(host.broadcast(&id, &id, sizeof id, DataType::kU8, 0)
                               .with_context("nvlink: handing out NCCL's unique id"));
     ncclComm_t comm = nullptr;
     R2CCL_RETURN_IF_ERROR(
-        nccl_status(ncclCommInitRank(&comm, p, id, c->rank_), "nvlink: ncclCommInitRank"));
+        n->check(n->CommInitRank(&comm, p, id, c->rank_), "nvlink: ncclCommInitRank"));
     c->nccl_ = comm;
   }
 #endif
@@ -227,7 +186,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
 
 void NvlinkComm::unmap_peers() {
 #ifdef R2CCL_HAVE_NCCL
-  if (nccl_) (void)ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
+  if (nccl_) (void)(*detail::nccl())->CommDestroy(static_cast<ncclComm_t>(nccl_));
 #endif
   nccl_ = nullptr;
   for (int r = 0; r < size_; ++r)
@@ -274,64 +233,242 @@ Status NvlinkComm::check() const {
           std::chrono::duration_cast<std::chrono::milliseconds>(host_->config().timeout).count())};
 }
 
+#ifdef R2CCL_HAVE_NCCL
+#define R2CCL_NCCL_CALL(what, fn, ...)                                                   \
+  do {                                                                                   \
+    const detail::Nccl* n_ = *detail::nccl();                                            \
+    return n_->check(n_->fn(__VA_ARGS__, static_cast<ncclComm_t>(nccl_), stream), what); \
+  } while (false)
+#else
+#define R2CCL_NCCL_CALL(what, fn, ...) \
+  return Status(ErrorCode::kInternal, fmt::format("{}: no NCCL in this build", what))
+#endif
+
+Status NvlinkComm::usable(const char* what) const {
+  if (closed_)
+    return {ErrorCode::kInvalidArgument, fmt::format("{}: the communicator is closed", what)};
+  return Status::ok();
+}
+
+Status NvlinkComm::device_buffer(const void* p, const char* what, const char* name) const {
+  const PointerInfo info = pointer_info(p);
+  if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the {} buffer is {} memory, not device memory", what, name,
+                        memory_kind_name(info.kind))};
+  return Status::ok();
+}
+
+void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
+  for (int r = 0; r < size_; ++r)
+    a.block[r] = peers_[static_cast<std::size_t>(r)];
+  a.counters = counters_;
+  a.rank = rank_;
+  a.nranks = size_;
+  a.staging_bytes = options_.staging_bytes;
+  a.ll_offset = detail::kFlagsBytes + 2 * options_.staging_bytes;
+  a.ll_bytes = 2 * options_.low_latency_max;
+  a.timeout_ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(host_->config().timeout).count());
+}
+
 Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
                               RedOp op, cudaStream_t stream, NvlinkAlgo algo) {
-  if (closed_)
-    return {ErrorCode::kInvalidArgument, "nvlink all-reduce: the communicator is closed"};
-  if (Status st = check_type_and_op(type, op); !st) return st.with_context("nvlink all-reduce");
+  const char* what = "nvlink all-reduce";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
   if (count == 0) return Status::ok();
-  for (const auto& [ptr, name] :
-       {std::pair{send, "send"}, std::pair<const void*, const char*>{recv, "receive"}}) {
-    const PointerInfo info = pointer_info(ptr);
-    if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged)
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("nvlink all-reduce: the {} buffer is {} memory, not device memory", name,
-                          memory_kind_name(info.kind))};
-  }
+  R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
+  R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t elem = type_size(type);
-  if (algo == NvlinkAlgo::kNccl ||
-      (algo == NvlinkAlgo::kAuto && nccl_ && count * elem >= options_.nccl_min_bytes)) {
-#ifdef R2CCL_HAVE_NCCL
+  if (algo == NvlinkAlgo::kNccl || (algo == NvlinkAlgo::kAuto && nccl_takes(count * elem))) {
     if (nccl_)
-      return nccl_status(ncclAllReduce(send, recv, count, nccl_type(type), nccl_op(op),
-                                       static_cast<ncclComm_t>(nccl_), stream),
-                         "nvlink all-reduce: ncclAllReduce");
-#endif
-    if (algo == NvlinkAlgo::kNccl)
-      return {ErrorCode::kInvalidArgument,
-              size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
-                         : std::string("nvlink all-reduce: NCCL was not set up "
-                                       "(NvlinkComm::Options::nccl_min_bytes)")};
+      R2CCL_NCCL_CALL("nvlink all-reduce: ncclAllReduce", AllReduce, send, recv, count,
+                      detail::nccl_type(type), detail::nccl_op(op));
+    return {ErrorCode::kInvalidArgument,
+            size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
+                       : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
+                                     nccl_available().message())};
   }
   const bool low_latency = algo == NvlinkAlgo::kLowLatency ||
                            (algo == NvlinkAlgo::kAuto && count * elem <= options_.low_latency_max);
   const std::size_t per_call =
       (low_latency ? options_.low_latency_max : options_.staging_bytes) / elem;
   detail::NvlinkArgs a;
-  for (int r = 0; r < size_; ++r)
-    a.block[r] = peers_[static_cast<std::size_t>(r)];
-  a.counters = counters_;
-  a.rank = rank_;
-  a.nranks = size_;
+  base_args(a);
   a.divide_by = op == RedOp::kAvg ? size_ : 0;
-  a.staging_bytes = options_.staging_bytes;
-  a.ll_offset = detail::kFlagsBytes + 2 * options_.staging_bytes;
-  a.ll_bytes = 2 * options_.low_latency_max;
-  a.timeout_ns = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(host_->config().timeout).count());
+  a.two_shot = algo == NvlinkAlgo::kTwoShot ||
+               (algo == NvlinkAlgo::kAuto && count * elem > options_.one_shot_max);
   for (std::size_t done = 0; done < count; done += per_call) {
     const std::size_t n = std::min(per_call, count - done);
     a.send = static_cast<const std::byte*>(send) + done * elem;
     a.recv = static_cast<std::byte*>(recv) + done * elem;
     a.count = n;
-    a.two_shot = algo == NvlinkAlgo::kTwoShot ||
-                 (algo == NvlinkAlgo::kAuto && count * elem > options_.one_shot_max);
     // Always each kernel's full grid: every thread block counts every call (nvlink_kernels.h).
     R2CCL_RETURN_IF_ERROR(cuda_status(
         low_latency ? detail::launch_low_latency(a, type, op, options_.low_latency_blocks, stream)
                     : detail::launch_nvlink(a, type, op, options_.blocks, stream),
         fmt::format("nvlink all-reduce of {} {} ({})", n, type_name(type), redop_name(op))));
   }
+  return Status::ok();
+}
+
+Status NvlinkComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
+                          int root, cudaStream_t stream) {
+  const char* what = "nvlink reduce";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
+  if (root < 0 || root >= size_)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: root {} is not a rank (0..{})", what, root, size_ - 1)};
+  if (count == 0) return Status::ok();
+  R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
+  if (rank_ == root) R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
+  const std::size_t elem = type_size(type);
+  if (nccl_takes(count * elem))
+    R2CCL_NCCL_CALL("nvlink reduce: ncclReduce", Reduce, send, recv, count, detail::nccl_type(type),
+                    detail::nccl_op(op), root);
+  detail::NvlinkArgs a;
+  base_args(a);
+  a.divide_by = op == RedOp::kAvg ? size_ : 0;
+  a.root = root;
+  const std::size_t per_call = options_.staging_bytes / elem;
+  for (std::size_t done = 0; done < count; done += per_call) {
+    a.send = static_cast<const std::byte*>(send) + done * elem;
+    a.recv = rank_ == root ? static_cast<std::byte*>(recv) + done * elem : nullptr;
+    a.count = std::min(per_call, count - done);
+    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_nvlink(a, type, op, options_.blocks, stream),
+                                      fmt::format("{} of {} {}", what, a.count, type_name(type))));
+  }
+  return Status::ok();
+}
+
+Status NvlinkComm::reduce_scatter(const void* send, void* recv, std::size_t recv_count,
+                                  DataType type, RedOp op, cudaStream_t stream) {
+  const char* what = "nvlink reduce-scatter";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
+  if (recv_count == 0) return Status::ok();
+  R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
+  R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
+  const std::size_t elem = type_size(type);
+  if (nccl_takes(recv_count * elem * static_cast<std::size_t>(size_)))
+    R2CCL_NCCL_CALL("nvlink reduce-scatter: ncclReduceScatter", ReduceScatter, send, recv,
+                    recv_count, detail::nccl_type(type), detail::nccl_op(op));
+  detail::NvlinkArgs a;
+  base_args(a);
+  a.divide_by = op == RedOp::kAvg ? size_ : 0;
+  a.stride = recv_count;
+  // Each rank's block of a call, in whole 16-byte units, must fit its share of a staging half.
+  const std::size_t per_call =
+      options_.staging_bytes / static_cast<std::size_t>(size_) / 16 * (16 / elem);
+  for (std::size_t done = 0; done < recv_count; done += per_call) {
+    a.send = static_cast<const std::byte*>(send) + done * elem;
+    a.recv = static_cast<std::byte*>(recv) + done * elem;
+    a.count = std::min(per_call, recv_count - done);
+    R2CCL_RETURN_IF_ERROR(
+        cuda_status(detail::launch_reduce_scatter(a, type, op, options_.blocks, stream),
+                    fmt::format("{} of {} {}", what, a.count, type_name(type))));
+  }
+  return Status::ok();
+}
+
+Status NvlinkComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
+                              cudaStream_t stream) {
+  const char* what = "nvlink all-gather";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (count == 0) return Status::ok();
+  R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
+  R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
+  const std::size_t bytes = count * type_size(type);
+  if (nccl_takes(bytes * static_cast<std::size_t>(size_)))
+    R2CCL_NCCL_CALL("nvlink all-gather: ncclAllGather", AllGather, send, recv, count,
+                    detail::nccl_type(type));
+  detail::NvlinkArgs a;
+  base_args(a);
+  a.stride = bytes;
+  for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
+    a.send = static_cast<const std::byte*>(send) + done;
+    a.recv = static_cast<std::byte*>(recv) + done;
+    a.count = std::min(options_.staging_bytes, bytes - done);
+    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
+                                      fmt::format("{} of {} bytes", what, a.count)));
+  }
+  return Status::ok();
+}
+
+Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, DataType type,
+                             int root, cudaStream_t stream) {
+  const char* what = "nvlink broadcast";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (root < 0 || root >= size_)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: root {} is not a rank (0..{})", what, root, size_ - 1)};
+  if (count == 0) return Status::ok();
+  if (rank_ == root) R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
+  R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
+  const std::size_t bytes = count * type_size(type);
+  if (nccl_takes(bytes))
+    R2CCL_NCCL_CALL("nvlink broadcast: ncclBroadcast", Broadcast, send, recv, count,
+                    detail::nccl_type(type), root);
+  detail::NvlinkArgs a;
+  base_args(a);
+  a.root = root;
+  for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
+    a.send = rank_ == root ? static_cast<const std::byte*>(send) + done : nullptr;
+    a.recv = static_cast<std::byte*>(recv) + done;
+    a.count = std::min(options_.staging_bytes, bytes - done);
+    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
+                                      fmt::format("{} of {} bytes", what, a.count)));
+  }
+  return Status::ok();
+}
+
+Status NvlinkComm::send(const void* buf, std::size_t count, DataType type, int peer,
+                        cudaStream_t stream) {
+  const char* what = "nvlink send";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: peer {} is not another rank (0..{}, not {})", what, peer, size_ - 1,
+                        rank_)};
+  if (nccl_ == nullptr)
+    return {ErrorCode::kUnavailable,
+            fmt::format("{}: device memory goes point to point over NCCL, and there is none on "
+                        "every rank ({})",
+                        what, nccl_available().message())};
+  if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, "send"));
+  R2CCL_NCCL_CALL("nvlink send: ncclSend", Send, buf, count, detail::nccl_type(type), peer);
+}
+
+Status NvlinkComm::recv(void* buf, std::size_t count, DataType type, int peer,
+                        cudaStream_t stream) {
+  const char* what = "nvlink recv";
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: peer {} is not another rank (0..{}, not {})", what, peer, size_ - 1,
+                        rank_)};
+  if (nccl_ == nullptr)
+    return {ErrorCode::kUnavailable,
+            fmt::format("{}: device memory goes point to point over NCCL, and there is none on "
+                        "every rank ({})",
+                        what, nccl_available().message())};
+  if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, "receive"));
+  R2CCL_NCCL_CALL("nvlink recv: ncclRecv", Recv, buf, count, detail::nccl_type(type), peer);
+}
+
+Status NvlinkComm::group_start() {
+#ifdef R2CCL_HAVE_NCCL
+  if (nccl_) return (*detail::nccl())->check((*detail::nccl())->GroupStart(), "ncclGroupStart");
+#endif
+  return Status::ok();
+}
+
+Status NvlinkComm::group_end() {
+#ifdef R2CCL_HAVE_NCCL
+  if (nccl_) return (*detail::nccl())->check((*detail::nccl())->GroupEnd(), "ncclGroupEnd");
+#endif
   return Status::ok();
 }
 

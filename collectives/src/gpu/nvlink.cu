@@ -173,9 +173,10 @@ __global__ void __launch_bounds__(512) nvlink_all_reduce(NvlinkArgs a) {
   if (!barrier(a, false, flag)) return;
 
   if (!a.two_shot) {
-    for (std::size_t u = first; u < units; u += stride)
-      store(recv, u, unit_size<T>(u, a.count), recv_aligned,
-            reduce_unit<T, Op>(stage, a.nranks, u, a.divide_by));
+    if (a.root < 0 || a.root == a.rank)
+      for (std::size_t u = first; u < units; u += stride)
+        store(recv, u, unit_size<T>(u, a.count), recv_aligned,
+              reduce_unit<T, Op>(stage, a.nranks, u, a.divide_by));
   } else {
     // Reduce-scatter: this rank's slice, reduced into its staging area (the peers gather it
     // from there) and into the output.
@@ -191,6 +192,64 @@ __global__ void __launch_bounds__(512) nvlink_all_reduce(NvlinkArgs a) {
       for (std::size_t u = begin(q) + first; u < begin(q + 1); u += stride)
         store(recv, u, unit_size<T>(u, a.count), recv_aligned, load_staged(stage[q], u));
     }
+  }
+  finish_call(a, 0, flag);
+}
+
+// Reduce-scatter: every rank stages all its blocks (block q at q * units units), then reduces
+// block `rank` over every rank's staging area.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) nvlink_reduce_scatter(NvlinkArgs a) {
+  const std::uint32_t flag = call_number(a, 0);
+  const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  const std::size_t half = (flag & 1u) * a.staging_bytes;
+  T* stage[kNvlinkRanks];
+  for (int r = 0; r < a.nranks; ++r)
+    stage[r] = reinterpret_cast<T*>(a.block[r] + kFlagsBytes + half);
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (int q = 0; q < a.nranks; ++q) {
+    const T* src = static_cast<const T*>(a.send) + static_cast<std::size_t>(q) * a.stride;
+    const bool aligned = reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
+    T* dst = stage[a.rank] + static_cast<std::size_t>(q) * units * kPack<T>;
+    for (std::size_t u = first; u < units; u += stride)
+      store_staged(dst, u, load(src, u, unit_size<T>(u, a.count), aligned));
+  }
+  if (!barrier(a, false, flag)) return;
+  T* mine[kNvlinkRanks];
+  for (int r = 0; r < a.nranks; ++r)
+    mine[r] = stage[r] + static_cast<std::size_t>(a.rank) * units * kPack<T>;
+  auto* recv = static_cast<T*>(a.recv);
+  const bool recv_aligned = reinterpret_cast<std::uintptr_t>(recv) % 16 == 0;
+  for (std::size_t u = first; u < units; u += stride)
+    store(recv, u, unit_size<T>(u, a.count), recv_aligned,
+          reduce_unit<T, Op>(mine, a.nranks, u, a.divide_by));
+  finish_call(a, 0, flag);
+}
+
+// All-gather and broadcast, as bytes: the ranks that contribute stage their input, then every
+// rank copies what it needs out of their staging areas.
+__global__ void __launch_bounds__(512) nvlink_gather(NvlinkArgs a) {
+  using T = std::uint8_t;
+  const std::uint32_t flag = call_number(a, 0);
+  const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  const std::size_t half = (flag & 1u) * a.staging_bytes;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  auto stage = [&](int r) { return reinterpret_cast<T*>(a.block[r] + kFlagsBytes + half); };
+  if (a.root < 0 || a.root == a.rank) {
+    const auto* send = static_cast<const T*>(a.send);
+    const bool aligned = reinterpret_cast<std::uintptr_t>(send) % 16 == 0;
+    for (std::size_t u = first; u < units; u += stride)
+      store_staged(stage(a.rank), u, load(send, u, unit_size<T>(u, a.count), aligned));
+  }
+  if (!barrier(a, false, flag)) return;
+  const int q0 = a.root < 0 ? 0 : a.root, q1 = a.root < 0 ? a.nranks : a.root + 1;
+  for (int q = q0; q < q1; ++q) {
+    T* out = static_cast<T*>(a.recv) + (a.root < 0 ? static_cast<std::size_t>(q) * a.stride : 0);
+    const bool aligned = reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
+    for (std::size_t u = first; u < units; u += stride)
+      store(out, u, unit_size<T>(u, a.count), aligned, load_staged(stage(q), u));
   }
   finish_call(a, 0, flag);
 }
@@ -314,6 +373,20 @@ cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int bloc
         <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
     return cudaGetLastError();
   });
+}
+
+cudaError_t launch_reduce_scatter(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                                  cudaStream_t stream) {
+  return dispatch(t, op, [&](auto type, auto red) {
+    nvlink_reduce_scatter<typename decltype(type)::type, decltype(red)::value>
+        <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_gather(const NvlinkArgs& args, int blocks, cudaStream_t stream) {
+  nvlink_gather<<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,

@@ -45,6 +45,9 @@ struct NvlinkArgs {
   int nranks = 1;
   int divide_by = 0;  // avg: divide by the number of ranks
   bool two_shot = false;
+  int root = -1;           // reduce: the one rank that writes the result; broadcast: the source
+  std::size_t stride = 0;  // elements between the ranks' blocks: of send (reduce-scatter), of
+                           // recv (all-gather)
   std::uint64_t timeout_ns = 0;  // a peer that does not arrive in time: the error word is set
 };
 
@@ -55,5 +58,15 @@ cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int bloc
 // must fit ll_bytes / 2.
 cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
                                cudaStream_t stream);
+
+// The other staged kernels; they count calls with the all-reduce's counters and use its staging
+// halves, so every staged kernel must run on the same grid (`blocks`).
+//   reduce-scatter: `count` elements of each rank's block (stride apart in send), reduced block
+//                   `rank` into recv; count units per block must fit staging_bytes / nranks.
+cudaError_t launch_reduce_scatter(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
+                                  cudaStream_t stream);
+//   all-gather (root < 0): `count` bytes of every rank, into recv + rank * stride;
+//   broadcast (root >= 0): `count` bytes of the root's send, into every rank's recv.
+cudaError_t launch_gather(const NvlinkArgs& args, int blocks, cudaStream_t stream);
 
 }  // namespace r2ccl::coll::gpu::detail

@@ -2,9 +2,17 @@
  *
  * Shaped like NCCL's API, so that its users know it at once: a unique id made by rank 0 and
  * handed to every rank, communicators, collectives and point-to-point calls grouped between
- * r2cclGroupStart/End, each taking a stream argument. Host memory today: pass NULL as the
- * stream. The KV-cache engine (r2cclKv*) moves blocks of a paged KV cache between a prefill and
- * a decode process.
+ * r2cclGroupStart/End, each taking a stream argument.
+ *
+ * Buffers are host memory or CUDA device memory (the kind comes from cudaPointerGetAttributes).
+ * Host memory: pass NULL as the stream; the call returns when it is done. Device memory (a
+ * library built with CUDA; r2cclGetCudaSupport): the call is queued on `stream` (a cudaStream_t;
+ * NULL is the default stream) and returns at once, as NCCL's do; it can be captured into a CUDA
+ * graph. Device memory moves among the GPUs of one node, one rank per GPU, over NVLink (CUDA IPC
+ * buffers set up once per communicator, by its first call on device memory or by
+ * r2cclCommBindDevice) and NCCL where it is faster; point to point on device memory needs NCCL
+ * (libnccl.so.2, or R2CCL_NCCL_LIBRARY). The KV-cache engine (r2cclKv*) moves blocks of a paged KV
+ * cache between a prefill and a decode process.
  *
  * Every call returns an r2cclResult_t; nothing else crosses this boundary (no C++ exception, no
  * abort on bad input). After a failure, r2cclGetLastError(comm) says what was wrong in words;
@@ -85,7 +93,7 @@ typedef struct {
 } r2cclUniqueId;
 
 typedef struct r2cclComm* r2cclComm_t;
-/* A stream: NULL for host memory (the only kind today; a cudaStream_t once GPU buffers exist). */
+/* A stream: NULL for host memory; a cudaStream_t for device memory (NULL: the default stream). */
 typedef void* r2cclStream_t;
 
 /* ---- version and errors */
@@ -94,6 +102,10 @@ const char* r2cclGetErrorString(r2cclResult_t result);
 /* The text of the last error on `comm` (NULL, or a communicator already freed: of the calling
  * thread's last failed call); "" when none. Valid until the calling thread's next r2ccl call. */
 const char* r2cclGetLastError(r2cclComm_t comm);
+
+/* 1 where this library moves device memory (built with CUDA, and a CUDA device can be used),
+ * else 0. */
+r2cclResult_t r2cclGetCudaSupport(int* supported);
 
 /* ---- communicators */
 /* Rank 0 only: starts the rendezvous listener in this process (on R2CCL_SOCKET_IFNAME's
@@ -126,6 +138,12 @@ r2cclResult_t r2cclCommAbort(r2cclComm_t comm);
 r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError);
 r2cclResult_t r2cclCommCount(const r2cclComm_t comm, int* count);
 r2cclResult_t r2cclCommUserRank(const r2cclComm_t comm, int* rank);
+/* Sets up the communicator's device side on CUDA device `device` (-1: the calling thread's
+ * current device) now: the NVLink buffers, their IPC handles, NCCL. Every rank calls it, each
+ * with its own GPU. The first call on device memory does the same where this was not called,
+ * but not while its stream is being captured into a CUDA graph: call this (or run one call on
+ * device memory) before capturing. */
+r2cclResult_t r2cclCommBindDevice(r2cclComm_t comm, int device);
 /* A buffer used again and again (ncclCommRegister): registered once on every rail. */
 r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size, void** handle);
 r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle);
@@ -148,6 +166,7 @@ r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendco
 r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                  r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
                                  r2cclStream_t stream);
+/* Returns once every rank reached it; with a stream, once the work queued on it is done too. */
 r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream);
 
 /* ---- point to point, matched in order per pair; group them to post both directions at once */

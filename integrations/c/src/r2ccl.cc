@@ -4,6 +4,7 @@
 #include "r2ccl.h"
 
 #include "abi.h"
+#include "device.h"
 
 #include <fmt/format.h>
 
@@ -38,6 +39,8 @@ struct r2cclComm {
   // goes first: it reads the communicator's fabric).
   std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
 #endif
+  // Device memory (declared after `comm`, so that it goes first: it uses the communicator).
+  r2ccl::capi::DeviceComm device;
   std::atomic<bool> finalized{false};
   r2ccl::capi::ErrorSlot errors;
 };
@@ -84,9 +87,11 @@ Registry& registry() {
   return *r;
 }
 
-// r2cclGroupStart/End: per thread, over the one communicator used inside the group.
+// r2cclGroupStart/End: per thread, over the one communicator used inside the group; whether the
+// group has device memory in it (an NCCL group, ended with ours).
 thread_local int t_group_depth = 0;
 thread_local Held t_group_comm;
+thread_local bool t_group_device = false;
 
 r2cclResult_t fail(const r2cclComm* c, r2cclResult_t result, std::string message) {
   return r2ccl::capi::fail(c != nullptr ? &const_cast<r2cclComm*>(c)->errors : nullptr, result,
@@ -116,13 +121,6 @@ Status usable(const r2cclComm& c, const char* what) {
   if (c.finalized.load())
     return {ErrorCode::kAborted,
             fmt::format("{}: the communicator was finalized or aborted", what)};
-  return Status::ok();
-}
-
-Status host_stream(r2cclStream_t stream, const char* what) {
-  if (stream != nullptr)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: stream must be NULL: this build moves host memory only", what)};
   return Status::ok();
 }
 
@@ -237,26 +235,40 @@ r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
   return r2cclSuccess;
 }
 
-// A collective: the checks every one shares, then `run` on the communicator.
-template <typename Run>
-r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* what, Run&& run) {
+// Where a call runs: -1 on host memory, else on the device of its buffers, with the
+// communicator's GPU side set up (the first such call does it on every rank).
+r2ccl::Result<int> placed(r2cclComm& c, std::initializer_list<const void*> buffers,
+                          r2cclStream_t stream, const char* what) {
+  R2CCL_ASSIGN_OR_RETURN(const int device, r2ccl::capi::buffers_device(buffers, stream, what));
+  if (device >= 0) R2CCL_RETURN_IF_ERROR(c.device.bind(*c.comm, device, stream, what));
+  return device;
+}
+
+// A collective: the checks every one shares, then `host` on the communicator, or `device` on its
+// GPU side where the buffers are device memory.
+template <typename Host, typename Device>
+r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* what,
+                         std::initializer_list<const void*> buffers, Host&& host, Device&& device) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
-    if (Status st = host_stream(stream, what); !st) return fail(c.get(), st);
     if (Status st = not_in_group(what); !st) return fail(c.get(), st);
-    Status st = run(*c->comm);
+    auto where = placed(*c, buffers, stream, what);
+    if (!where) return fail(c.get(), where.status());
+    Status st = *where >= 0 ? device(c->device) : host(*c->comm);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
 
 // Point to point: run at once outside a group; inside one, queued on the communicator (its own
-// group is opened the first time the thread's group uses it) and run at r2cclGroupEnd.
-template <typename Run>
+// group is opened the first time the thread's group uses it; on device memory, NCCL's) and run
+// at r2cclGroupEnd.
+template <typename Host, typename Device>
 r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const char* what,
-                             Run&& run) {
+                             const void* buffer, Host&& host, Device&& device) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
-    if (Status st = host_stream(stream, what); !st) return fail(c.get(), st);
+    auto where = placed(*c, {buffer}, stream, what);
+    if (!where) return fail(c.get(), where.status());
     if (t_group_depth > 0 && t_group_comm != c) {
       if (t_group_comm)
         return fail(c.get(), r2cclInvalidUsage,
@@ -266,7 +278,11 @@ r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const cha
       if (Status st = c->comm->group_start(); !st) return fail(c.get(), st.with_context(what));
       t_group_comm = c;
     }
-    Status st = run(*c->comm);
+    if (*where >= 0 && t_group_depth > 0 && !t_group_device) {
+      if (Status st = c->device.group_start(); !st) return fail(c.get(), st.with_context(what));
+      t_group_device = true;
+    }
+    Status st = *where >= 0 ? device(c->device) : host(*c->comm);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
@@ -434,6 +450,12 @@ r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size,
     if (Status st = usable(*c, "r2cclCommRegister"); !st) return fail(c.get(), st);
     if (handle == nullptr)
       return fail(c.get(), r2cclInvalidArgument, "r2cclCommRegister: handle is NULL");
+    auto where = r2ccl::capi::buffers_device({buff}, nullptr, "r2cclCommRegister");
+    if (!where) return fail(c.get(), where.status());
+    if (*where >= 0)
+      return fail(c.get(), r2cclInvalidArgument,
+                  "r2cclCommRegister: buff is device memory, which is not registered: calls on "
+                  "device memory copy through the communicator's own NVLink buffers");
     auto h = c->comm->register_buffer(buff, size);
     if (!h) return fail(c.get(), h.status().with_context("r2cclCommRegister"));
     *handle = reinterpret_cast<void*>(static_cast<std::uintptr_t>(*h));
@@ -450,72 +472,150 @@ r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle) {
   });
 }
 
+r2cclResult_t r2cclGetCudaSupport(int* supported) {
+  if (supported == nullptr)
+    return fail(nullptr, r2cclInvalidArgument, "r2cclGetCudaSupport: supported is NULL");
+  return r2ccl::capi::guarded(nullptr, "r2cclGetCudaSupport", [&] {
+    *supported = r2ccl::capi::cuda_supported() ? 1 : 0;
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclCommBindDevice(r2cclComm_t comm, int device) {
+  return with_comm(comm, "r2cclCommBindDevice", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclCommBindDevice"); !st) return fail(c.get(), st);
+    const Status st = c->device.bind(*c->comm, device, nullptr, "r2cclCommBindDevice");
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st);
+  });
+}
+
 r2cclResult_t r2cclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
                              r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclAllReduce", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
-    return c.all_reduce(sendbuff, recvbuff, count, t, o);
-  });
+  const auto t = data_type(datatype);
+  const auto o = red_op(op);
+  return collective(
+      comm, stream, "r2cclAllReduce", {sendbuff, recvbuff},
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return c.all_reduce(sendbuff, recvbuff, count, *t, *o);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return d.all_reduce(sendbuff, recvbuff, count, *t, *o, stream);
+      });
 }
 
 r2cclResult_t r2cclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclDataType_t datatype, int root, r2cclComm_t comm,
                              r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclBroadcast", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    return c.broadcast(sendbuff, recvbuff, count, t, root);
-  });
+  const auto t = data_type(datatype);
+  return collective(
+      comm, stream, "r2cclBroadcast", {sendbuff, recvbuff},
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return c.broadcast(sendbuff, recvbuff, count, *t, root);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return d.broadcast(sendbuff, recvbuff, count, *t, root, stream);
+      });
 }
 
 r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
                           r2cclDataType_t datatype, r2cclRedOp_t op, int root, r2cclComm_t comm,
                           r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclReduce", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
-    return c.reduce(sendbuff, recvbuff, count, t, o, root);
-  });
+  const auto t = data_type(datatype);
+  const auto o = red_op(op);
+  return collective(
+      comm, stream, "r2cclReduce", {sendbuff, recvbuff},
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return c.reduce(sendbuff, recvbuff, count, *t, *o, root);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return d.reduce(sendbuff, recvbuff, count, *t, *o, root, stream);
+      });
 }
 
 r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
                              r2cclDataType_t datatype, r2cclComm_t comm, r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclAllGather", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    return c.all_gather(sendbuff, recvbuff, sendcount, t);
-  });
+  const auto t = data_type(datatype);
+  return collective(
+      comm, stream, "r2cclAllGather", {sendbuff, recvbuff},
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return c.all_gather(sendbuff, recvbuff, sendcount, *t);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return d.all_gather(sendbuff, recvbuff, sendcount, *t, stream);
+      });
 }
 
 r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                  r2cclDataType_t datatype, r2cclRedOp_t op, r2cclComm_t comm,
                                  r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclReduceScatter", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    R2CCL_ASSIGN_OR_RETURN(auto o, red_op(op));
-    return c.reduce_scatter(sendbuff, recvbuff, recvcount, t, o);
-  });
+  const auto t = data_type(datatype);
+  const auto o = red_op(op);
+  return collective(
+      comm, stream, "r2cclReduceScatter", {sendbuff, recvbuff},
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return c.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        R2CCL_RETURN_IF_ERROR(o.status());
+        return d.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o, stream);
+      });
 }
 
 r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream) {
-  return collective(comm, stream, "r2cclBarrier",
-                    [&](coll::Communicator& c) -> Status { return c.barrier(); });
+  // With a stream: once the work queued on it is done.
+  return with_comm(comm, "r2cclBarrier", [&](const Held& c) {
+    if (Status st = usable(*c, "r2cclBarrier"); !st) return fail(c.get(), st);
+    if (Status st = not_in_group("r2cclBarrier"); !st) return fail(c.get(), st);
+    Status st = stream != nullptr ? c->device.synchronize(stream) : Status::ok();
+    if (st) st = c->comm->barrier();
+    return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclBarrier"));
+  });
 }
 
 r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
-  return point_to_point(comm, stream, "r2cclSend", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    return c.send(sendbuff, count, t, peer);
-  });
+  const auto t = data_type(datatype);
+  return point_to_point(
+      comm, stream, "r2cclSend", sendbuff,
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return c.send(sendbuff, count, *t, peer);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return d.send(sendbuff, count, *t, peer, stream);
+      });
 }
 
 r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
-  return point_to_point(comm, stream, "r2cclRecv", [&](coll::Communicator& c) -> Status {
-    R2CCL_ASSIGN_OR_RETURN(auto t, data_type(datatype));
-    return c.recv(recvbuff, count, t, peer);
-  });
+  const auto t = data_type(datatype);
+  return point_to_point(
+      comm, stream, "r2cclRecv", recvbuff,
+      [&](coll::Communicator& c) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return c.recv(recvbuff, count, *t, peer);
+      },
+      [&](r2ccl::capi::DeviceComm& d) -> Status {
+        R2CCL_RETURN_IF_ERROR(t.status());
+        return d.recv(recvbuff, count, *t, peer, stream);
+      });
 }
 
 r2cclResult_t r2cclGroupStart(void) {
@@ -529,8 +629,13 @@ r2cclResult_t r2cclGroupEnd(void) {
       return fail(nullptr, r2cclInvalidUsage, "r2cclGroupEnd without r2cclGroupStart");
     if (--t_group_depth > 0) return r2cclSuccess;
     const Held c = std::exchange(t_group_comm, nullptr);
+    const bool device = std::exchange(t_group_device, false);
     if (!c) return r2cclSuccess;
-    const Status st = c->comm->group_end();
+    Status st = c->comm->group_end();
+    if (device) {
+      Status d = c->device.group_end();
+      if (st) st = d;
+    }
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclGroupEnd"));
   });
 }

@@ -106,6 +106,8 @@ _FUNCTIONS = {
     "r2cclCommGetAsyncError": (_res, [_comm, _c.POINTER(_res)]),
     "r2cclCommCount": (_res, [_comm, _c.POINTER(_c.c_int)]),
     "r2cclCommUserRank": (_res, [_comm, _c.POINTER(_c.c_int)]),
+    "r2cclGetCudaSupport": (_res, [_c.POINTER(_c.c_int)]),
+    "r2cclCommBindDevice": (_res, [_comm, _c.c_int]),
     "r2cclCommRegister": (_res, [_comm, _p, _size, _c.POINTER(_p)]),
     "r2cclCommDeregister": (_res, [_comm, _p]),
     "r2cclAllReduce": (_res, [_p, _p, _size, _c.c_int, _c.c_int, _comm, _p]),
@@ -189,6 +191,10 @@ class Library:
         v = ctypes.c_int(0)
         self.r2cclGetVersion(ctypes.byref(v))
         self.version = (v.value // 10000, v.value // 100 % 100, v.value % 100)
+        cuda = ctypes.c_int(0)
+        self.r2cclGetCudaSupport(ctypes.byref(cuda))
+        # Whether this library moves CUDA tensors (built with CUDA, and a device can be used).
+        self.cuda = bool(cuda.value)
         if self.version[:2] != ABI:
             raise ImportError(
                 f"r2ccl: {self.path} is version {'.'.join(map(str, self.version))}; these "

@@ -11,10 +11,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def on_device(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def movable(t: torch.Tensor) -> bool:
-    """Whether r2ccl can move `t` at all (its device and dtype); the engines' plugins leave the
-    others to the engine's own path."""
-    return t.device.type == "cpu" and _dtype_name(t.dtype) in _lib.DTYPES
+    """Whether r2ccl can move `t` at all (its device and dtype): host tensors, and CUDA tensors
+    where libr2ccl was built with CUDA; the engines' plugins leave the others to the engine's own
+    path."""
+    if _dtype_name(t.dtype) not in _lib.DTYPES:
+        return False
+    return t.device.type == "cpu" or (on_device(t) and _lib.library().cuda)
 
 
 def dtype_code(dtype: torch.dtype, what: str) -> int:
@@ -28,14 +35,19 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
 
 
 def checked(t: object, what: str) -> torch.Tensor:
-    """`t` as a tensor r2ccl can use: a torch.Tensor in host memory, contiguous, of a supported
-    dtype. Anything else raises TypeError or ValueError naming `what` and what was wrong."""
+    """`t` as a tensor r2ccl can use: a torch.Tensor in host memory (or CUDA memory, where
+    libr2ccl has CUDA), contiguous, of a supported dtype. Anything else raises TypeError or
+    ValueError naming `what` and what was wrong."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"r2ccl: {what} must be a torch.Tensor, not {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"r2ccl: {what} is on {t.device}; this build of r2ccl moves host (CPU) tensors only"
-        )
+    if on_device(t):
+        if not _lib.library().cuda:
+            raise ValueError(
+                f"r2ccl: {what} is on {t.device}, but {_lib.library().path} moves host (CPU) "
+                "tensors only (built without CUDA, or no CUDA device can be used)"
+            )
+    elif t.device.type != "cpu":
+        raise ValueError(f"r2ccl: {what} is on {t.device}; r2ccl moves CPU and CUDA tensors")
     if not t.is_contiguous():
         raise ValueError(
             f"r2ccl: {what} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
@@ -48,6 +60,16 @@ def checked(t: object, what: str) -> torch.Tensor:
 def same_dtype(a: torch.Tensor, b: torch.Tensor, what_a: str, what_b: str) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"r2ccl: {what_b} has dtype {b.dtype} but {what_a} has {a.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"r2ccl: {what_b} is on {b.device} but {what_a} is on {a.device}")
+
+
+def stream_of(t: torch.Tensor) -> int | None:
+    """The stream a call on `t` is queued on: None (NULL) for host memory, else the current CUDA
+    stream of its device (the one a CUDA graph capture records)."""
+    if not on_device(t):
+        return None
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def numel_is(t: torch.Tensor, n: int, what: str, why: str) -> None:

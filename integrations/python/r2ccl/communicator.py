@@ -14,7 +14,7 @@ import torch
 
 from . import _lib
 from ._errors import R2cclError, raise_for
-from ._tensors import checked, dtype_code, numel_is, same_dtype
+from ._tensors import checked, dtype_code, numel_is, same_dtype, stream_of
 
 
 def get_unique_id() -> bytes:
@@ -54,7 +54,7 @@ def _output(input: torch.Tensor, output: torch.Tensor | None, shape: tuple, why:
     """A collective's output: a new tensor of `shape` when None, else `output` checked (a host
     tensor, contiguous, of `input`'s dtype, with as many elements as `shape`)."""
     if output is None:
-        return torch.empty(shape, dtype=input.dtype)
+        return torch.empty(shape, dtype=input.dtype, device=input.device)
     checked(output, "output")
     same_dtype(input, output, "input", "output")
     numel_is(output, math.prod(shape), "output", why)
@@ -71,6 +71,11 @@ class Communicator:
     - `Communicator(from_env=True)`: R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP (or mpirun's
       variables).
 
+    Tensors are CPU tensors, or CUDA tensors where libr2ccl was built with CUDA (one rank per GPU
+    of a node): a call on CUDA tensors is queued on the device's current stream and returns at
+    once, and works under `torch.cuda.graph` capture once the communicator's GPU side is set up
+    (`device=` here, `bind_device()`, or one call on CUDA tensors before capturing).
+
     Collectives are out of place unless `output` is `input`; they never write their input
     otherwise. A communicator is used from one thread at a time; `abort()` may come from any."""
 
@@ -82,9 +87,11 @@ class Communicator:
         rank: int | None = None,
         world_size: int | None = None,
         from_env: bool = False,
+        device: torch.device | int | str | None = None,
     ) -> None:
         self._lib = _lib.library()
         self._handle: int | None = None
+        self._device: int | None = None
         self._lock = threading.Lock()
         ways = (group is not None) + (unique_id is not None) + bool(from_env)
         if ways != 1:
@@ -112,6 +119,8 @@ class Communicator:
         self._handle = handle.value
         self.rank = self._query(self._lib.r2cclCommUserRank, "CommUserRank")
         self.world_size = self._query(self._lib.r2cclCommCount, "CommCount")
+        if device is not None and torch.device(device).type == "cuda":
+            self.bind_device(device)
 
     @staticmethod
     def _id_from_group(group: torch.distributed.ProcessGroup) -> tuple[bytes, int, int]:
@@ -134,10 +143,12 @@ class Communicator:
             raise R2cclError("r2ccl: the communicator is closed")
         return self._handle
 
-    def _run(self, fn, what: str, *args) -> None:
-        """An operation: its arguments, then the communicator and the stream (NULL: host memory)."""
+    def _run(self, fn, what: str, tensor: torch.Tensor, *args) -> None:
+        """An operation: its arguments, then the communicator and the stream: NULL for host
+        memory, the current CUDA stream of `tensor`'s device for CUDA memory (queued there, as
+        NCCL's calls are; capturable in a CUDA graph)."""
         handle = self._live()
-        self._call(fn(*args, handle, None), what, handle)
+        self._call(fn(*args, handle, stream_of(tensor)), what, handle)
 
     def _query(self, fn, what: str) -> int:
         out = ctypes.c_int(-1)
@@ -154,7 +165,7 @@ class Communicator:
         checked(input, "input")
         output = _output(input, output, tuple(input.shape), "all_reduce of the input")
         self._run(
-            self._lib.r2cclAllReduce, "AllReduce", _ptr(input), _ptr(output), input.numel(),
+            self._lib.r2cclAllReduce, "AllReduce", input, _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"), _op_code(op),
         )
         return output
@@ -166,7 +177,7 @@ class Communicator:
         shape = (input.shape[0] * self.world_size, *input.shape[1:]) if input.dim() else (self.world_size,)
         output = _output(input, output, shape, "all_gather of the input")
         self._run(
-            self._lib.r2cclAllGather, "AllGather", _ptr(input), _ptr(output), input.numel(),
+            self._lib.r2cclAllGather, "AllGather", input, _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"),
         )
         return output
@@ -189,7 +200,7 @@ class Communicator:
             shape = (n,)
         output = _output(input, output, shape, "reduce_scatter of the input")
         self._run(
-            self._lib.r2cclReduceScatter, "ReduceScatter", _ptr(input), _ptr(output), n,
+            self._lib.r2cclReduceScatter, "ReduceScatter", input, _ptr(input), _ptr(output), n,
             dtype_code(input.dtype, "input"), _op_code(op),
         )
         return output
@@ -198,7 +209,7 @@ class Communicator:
         """`src`'s `tensor` into every rank's `tensor` (in place)."""
         checked(tensor, "tensor")
         self._run(
-            self._lib.r2cclBroadcast, "Broadcast", _ptr(tensor), _ptr(tensor), tensor.numel(),
+            self._lib.r2cclBroadcast, "Broadcast", tensor, _ptr(tensor), _ptr(tensor), tensor.numel(),
             dtype_code(tensor.dtype, "tensor"), int(src),
         )
         return tensor
@@ -211,27 +222,42 @@ class Communicator:
         checked(input, "input")
         output = _output(input, output, tuple(input.shape), "reduce of the input")
         self._run(
-            self._lib.r2cclReduce, "Reduce", _ptr(input), _ptr(output), input.numel(),
+            self._lib.r2cclReduce, "Reduce", input, _ptr(input), _ptr(output), input.numel(),
             dtype_code(input.dtype, "input"), _op_code(op), int(root),
         )
         return output
 
     def barrier(self) -> None:
-        self._run(self._lib.r2cclBarrier, "Barrier")
+        """Returns once every rank reached it (and, where a CUDA device is current, once its
+        current stream's work is done)."""
+        handle = self._live()
+        stream = torch.cuda.current_stream().cuda_stream if self._device is not None else None
+        self._call(self._lib.r2cclBarrier(handle, stream), "Barrier", handle)
+
+    def bind_device(self, device: torch.device | int | str) -> None:
+        """Sets up the GPU side on `device` now (r2cclCommBindDevice; every rank, each with its own
+        GPU). A communicator's first call on CUDA tensors does it otherwise, but not inside a
+        CUDA graph capture: bind first, or run one call eagerly."""
+        index = torch.device(device).index if not isinstance(device, int) else device
+        if index is None:
+            index = torch.cuda.current_device()
+        handle = self._live()
+        self._call(self._lib.r2cclCommBindDevice(handle, int(index)), "CommBindDevice", handle)
+        self._device = index
 
     # ---- point to point
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         checked(tensor, "tensor")
         self._run(
-            self._lib.r2cclSend, "Send", _ptr(tensor), tensor.numel(),
+            self._lib.r2cclSend, "Send", tensor, _ptr(tensor), tensor.numel(),
             dtype_code(tensor.dtype, "tensor"), int(peer),
         )
 
     def recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
         checked(tensor, "tensor")
         self._run(
-            self._lib.r2cclRecv, "Recv", _ptr(tensor), tensor.numel(),
+            self._lib.r2cclRecv, "Recv", tensor, _ptr(tensor), tensor.numel(),
             dtype_code(tensor.dtype, "tensor"), int(peer),
         )
         return tensor
@@ -263,6 +289,7 @@ class Communicator:
             return None
         made = Communicator.__new__(Communicator)
         made._lib, made._handle, made._lock = self._lib, out.value, threading.Lock()
+        made._device = None
         made.rank = made._query(self._lib.r2cclCommUserRank, "CommUserRank")
         made.world_size = made._query(self._lib.r2cclCommCount, "CommCount")
         return made

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from .. import _lib
 from .._tensors import movable
 from ..communicator import Communicator
 
@@ -21,10 +22,14 @@ def _comm(self, *tensors: torch.Tensor) -> Communicator | None:
 
 
 def after_init(result, self, *args, **kwargs):
-    """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group."""
+    """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group; its
+    GPU side is set up on the group's CUDA device (before SGLang captures CUDA graphs) where
+    libr2ccl has CUDA."""
     setattr(self, ATTR, None)
     if self.unique_name.startswith("tp") and self.world_size > 1:
-        comm = Communicator(self.cpu_group)
+        device = getattr(self, "device", None)
+        cuda = _lib.library().cuda and device is not None and torch.device(device).type == "cuda"
+        comm = Communicator(self.cpu_group, device=device if cuda else None)
         setattr(self, ATTR, comm)
         logger.info("r2ccl: %s is rank %d of %d", self.unique_name, comm.rank, comm.world_size)
     return result

@@ -1,6 +1,7 @@
 """The CUDA device communicator vLLM builds when R2CCL_VLLM=1 on a CUDA platform. It subclasses
-vLLM's CudaCommunicator (vLLM's graph_capture asserts that) and keeps its paths: host tensors go
-over r2ccl, CUDA tensors over vLLM's own NCCL path until r2ccl serves GPU memory."""
+vLLM's CudaCommunicator (vLLM's graph_capture asserts that): the tensor-parallel group's host and
+CUDA tensors go over r2ccl (CUDA tensors where libr2ccl was built with CUDA: NVLink among the
+node's GPUs, on the current stream, inside vLLM's CUDA graphs); the rest takes vLLM's own path."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch.distributed import ProcessGroup
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
+from .. import _lib
 from .ops import R2cclOps
 
 
@@ -27,4 +29,4 @@ class R2cclCudaCommunicator(R2cclOps, CudaCommunicator):
             cpu_group, device, device_group, unique_name, global_ranks, global_world_size,
             tcp_store_group, use_all2all,
         )
-        self._start_r2ccl()
+        self._start_r2ccl(self.device if _lib.library().cuda else None)

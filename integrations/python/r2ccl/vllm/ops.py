@@ -23,12 +23,14 @@ class R2cclOps:
 
     r2ccl: Communicator | None = None
 
-    def _start_r2ccl(self) -> None:
+    def _start_r2ccl(self, device: torch.device | None = None) -> None:
+        """`device`: the GPU whose CUDA tensors r2ccl moves too (its GPU side set up now, before
+        vLLM captures CUDA graphs); None for host tensors only."""
         # The tensor-parallel group's collectives are the ones r2ccl carries; vLLM's other groups
         # keep their communicator.
         self.r2ccl = None
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            self.r2ccl = Communicator(self.cpu_group)
+            self.r2ccl = Communicator(self.cpu_group, device=device)
             logger.info(
                 "r2ccl: %s is rank %d of %d over libr2ccl %s",
                 self.unique_name, self.r2ccl.rank, self.r2ccl.world_size, _lib.library().path,
@@ -75,7 +77,7 @@ class R2cclOps:
                 f"r2ccl: all_gatherv sizes {sizes} do not fit {self.world_size} ranks with "
                 f"{t.shape[0]} rows on rank {self.rank_in_group}"
             )
-        out = torch.empty((sum(sizes),) + tuple(t.shape[1:]), dtype=t.dtype)
+        out = torch.empty((sum(sizes),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         start = 0
         # Each rank's rows broadcast from it, in rank order.
         for root, rows in enumerate(sizes):

@@ -16,6 +16,11 @@
 //   nccl:     NCCL's all-reduce on a communicator of the same GPUs, for the sizes where it is
 //             faster (Options::nccl_min_bytes, from r2ccl-gpu-perf --bench on the machine).
 //
+// All-gather, reduce-scatter, broadcast and reduce are staged kernels of the same kind (one
+// barrier each), NCCL's from nccl_min_bytes; send and recv are NCCL's. NCCL is opened at run
+// time (libnccl.so.2, or R2CCL_NCCL_LIBRARY); without it the kernels serve every size and
+// send/recv say that they need it.
+//
 // The staging area has two halves used in turn, so a rank never overwrites data a peer may still
 // be reading. NVLink multicast is never used.
 #pragma once
@@ -35,14 +40,19 @@
 
 namespace r2ccl::coll::gpu {
 
+namespace detail {
+struct NvlinkArgs;
+}
+
 inline constexpr int kMaxNvlinkRanks = 8;
 inline constexpr int kMaxNvlinkBlocks = 128;
 
 enum class NvlinkAlgo : std::uint8_t { kAuto, kLowLatency, kOneShot, kTwoShot, kNccl };
 std::string_view nvlink_algo_name(NvlinkAlgo a);
 
-// Whether this build of r2ccl has NCCL (NvlinkAlgo::kNccl, Options::nccl_min_bytes).
-bool nccl_built();
+// OK where NCCL can be used (NvlinkAlgo::kNccl, Options::nccl_min_bytes, send/recv): this build
+// knows NCCL's interface and the library loads; otherwise why not.
+Status nccl_available();
 
 class NvlinkComm {
  public:
@@ -60,9 +70,8 @@ class NvlinkComm {
     // 0: 32 MiB for two ranks (one-shot reads every peer's whole input: for more ranks two-shot
     // takes over sooner), 1 MiB for more (not measured: no machine of more GPUs was lent).
     std::size_t one_shot_max = 0;
-    // NCCL from this size (0: never). Needs a build with NCCL; the default asks for it where
-    // there is one.
-    std::size_t nccl_min_bytes = nccl_built() ? std::size_t{64} << 20 : 0;
+    // NCCL from this size (0: never), where NCCL is available on every rank.
+    std::size_t nccl_min_bytes = std::size_t{64} << 20;
   };
   // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
   // exchanges and opens the IPC handles. Errors name the rank and what failed (two ranks on one
@@ -87,6 +96,28 @@ class NvlinkComm {
   Status all_reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
                     cudaStream_t stream, NvlinkAlgo algo = NvlinkAlgo::kAuto);
 
+  // recv holds size() blocks of `count` elements: block r is rank r's send. In place when
+  // send == recv + rank() * count.
+  Status all_gather(const void* send, void* recv, std::size_t count, DataType type,
+                    cudaStream_t stream);
+  // send holds size() blocks of `recv_count` elements; recv gets the reduction of block rank().
+  // In place when recv == send + rank() * recv_count.
+  Status reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type,
+                        RedOp op, cudaStream_t stream);
+  // The root's send into every rank's recv (send is read on the root only).
+  Status broadcast(const void* send, void* recv, std::size_t count, DataType type, int root,
+                   cudaStream_t stream);
+  // The reduction of every rank's send into the root's recv (recv is not touched elsewhere).
+  Status reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op, int root,
+                cudaStream_t stream);
+  // Point to point over NCCL (kUnavailable without it), matched in order per pair. Between
+  // group_start and group_end they are posted together, as ncclGroupStart/End do.
+  Status send(const void* buf, std::size_t count, DataType type, int peer, cudaStream_t stream);
+  Status recv(void* buf, std::size_t count, DataType type, int peer, cudaStream_t stream);
+  Status group_start();
+  Status group_end();
+  bool has_nccl() const { return nccl_ != nullptr; }
+
   // Waits for the device, then says whether a kernel gave up on a peer that did not arrive at
   // a barrier within R2CCL_TIMEOUT (its results are then wrong, and so are every later call's).
   Status check() const;
@@ -100,14 +131,20 @@ class NvlinkComm {
   NvlinkComm() = default;
   void unmap_peers();  // and NCCL's communicator
   void free_mine();
+  Status usable(const char* what) const;
+  Status device_buffer(const void* p, const char* what, const char* name) const;
+  // Whether NCCL takes a call of `bytes` (its largest buffer) chosen automatically.
+  bool nccl_takes(std::size_t bytes) const {
+    return nccl_ != nullptr && options_.nccl_min_bytes > 0 && bytes >= options_.nccl_min_bytes;
+  }
+  void base_args(detail::NvlinkArgs& a) const;  // every kernel's common arguments
   Communicator* host_ = nullptr;
   int rank_ = 0, size_ = 1, device_ = 0;
   Options options_;
   std::byte* mine_ = nullptr;                        // flags, then the two staging halves
   std::array<std::byte*, kMaxNvlinkRanks> peers_{};  // every rank's block, mapped (ours too)
   std::uint32_t* counters_ = nullptr;
-  void* nccl_ = nullptr;  // ncclComm_t, where Options::nccl_min_bytes asked for one // calls so
-                          // far, per thread block (not shared)
+  void* nccl_ = nullptr;  // ncclComm_t, where NCCL is available on every rank
   bool closed_ = false;
 };
 

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""r2ccl's Python package on CUDA tensors, one process per GPU (ranks from R2CCL_RANK /
+R2CCL_NRANKS / R2CCL_BOOTSTRAP over loopback, as bench/gpu/allreduce.sh starts r2ccl-gpu-perf).
+
+  --check  every collective (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send/recv)
+           x dtype x size, in place and out of place, eager and replayed under torch.cuda.graph;
+           every element compared with the exact result computed on the CPU
+  --bench  bf16 sum all_reduce replayed from a torch.cuda.graph, measured the way r2ccl-gpu-perf
+           and torch_baseline.py measure (a graph of --calls calls, CUDA events around the
+           replays); with --cxx FILE (r2ccl-gpu-perf --bench's output of the same run), the ratio
+           of Python to C++ per size
+
+usage: bench/gpu/torch_r2ccl.py [--check] [--bench] [--min 8K] [--max 512M] [--cxx FILE]
+Needs libr2ccl built with CUDA: R2CCL_LIBRARY, and integrations/python on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from torch_baseline import parse_size, timed
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
+          torch.uint8]
+COUNTS = [0, 1, 7, 1000, 65536 + 5, (3 << 17) + 7]
+
+
+def values(n: int, rank: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """Small whole numbers (quarters for floats), distinct per rank: every sum is exact."""
+    k = (torch.arange(offset, offset + n, dtype=torch.int64) * 7919 + rank * 104729) % 15
+    if dtype == torch.uint8:
+        return k.to(dtype)
+    if dtype.is_floating_point:
+        return ((k - 7).to(torch.float64) * 0.25).to(dtype)
+    return (k - 7).to(dtype)
+
+
+def summed(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    acc = torch.zeros_like(parts[0], dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+    for p in parts:
+        acc += p.to(acc.dtype)
+    return acc.to(dtype) if dtype != torch.uint8 else (acc % 256).to(dtype)
+
+
+def check(comm, rank: int, world: int, dev: torch.device) -> int:
+    wrong = cases = 0
+    root, nxt, prv = world - 1, (rank + 1) % world, (rank - 1) % world
+    for op in ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send_recv"]:
+        if op == "send_recv" and world == 1:
+            continue
+        for dtype in DTYPES:
+            for n in COUNTS:
+                for graph in (False, True):
+                    for in_place in (False, True):
+                        if in_place and op in ("send_recv", "broadcast"):
+                            continue
+                        cases += 1
+                        np_ = n * world
+                        if op == "reduce_scatter":
+                            src = values(np_, rank, dtype).to(dev)
+                            want = summed([values(np_, r, dtype)[rank * n:(rank + 1) * n]
+                                           for r in range(world)], dtype)
+                            out = src[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=dtype, device=dev)
+                        elif op == "all_gather":
+                            big = torch.zeros(np_, dtype=dtype, device=dev)
+                            src = big[rank * n:(rank + 1) * n] if in_place else values(n, rank, dtype).to(dev)
+                            if in_place:
+                                src.copy_(values(n, rank, dtype).to(dev))
+                            want = torch.cat([values(n, r, dtype) for r in range(world)])
+                            out = big if in_place else torch.empty(np_, dtype=dtype, device=dev)
+                        else:
+                            src = values(n, rank, dtype).to(dev)
+                            out = src if in_place else torch.zeros(n, dtype=dtype, device=dev)
+                            if op == "all_reduce" or (op == "reduce" and rank == root):
+                                want = summed([values(n, r, dtype) for r in range(world)], dtype)
+                            elif op == "reduce":
+                                want = src.cpu().clone() if in_place else torch.zeros(n, dtype=dtype)
+                            elif op == "broadcast":
+                                want = values(n, root, dtype)
+                                out = src
+                            else:
+                                want = values(n, prv, dtype)
+                        initial = src.clone()
+
+                        def call():
+                            if op == "all_reduce":
+                                comm.all_reduce(src, output=out)
+                            elif op == "all_gather":
+                                comm.all_gather(src, output=out)
+                            elif op == "reduce_scatter":
+                                comm.reduce_scatter(src, output=out)
+                            elif op == "broadcast":
+                                comm.broadcast(src, root)
+                            elif op == "reduce":
+                                comm.reduce(src, output=out, root=root)
+                            else:
+                                with comm.group():
+                                    comm.send(src, nxt)
+                                    comm.recv(out, prv)
+
+                        if graph:
+                            g = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(g):
+                                call()
+                            src.copy_(initial)  # capture ran nothing; the replay runs it
+                            g.replay()
+                        else:
+                            call()
+                        torch.cuda.synchronize()
+                        got = out.cpu()
+                        if not torch.equal(got, want):
+                            wrong += 1
+                            bad = (got != want).nonzero()
+                            print(f"rank {rank}: {op} {dtype} count {n} "
+                                  f"{'graph' if graph else 'eager'} "
+                                  f"{'in place' if in_place else 'out of place'}: "
+                                  f"{bad.numel()} wrong, first at {bad[0].item()}", flush=True)
+    total = torch.tensor([wrong], dtype=torch.int32)
+    comm.all_reduce(total, output=total)
+    if rank == 0:
+        print(f"python check: {world} ranks, {cases} cases per rank (collectives x dtypes x sizes x "
+              f"eager/torch.cuda.graph x in place/out of place): "
+              f"{'every element right' if total.item() == 0 else f'{total.item()} cases WRONG'}",
+              flush=True)
+    return int(total.item() != 0)
+
+
+def read_cxx(path: str) -> dict[int, float]:
+    """r2ccl-gpu-perf --bench's 'auto us' column by size."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            cols = line.split()
+            if len(cols) >= 5 and cols[0].isdigit():
+                out[int(cols[0])] = float(cols[4])
+    return out
+
+
+def bench(comm, rank: int, world: int, dev: torch.device, args) -> None:
+    lo, hi = parse_size(args.min), parse_size(args.max)
+    cxx = read_cxx(args.cxx) if args.cxx and os.path.exists(args.cxx) else {}
+    x = torch.zeros(hi // 2, dtype=torch.bfloat16, device=dev)
+    y = torch.zeros_like(x)
+    if rank == 0:
+        print(f"# r2ccl Python package, torch {torch.__version__}, {world} x "
+              f"{torch.cuda.get_device_name(dev)}; all_reduce bf16 sum under torch.cuda.graph, "
+              f"graph of {args.calls} calls", flush=True)
+        print(f"{'bytes':>10} {'python us':>10} {'c++ us':>9} {'ratio':>7}", flush=True)
+    size = lo
+    while size <= hi:
+        n = size // 2
+        iters = int(min(max(args.iters * (1 << 20) / size, 5), args.iters))
+        src, dst = x[:n], y[:n]
+        t = timed(lambda: comm.all_reduce(src, output=dst), args.calls, iters)
+        if rank == 0:
+            c = cxx.get(size, float("nan"))
+            print(f"{size:>10} {t * 1e6:>10.2f} {c:>9.2f} {t * 1e6 / c:>7.3f}", flush=True)
+        size *= 2
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(R2CCL_RANK=str(rank), R2CCL_NRANKS=str(world),
+                      R2CCL_BOOTSTRAP=f"127.0.0.1:{port}", R2CCL_NICS=f"127.0.{20 + rank}.1")
+    import r2ccl
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    comm = r2ccl.Communicator(from_env=True, device=dev)
+    rc = 0
+    if args.check:
+        rc = check(comm, rank, world, dev)
+    if args.bench and rc == 0:
+        bench(comm, rank, world, dev, args)
+    comm.barrier()
+    comm.close()
+    if rc:
+        sys.exit(rc)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("-n", type=int, default=0, help="ranks (default: every GPU)")
+    p.add_argument("--min", default="8K")
+    p.add_argument("--max", default="512M")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--cxx", default="")
+    args = p.parse_args()
+    gpus = torch.cuda.device_count()
+    world = args.n or gpus
+    if gpus < 1 or world > gpus:
+        print(f"torch_r2ccl.py: needs {max(world, 1)} GPUs, this machine has {gpus}; skipped")
+        return 77
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

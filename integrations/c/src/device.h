@@ -1,0 +1,63 @@
+// The GPU side of a C ABI communicator: device memory among the GPUs of one node (NVLink through
+// CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h). No CUDA type
+// appears here, so that the C ABI compiles the same with and without CUDA: device.cc serves it
+// where the build has CUDA, device_none.cc says that it has none.
+#pragma once
+
+#include <cstddef>
+#include <initializer_list>
+#include <memory>
+
+#include "r2ccl/coll/communicator.h"
+#include "r2ccl/coll/types.h"
+#include "r2ccl/runtime/status.h"
+
+namespace r2ccl::capi {
+
+// 1 where this library can move device memory: built with CUDA, and a device can be used.
+bool cuda_supported();
+
+// Where a call's buffers are: -1 for host memory, else the device of the first buffer in device
+// memory. A stream with host buffers, or buffers of both kinds, is an error naming them. Null
+// buffers are not looked at (a reduce's receive buffer off the root).
+Result<int> buffers_device(std::initializer_list<const void*> buffers, void* stream,
+                           const char* what);
+
+class DeviceComm {
+ public:
+  DeviceComm();
+  ~DeviceComm();
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+
+  // Sets up the GPU side on `device` (the NVLink buffers, the IPC handles, NCCL): a collective
+  // over `host`. Done by the first call on device memory where not called before; never while
+  // `stream` is being captured into a CUDA graph.
+  Status bind(coll::Communicator& host, int device, void* stream, const char* what);
+  bool bound() const;
+
+  Status all_reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
+                    coll::RedOp op, void* stream);
+  Status all_gather(const void* send, void* recv, std::size_t count, coll::DataType type,
+                    void* stream);
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, coll::DataType type,
+                        coll::RedOp op, void* stream);
+  Status broadcast(const void* send, void* recv, std::size_t count, coll::DataType type, int root,
+                   void* stream);
+  Status reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
+                coll::RedOp op, int root, void* stream);
+  Status send(const void* buf, std::size_t count, coll::DataType type, int peer, void* stream);
+  Status recv(void* buf, std::size_t count, coll::DataType type, int peer, void* stream);
+  Status group_start();
+  Status group_end();
+  // Waits for `stream` (a barrier's device side).
+  Status synchronize(void* stream);
+  // Frees the GPU side (a collective, like bind); the destructor frees it without the barrier.
+  Status close();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace r2ccl::capi
