@@ -133,12 +133,14 @@ def check(comm, rank: int, world: int, dev: torch.device) -> int:
 
 def read_cxx(path: str) -> dict[int, float]:
     """r2ccl-gpu-perf --bench's 'auto us' column by size."""
-    out = {}
+    out, column = {}, None
     with open(path) as f:
         for line in f:
             cols = line.split()
-            if len(cols) >= 5 and cols[0].isdigit():
-                out[int(cols[0])] = float(cols[4])
+            if cols[:1] == ["bytes"]:
+                column = [c for c in cols if c != "us"].index("auto")
+            elif column is not None and cols and cols[0].isdigit():
+                out[int(cols[0])] = float(cols[column])
     return out
 
 

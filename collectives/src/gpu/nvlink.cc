@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <iterator>
+#include <limits>
 
 #include "nvlink_kernels.h"
 #include "r2ccl/coll/gpu/device.h"
@@ -35,6 +38,8 @@ std::string_view nvlink_algo_name(NvlinkAlgo a) {
       return "one-shot";
     case NvlinkAlgo::kTwoShot:
       return "two-shot";
+    case NvlinkAlgo::kPush:
+      return "push";
     case NvlinkAlgo::kNccl:
       return "nccl";
   }
@@ -181,6 +186,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
     c->nccl_ = comm;
   }
 #endif
+  if (options.tune && p > 1) R2CCL_RETURN_IF_ERROR(c->tune());
   return c;
 }
 
@@ -272,6 +278,113 @@ void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
       std::chrono::duration_cast<std::chrono::nanoseconds>(host_->config().timeout).count());
 }
 
+NvlinkAlgo NvlinkComm::choose(std::size_t bytes) const {
+  if (!table_.empty()) {
+    for (const auto& [upto, algo] : table_)
+      if (bytes <= upto) return algo;
+    return table_.back().second;
+  }
+  if (nccl_takes(bytes)) return NvlinkAlgo::kNccl;
+  if (bytes <= options_.low_latency_max) return NvlinkAlgo::kLowLatency;
+  return bytes <= options_.one_shot_max ? NvlinkAlgo::kOneShot : NvlinkAlgo::kTwoShot;
+}
+
+namespace {
+
+// Seconds per call of `call` on `s`: `calls` of it captured in a CUDA graph, replayed after one
+// warm-up replay; infinity where anything failed.
+template <class Call>
+double graph_seconds(cudaStream_t s, int calls, int replays, Call&& call) {
+  constexpr double kFailed = std::numeric_limits<double>::infinity();
+  cudaGraph_t g = nullptr;
+  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return kFailed;
+  bool ok = true;
+  for (int i = 0; i < calls && ok; ++i)
+    ok = call().is_ok();
+  ok = cudaStreamEndCapture(s, &g) == cudaSuccess && ok;
+  cudaGraphExec_t exec = nullptr;
+  ok = ok && cudaGraphInstantiate(&exec, g, 0) == cudaSuccess;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  ok = ok && cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess;
+  ok = ok && cudaGraphLaunch(exec, s) == cudaSuccess && cudaEventRecord(e0, s) == cudaSuccess;
+  for (int i = 0; i < replays && ok; ++i)
+    ok = cudaGraphLaunch(exec, s) == cudaSuccess;
+  float ms = 0;
+  ok = ok && cudaEventRecord(e1, s) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
+       cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
+  if (e0) (void)cudaEventDestroy(e0);
+  if (e1) (void)cudaEventDestroy(e1);
+  if (exec) (void)cudaGraphExecDestroy(exec);
+  if (g) (void)cudaGraphDestroy(g);
+  return ok ? static_cast<double>(ms) * 1e-3 / (static_cast<double>(calls) * replays) : kFailed;
+}
+
+}  // namespace
+
+Status NvlinkComm::tune() {
+  constexpr std::size_t kSmallest = std::size_t{8} << 10, kLargest = std::size_t{64} << 20;
+  const NvlinkAlgo algos[] = {NvlinkAlgo::kLowLatency, NvlinkAlgo::kOneShot, NvlinkAlgo::kTwoShot,
+                              NvlinkAlgo::kPush, NvlinkAlgo::kNccl};
+  constexpr std::size_t kAlgos = std::size(algos);
+  std::vector<std::size_t> sizes;
+  for (std::size_t b = kSmallest; b <= kLargest; b *= 2)
+    sizes.push_back(b);
+  // Every rank measures the same cases in the same order (they are collectives); a case that
+  // does not apply, or failed, is infinite.
+  std::vector<double> seconds(sizes.size() * kAlgos, std::numeric_limits<double>::infinity());
+  void* buf = nullptr;
+  cudaStream_t s = nullptr;
+  bool ready = cudaMalloc(&buf, 2 * kLargest) == cudaSuccess &&
+               cudaMemset(buf, 0, 2 * kLargest) == cudaSuccess &&
+               cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
+  // Every rank must take part in every case, so a rank that could not get ready says so first.
+  std::int32_t mine = ready ? 1 : 0, all = 0;
+  R2CCL_RETURN_IF_ERROR(host_->all_reduce(&mine, &all, 1, DataType::kI32, RedOp::kMin));
+  if (all == 1) {
+    auto* in = static_cast<std::byte*>(buf);
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const std::size_t count = sizes[i] / 2;
+      // Large calls take long: fewer replays.
+      const int replays = sizes[i] >= (std::size_t{8} << 20) ? 2 : 5;
+      for (std::size_t k = 0; k < kAlgos; ++k) {
+        const NvlinkAlgo algo = algos[k];
+        if (algo == NvlinkAlgo::kLowLatency && sizes[i] > options_.low_latency_max) continue;
+        if (algo == NvlinkAlgo::kNccl && (nccl_ == nullptr || options_.nccl_min_bytes == 0))
+          continue;
+        seconds[i * kAlgos + k] = graph_seconds(s, 10, replays, [&] {
+          return all_reduce(in, in + kLargest, count, DataType::kBF16, RedOp::kSum, s, algo);
+        });
+      }
+    }
+  }
+  // A kernel that gave up on a peer spoils every time; the ranks still agree before failing.
+  const Status measured = all == 1 ? check() : Status::ok();
+  if (!measured) std::fill(seconds.begin(), seconds.end(), std::numeric_limits<double>::infinity());
+  if (s) (void)cudaStreamDestroy(s);
+  if (buf) (void)cudaFree(buf);
+  // The slowest rank's time is the call's time.
+  std::vector<double> agreed(seconds.size());
+  R2CCL_RETURN_IF_ERROR(
+      host_->all_reduce(seconds.data(), agreed.data(), agreed.size(), DataType::kF64, RedOp::kMax)
+          .with_context("nvlink: agreeing on the measured times"));
+  if (!measured) return measured.with_context("nvlink: measuring the algorithms");
+  Table table;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::size_t best = kAlgos;
+    for (std::size_t k = 0; k < kAlgos; ++k)
+      if (std::isfinite(agreed[i * kAlgos + k]) &&
+          (best == kAlgos || agreed[i * kAlgos + k] < agreed[i * kAlgos + best]))
+        best = k;
+    if (best == kAlgos) return Status::ok();  // nothing measured: the thresholds stay
+    if (!table.empty() && table.back().second == algos[best])
+      table.back().first = sizes[i];
+    else
+      table.emplace_back(sizes[i], algos[best]);
+  }
+  table_ = std::move(table);
+  return Status::ok();
+}
+
 Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
                               RedOp op, cudaStream_t stream, NvlinkAlgo algo) {
   const char* what = "nvlink all-reduce";
@@ -281,7 +394,8 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
   R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
   R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t elem = type_size(type);
-  if (algo == NvlinkAlgo::kNccl || (algo == NvlinkAlgo::kAuto && nccl_takes(count * elem))) {
+  if (algo == NvlinkAlgo::kAuto) algo = choose(count * elem);
+  if (algo == NvlinkAlgo::kNccl) {
     if (nccl_)
       R2CCL_NCCL_CALL("nvlink all-reduce: ncclAllReduce", AllReduce, send, recv, count,
                       detail::nccl_type(type), detail::nccl_op(op));
@@ -290,15 +404,18 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
                        : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
                                      nccl_available().message())};
   }
-  const bool low_latency = algo == NvlinkAlgo::kLowLatency ||
-                           (algo == NvlinkAlgo::kAuto && count * elem <= options_.low_latency_max);
+  const bool low_latency = algo == NvlinkAlgo::kLowLatency;
+  // push: a half holds a slot per rank of the longest slice, then the whole call.
   const std::size_t per_call =
-      (low_latency ? options_.low_latency_max : options_.staging_bytes) / elem;
+      low_latency ? options_.low_latency_max / elem
+      : algo == NvlinkAlgo::kPush
+          ? (options_.staging_bytes / 16 - static_cast<std::size_t>(size_)) / 2 * (16 / elem)
+          : options_.staging_bytes / elem;
   detail::NvlinkArgs a;
   base_args(a);
   a.divide_by = op == RedOp::kAvg ? size_ : 0;
-  a.two_shot = algo == NvlinkAlgo::kTwoShot ||
-               (algo == NvlinkAlgo::kAuto && count * elem > options_.one_shot_max);
+  a.two_shot = algo == NvlinkAlgo::kTwoShot;
+  a.push = algo == NvlinkAlgo::kPush;
   for (std::size_t done = 0; done < count; done += per_call) {
     const std::size_t n = std::min(per_call, count - done);
     a.send = static_cast<const std::byte*>(send) + done * elem;

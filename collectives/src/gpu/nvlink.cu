@@ -37,6 +37,14 @@ __device__ __forceinline__ void finish_call(const NvlinkArgs& a, std::size_t bas
   if (threadIdx.x == 0) a.counters[base + blockIdx.x] = flag;
 }
 
+// A thread block with no unit to walk in this call (small calls leave most of the grid idle) only
+// counts the call: it skips the barriers, which no peer's same-numbered block waits on either
+// (they have no work too). Staging stays safe to reuse: block 0 always has work, and its
+// barrier in call k means every peer's kernel of call k-1 has ended.
+__device__ __forceinline__ bool idle(std::size_t longest_walk) {
+  return static_cast<std::size_t>(blockIdx.x) * blockDim.x >= longest_walk;
+}
+
 // Block b of this rank tells block b of every rank that it reached call `flag` at `which`
 // barrier, and waits until each of them has (counts only grow: a peer may be a call ahead).
 // False when a peer did not arrive within the timeout: the error word is set.
@@ -165,6 +173,10 @@ __global__ void __launch_bounds__(512) nvlink_all_reduce(NvlinkArgs a) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   const int slices = a.two_shot ? a.nranks : 1;
   auto begin = [&](int s) { return units * static_cast<std::size_t>(s) / slices; };
+  if (idle((units + slices - 1) / slices)) {
+    finish_call(a, 0, flag);
+    return;
+  }
 
   // This rank's input into its staging area, slice by slice, as the later phases walk it.
   for (int s = 0; s < slices; ++s)
@@ -196,12 +208,88 @@ __global__ void __launch_bounds__(512) nvlink_all_reduce(NvlinkArgs a) {
   finish_call(a, 0, flag);
 }
 
+// Two-shot by pushing: no copy into the rank's own staging area and no remote read, whose latency
+// the reading thread waits out. Each rank writes slice q of its input into rank q's area (a slot
+// per sender), meets the peers at a barrier, reduces its own slice from its input and the slots
+// (in rank order), writes the result to its output and into every peer's gather area, meets them
+// again, and copies the other slices out of its gather area. A half of the staging area holds
+// nranks slots of a slice, then the gather area of every unit.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) nvlink_push_two_shot(NvlinkArgs a) {
+  const std::uint32_t flag = call_number(a, 0);
+  const int p = a.nranks;
+  const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  const std::size_t slot = (units + p - 1) / p;  // the longest slice
+  if (idle(slot)) {
+    finish_call(a, 0, flag);
+    return;
+  }
+  auto begin = [&](int q) { return units * static_cast<std::size_t>(q) / p; };
+  const std::size_t half = (flag & 1u) * a.staging_bytes;
+  auto area = [&](int owner) { return reinterpret_cast<T*>(a.block[owner] + kFlagsBytes + half); };
+  auto rs = [&](int owner, int sender) {
+    return area(owner) + static_cast<std::size_t>(sender) * slot * kPack<T>;
+  };
+  auto ag = [&](int owner) { return area(owner) + static_cast<std::size_t>(p) * slot * kPack<T>; };
+  const auto* send = static_cast<const T*>(a.send);
+  auto* recv = static_cast<T*>(a.recv);
+  const bool send_aligned = reinterpret_cast<std::uintptr_t>(send) % 16 == 0;
+  const bool recv_aligned = reinterpret_cast<std::uintptr_t>(recv) % 16 == 0;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+
+  for (int d = 1; d < p; ++d) {
+    const int q = (a.rank + d) % p;  // every rank starts on a different peer
+    for (std::size_t u = begin(q) + first; u < begin(q + 1); u += stride)
+      store_staged(rs(q, a.rank), u - begin(q),
+                   load(send, u, unit_size<T>(u, a.count), send_aligned));
+  }
+  if (!barrier(a, false, flag)) return;
+
+  using A = typename Acc<T>::type;
+  const std::size_t mine = begin(a.rank);
+  for (std::size_t u = mine + first; u < begin(a.rank + 1); u += stride) {
+    const int n = unit_size<T>(u, a.count);
+    A acc[kPack<T>];
+    for (int r = 0; r < p; ++r) {
+      const Unit<T> x =
+          r == a.rank ? load(send, u, n, send_aligned) : load_staged(rs(a.rank, r), u - mine);
+#pragma unroll
+      for (int j = 0; j < kPack<T>; ++j)
+        acc[j] = r == 0 ? widen(x.e[j]) : apply<Op>(acc[j], widen(x.e[j]));
+    }
+    Unit<T> x;
+#pragma unroll
+    for (int j = 0; j < kPack<T>; ++j) {
+      if constexpr (std::is_floating_point_v<A>) {
+        if (a.divide_by > 0) acc[j] = acc[j] / static_cast<A>(a.divide_by);
+      }
+      x.e[j] = narrow<T>(acc[j]);
+    }
+    store(recv, u, n, recv_aligned, x);
+    for (int d = 1; d < p; ++d)
+      store_staged(ag((a.rank + d) % p), u, x);
+  }
+  if (!barrier(a, true, flag)) return;
+
+  for (int d = 1; d < p; ++d) {
+    const int q = (a.rank + d) % p;
+    for (std::size_t u = begin(q) + first; u < begin(q + 1); u += stride)
+      store(recv, u, unit_size<T>(u, a.count), recv_aligned, load_staged(ag(a.rank), u));
+  }
+  finish_call(a, 0, flag);
+}
+
 // Reduce-scatter: every rank stages all its blocks (block q at q * units units), then reduces
 // block `rank` over every rank's staging area.
 template <class T, RedOp Op>
 __global__ void __launch_bounds__(512) nvlink_reduce_scatter(NvlinkArgs a) {
   const std::uint32_t flag = call_number(a, 0);
   const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  if (idle(units)) {
+    finish_call(a, 0, flag);
+    return;
+  }
   const std::size_t half = (flag & 1u) * a.staging_bytes;
   T* stage[kNvlinkRanks];
   for (int r = 0; r < a.nranks; ++r)
@@ -233,6 +321,10 @@ __global__ void __launch_bounds__(512) nvlink_gather(NvlinkArgs a) {
   using T = std::uint8_t;
   const std::uint32_t flag = call_number(a, 0);
   const std::size_t units = (a.count + kPack<T> - 1) / kPack<T>;
+  if (idle(units)) {
+    finish_call(a, 0, flag);
+    return;
+  }
   const std::size_t half = (flag & 1u) * a.staging_bytes;
   const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -369,8 +461,12 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
 cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
                           cudaStream_t stream) {
   return dispatch(t, op, [&](auto type, auto red) {
-    nvlink_all_reduce<typename decltype(type)::type, decltype(red)::value>
-        <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    using T = typename decltype(type)::type;
+    constexpr RedOp kOp = decltype(red)::value;
+    if (args.push)
+      nvlink_push_two_shot<T, kOp><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    else
+      nvlink_all_reduce<T, kOp><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
     return cudaGetLastError();
   });
 }

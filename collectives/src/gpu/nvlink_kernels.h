@@ -45,6 +45,7 @@ struct NvlinkArgs {
   int nranks = 1;
   int divide_by = 0;  // avg: divide by the number of ranks
   bool two_shot = false;
+  bool push = false;       // two-shot by pushing (nvlink.cu: nvlink_push_two_shot)
   int root = -1;           // reduce: the one rank that writes the result; broadcast: the source
   std::size_t stride = 0;  // elements between the ranks' blocks: of send (reduce-scatter), of
                            // recv (all-gather)

@@ -13,6 +13,9 @@
 //   one-shot: every rank reads all of every peer's chunk (small messages: one barrier);
 //   two-shot: rank r reduces the r-th part, then every rank gathers the others' parts (two
 //             barriers, 2(p-1)/p of the data read per rank instead of p-1 times it);
+//   push:     two-shot by writing instead of reading: each rank writes part q of its input into
+//             rank q's staging area, which reduces it and writes the result into every rank's;
+//             no staging copy and no remote read to wait for;
 //   nccl:     NCCL's all-reduce on a communicator of the same GPUs, for the sizes where it is
 //             faster (Options::nccl_min_bytes, from r2ccl-gpu-perf --bench on the machine).
 //
@@ -47,7 +50,7 @@ struct NvlinkArgs;
 inline constexpr int kMaxNvlinkRanks = 8;
 inline constexpr int kMaxNvlinkBlocks = 128;
 
-enum class NvlinkAlgo : std::uint8_t { kAuto, kLowLatency, kOneShot, kTwoShot, kNccl };
+enum class NvlinkAlgo : std::uint8_t { kAuto, kLowLatency, kOneShot, kTwoShot, kPush, kNccl };
 std::string_view nvlink_algo_name(NvlinkAlgo a);
 
 // OK where NCCL can be used (NvlinkAlgo::kNccl, Options::nccl_min_bytes, send/recv): this build
@@ -56,10 +59,12 @@ Status nccl_available();
 
 class NvlinkComm {
  public:
-  // kAuto's table: the low-latency kernel up to low_latency_max, then one-shot up to
-  // one_shot_max, then two-shot, and NCCL from nccl_min_bytes. The defaults are the crossovers
-  // measured on 2 x H100 (NVLink 4, NV18) with r2ccl-gpu-perf --bench, which prints every
-  // algorithm's time per size to set them for another machine.
+  // kAuto's choice by size. With `tune` (the default), create() measures every algorithm at
+  // every power of two from 8 KiB to 64 MiB on these GPUs (CUDA graphs of bf16 sums, the ranks'
+  // slowest time counts) and keeps the fastest per size: table(). Without it, or where the
+  // measurement failed: the low-latency kernel up to low_latency_max, then one-shot up to
+  // one_shot_max, then two-shot, and NCCL from nccl_min_bytes (crossovers measured on 2 x H100
+  // with r2ccl-gpu-perf --bench, which prints every algorithm's time per size).
   struct Options {
     std::size_t staging_bytes = std::size_t{32} << 20;  // per half; larger calls go in chunks
     int blocks = 128;                                   // thread blocks of the staged kernel
@@ -72,6 +77,9 @@ class NvlinkComm {
     std::size_t one_shot_max = 0;
     // NCCL from this size (0: never), where NCCL is available on every rank.
     std::size_t nccl_min_bytes = std::size_t{64} << 20;
+    // Measure the table at create() (about a second), rather than use the thresholds above.
+    // Where nccl_min_bytes is 0, NCCL is not among the candidates.
+    bool tune = true;
   };
   // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
   // exchanges and opens the IPC handles. Errors name the rank and what failed (two ranks on one
@@ -117,6 +125,12 @@ class NvlinkComm {
   Status group_start();
   Status group_end();
   bool has_nccl() const { return nccl_ != nullptr; }
+  // What kAuto does by size: entry (bytes, algo) serves calls up to `bytes` that the previous
+  // entry does not; the last also serves every larger call. Empty: the Options' thresholds.
+  using Table = std::vector<std::pair<std::size_t, NvlinkAlgo>>;
+  const Table& table() const { return table_; }
+  // The algorithm kAuto picks for a call of `bytes`.
+  NvlinkAlgo choose(std::size_t bytes) const;
 
   // Waits for the device, then says whether a kernel gave up on a peer that did not arrive at
   // a barrier within R2CCL_TIMEOUT (its results are then wrong, and so are every later call's).
@@ -138,6 +152,7 @@ class NvlinkComm {
     return nccl_ != nullptr && options_.nccl_min_bytes > 0 && bytes >= options_.nccl_min_bytes;
   }
   void base_args(detail::NvlinkArgs& a) const;  // every kernel's common arguments
+  Status tune();                                // fills table_ (a collective)
   Communicator* host_ = nullptr;
   int rank_ = 0, size_ = 1, device_ = 0;
   Options options_;
@@ -145,6 +160,7 @@ class NvlinkComm {
   std::array<std::byte*, kMaxNvlinkRanks> peers_{};  // every rank's block, mapped (ours too)
   std::uint32_t* counters_ = nullptr;
   void* nccl_ = nullptr;  // ncclComm_t, where NCCL is available on every rank
+  Table table_;
   bool closed_ = false;
 };
 
