@@ -105,6 +105,10 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_CHECK", "0",
      "`1`: before every collective the ranks compare operation, count, type, reduction and root "
      "(one small exchange) and all fail with an error naming the mismatch."},
+    {"R2CCL_NCCL_LIBRARY", "libnccl.so.2",
+     "Device memory (a CUDA build): the NCCL library opened for the largest GPU collectives and "
+     "for send/recv on device memory; where it does not load, r2ccl's own kernels take every "
+     "size and device send/recv fail saying so."},
     {"R2CCL_LIBRARY", "(bundled)",
      "Python package: the `libr2ccl.so` to load. Default: the copy `pip install` bundled, else "
      "the system's loader path."},
@@ -112,8 +116,9 @@ constexpr ConfigEntry kTable[] = {
      "`1`: vLLM's collectives of its tensor-parallel group go through r2ccl (the `r2ccl` vLLM "
      "plugin, loaded by vLLM in every process; `0` leaves vLLM as it is)."},
     {"R2CCL_SGLANG", "0",
-     "`1`: SGLang's tensor-parallel all-reduce, all-gather and reduce-scatter of host tensors go "
-     "through r2ccl (the `r2ccl` SGLang plugin's hooks; `0` leaves SGLang as it is)."},
+     "`1`: SGLang's tensor-parallel all-reduce, all-gather and reduce-scatter go through r2ccl "
+     "(host tensors, and CUDA tensors where libr2ccl has CUDA; the `r2ccl` SGLang plugin's hooks; "
+     "`0` leaves SGLang as it is)."},
 };
 
 bool iequals(std::string_view a, std::string_view b) {
