@@ -228,10 +228,10 @@ class Communicator:
         return output
 
     def barrier(self) -> None:
-        """Returns once every rank reached it (and, where a CUDA device is current, once its
-        current stream's work is done)."""
+        """Returns once every rank reached it (on a communicator bound to a GPU with `device=`
+        or `bind_device()`, also once the work queued on that GPU's current stream is done)."""
         handle = self._live()
-        stream = torch.cuda.current_stream().cuda_stream if self._device is not None else None
+        stream = torch.cuda.current_stream(self._device).cuda_stream if self._device is not None else None
         self._call(self._lib.r2cclBarrier(handle, stream), "Barrier", handle)
 
     def bind_device(self, device: torch.device | int | str) -> None:
