@@ -4,7 +4,8 @@ R2CCL_NRANKS / R2CCL_BOOTSTRAP over loopback, as bench/gpu/allreduce.sh starts r
 
   --check  every collective (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send/recv)
            x dtype x size, in place and out of place, eager and replayed under torch.cuda.graph;
-           every element compared with the exact result computed on the CPU
+           every element compared with the exact result computed on the CPU; then the vLLM
+           communicators' operations (r2ccl.vllm.ops) on CUDA tensors against NCCL
   --bench  bf16 sum all_reduce replayed from a torch.cuda.graph, measured the way r2ccl-gpu-perf
            and torch_baseline.py measure (a graph of --calls calls, CUDA events around the
            replays); with --cxx FILE (r2ccl-gpu-perf --bench's output of the same run), the ratio
@@ -131,6 +132,108 @@ def check(comm, rank: int, world: int, dev: torch.device) -> int:
     return int(total.item() != 0)
 
 
+class TorchPath:
+    """The engine's own path, which r2ccl's engine communicators fall back to: the same calls over
+    torch.distributed's NCCL group. Counts every call, so the check sees which path ran."""
+
+    def __init__(self, device_group) -> None:
+        self.device_group = device_group
+        self.fallbacks = 0
+
+    def all_reduce(self, x):
+        self.fallbacks += 1
+        out = x.clone()
+        torch.distributed.all_reduce(out, group=self.device_group)
+        return out
+
+    def all_gather(self, x, dim=-1):
+        self.fallbacks += 1
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x, dim=-1):
+        self.fallbacks += 1
+        chunks = [c.contiguous() for c in x.chunk(self.world_size, dim=dim)]
+        out = torch.empty_like(chunks[self.rank_in_group])
+        torch.distributed.reduce_scatter(out, chunks, group=self.device_group)
+        return out
+
+    def broadcast(self, t, src=0):
+        self.fallbacks += 1
+        torch.distributed.broadcast(t, src=src, group=self.device_group)
+        return t
+
+    def destroy(self):
+        pass
+
+
+def check_engine_ops(rank: int, world: int, dev: torch.device, port: int) -> int:
+    """The vLLM communicators' operations (r2ccl.vllm.ops.R2cclOps, shared by the CPU and CUDA
+    classes) on CUDA tensors, eager and under torch.cuda.graph, against the engine's own path
+    (NCCL through torch.distributed); every call must be r2ccl's."""
+    import torch.distributed as dist
+    from r2ccl.vllm.ops import R2cclOps
+
+    class Ops(R2cclOps, TorchPath):
+        pass
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    nccl = dist.new_group(backend="nccl")
+    ops = Ops(nccl)
+    ops.cpu_group, ops.world_size, ops.rank_in_group = dist.group.WORLD, world, rank
+    ops.unique_name, ops.device = "tp:0", dev
+    ops._start_r2ccl(dev)
+    wrong = cases = 0
+    x = values(6 * world * 1000, rank, torch.bfloat16).reshape(6 * world, 1000).to(dev)
+    calls = {
+        "all_reduce": lambda: ops.all_reduce(x),
+        "all_gather dim -1": lambda: ops.all_gather(x, -1),
+        "all_gather dim 0": lambda: ops.all_gather(x, 0),
+        "reduce_scatter dim 0": lambda: ops.reduce_scatter(x, 0),
+        "reduce_scatter dim -1": lambda: ops.reduce_scatter(x[:, : 250 * world], -1),
+    }
+    references = {
+        "all_reduce": lambda: TorchPath.all_reduce(ops, x),
+        "all_gather dim -1": lambda: TorchPath.all_gather(ops, x, -1),
+        "all_gather dim 0": lambda: TorchPath.all_gather(ops, x, 0),
+        "reduce_scatter dim 0": lambda: TorchPath.reduce_scatter(ops, x, 0),
+        "reduce_scatter dim -1": lambda: TorchPath.reduce_scatter(ops, x[:, : 250 * world], -1),
+    }
+    for name, call in calls.items():
+        want = references[name]()
+        ops.fallbacks = 0
+        eager = call()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = call()
+        g.replay()
+        torch.cuda.synchronize()
+        for how, got in (("eager", eager), ("graph", captured)):
+            cases += 1
+            if ops.fallbacks or not torch.equal(got, want):
+                wrong += 1
+                print(f"rank {rank}: engine {name} {how}: "
+                      f"{'took the engine path' if ops.fallbacks else 'differs from NCCL'}",
+                      flush=True)
+    b = values(4097, rank, torch.float32).to(dev)
+    ops.fallbacks = 0
+    ops.broadcast(b, world - 1)
+    cases += 1
+    if ops.fallbacks or not torch.equal(b.cpu(), values(4097, world - 1, torch.float32)):
+        wrong += 1
+        print(f"rank {rank}: engine broadcast wrong", flush=True)
+    ops.destroy()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"engine ops check: {world} ranks, {cases} cases per rank (vLLM's communicator "
+              f"operations on CUDA tensors, eager and under torch.cuda.graph, against NCCL): "
+              f"{'every element right' if wrong == 0 else f'{wrong} cases WRONG on rank 0'}",
+              flush=True)
+    return int(wrong != 0)
+
+
 def read_cxx(path: str) -> dict[int, float]:
     """r2ccl-gpu-perf --bench's 'auto us' column by size."""
     out, column = {}, None
@@ -171,12 +274,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                       R2CCL_BOOTSTRAP=f"127.0.0.1:{port}", R2CCL_NICS=f"127.0.{20 + rank}.1")
     import r2ccl
 
+    # The checks build their references with many small host ops: a few threads per rank, not
+    # every core per rank.
+    torch.set_num_threads(2)
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     comm = r2ccl.Communicator(from_env=True, device=dev)
     rc = 0
     if args.check:
         rc = check(comm, rank, world, dev)
+        if world > 1:
+            rc |= check_engine_ops(rank, world, dev, args.gloo_port)
     if args.bench and rc == 0:
         bench(comm, rank, world, dev, args)
     comm.barrier()
@@ -201,10 +309,13 @@ def main() -> int:
     if gpus < 1 or world > gpus:
         print(f"torch_r2ccl.py: needs {max(world, 1)} GPUs, this machine has {gpus}; skipped")
         return 77
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+    ports = []
+    for _ in range(2):  # r2ccl's bootstrap, and the gloo group of the engine check
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    args.gloo_port = ports[1]
+    mp.spawn(worker, args=(world, ports[0], args), nprocs=world, join=True)
     return 0
 
 
