@@ -77,8 +77,8 @@ class NvlinkComm {
     std::size_t one_shot_max = 0;
     // NCCL from this size (0: never), where NCCL is available on every rank.
     std::size_t nccl_min_bytes = std::size_t{64} << 20;
-    // Measure the table at create() (about a second), rather than use the thresholds above.
-    // Where nccl_min_bytes is 0, NCCL is not among the candidates.
+    // Measure the table at create() (a CUDA graph per algorithm and size, replayed a few times)
+    // rather than use the thresholds above. Where nccl_min_bytes is 0, NCCL is not a candidate.
     bool tune = true;
   };
   // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
