@@ -145,6 +145,18 @@ std::pair<std::size_t, std::size_t> compare(const std::vector<std::byte>& got,
   return {bad, first_bad};
 }
 
+// 1 when `got` differs from `want`, after saying where on stderr; else 0.
+int verify(int me, const std::string& what, const std::vector<std::byte>& got,
+           const std::vector<std::byte>& want, DataType t, bool fuzzy) {
+  const auto [bad, first_bad] = compare(got, want, t, fuzzy);
+  if (bad == 0) return 0;
+  fmt::print(stderr, "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n", me,
+             what, bad, got.size() / r2ccl::coll::type_size(t), first_bad,
+             r2ccl::coll::get_element(got.data(), first_bad, t),
+             r2ccl::coll::get_element(want.data(), first_bad, t));
+  return 1;
+}
+
 // 1 GiB and a few elements, float and bfloat16 sums, every algorithm: the largest size, checked
 // element by element (the values are small whole numbers, so every sum is exact).
 int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
@@ -318,15 +330,7 @@ int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const cha
               fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
               return -1;
             }
-            const auto [bad, first_bad] = compare(got, want, t, op == RedOp::kAvg && e == 2);
-            if (bad > 0) {
-              ++wrong;
-              fmt::print(stderr,
-                         "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
-                         me, what, bad, out_n, first_bad,
-                         r2ccl::coll::get_element(got.data(), first_bad, t),
-                         r2ccl::coll::get_element(want.data(), first_bad, t));
-            }
+            wrong += verify(me, what, got, want, t, op == RedOp::kAvg && e == 2);
           }
         }
       }
@@ -379,15 +383,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
               return 1;
             }
             // A mean rounds in 16 bits.
-            const auto [bad, first_bad] = compare(got, want, t, op == RedOp::kAvg && e == 2);
-            if (bad > 0) {
-              ++wrong;
-              fmt::print(stderr,
-                         "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
-                         me, what, bad, count, first_bad,
-                         r2ccl::coll::get_element(got.data(), first_bad, t),
-                         r2ccl::coll::get_element(want.data(), first_bad, t));
-            }
+            wrong += verify(me, what, got, want, t, op == RedOp::kAvg && e == 2);
           }
         }
       }

@@ -541,9 +541,8 @@ Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, Da
   return Status::ok();
 }
 
-Status NvlinkComm::send(const void* buf, std::size_t count, DataType type, int peer,
-                        cudaStream_t stream) {
-  const char* what = "nvlink send";
+Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t count, int peer,
+                                  const char* name) const {
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (peer < 0 || peer >= size_ || peer == rank_)
     return {ErrorCode::kInvalidArgument,
@@ -554,24 +553,19 @@ Status NvlinkComm::send(const void* buf, std::size_t count, DataType type, int p
             fmt::format("{}: device memory goes point to point over NCCL, and there is none on "
                         "every rank ({})",
                         what, nccl_available().message())};
-  if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, "send"));
+  if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, name));
+  return Status::ok();
+}
+
+Status NvlinkComm::send(const void* buf, std::size_t count, DataType type, int peer,
+                        cudaStream_t stream) {
+  R2CCL_RETURN_IF_ERROR(point_to_point("nvlink send", buf, count, peer, "send"));
   R2CCL_NCCL_CALL("nvlink send: ncclSend", Send, buf, count, detail::nccl_type(type), peer);
 }
 
 Status NvlinkComm::recv(void* buf, std::size_t count, DataType type, int peer,
                         cudaStream_t stream) {
-  const char* what = "nvlink recv";
-  R2CCL_RETURN_IF_ERROR(usable(what));
-  if (peer < 0 || peer >= size_ || peer == rank_)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("{}: peer {} is not another rank (0..{}, not {})", what, peer, size_ - 1,
-                        rank_)};
-  if (nccl_ == nullptr)
-    return {ErrorCode::kUnavailable,
-            fmt::format("{}: device memory goes point to point over NCCL, and there is none on "
-                        "every rank ({})",
-                        what, nccl_available().message())};
-  if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, "receive"));
+  R2CCL_RETURN_IF_ERROR(point_to_point("nvlink recv", buf, count, peer, "receive"));
   R2CCL_NCCL_CALL("nvlink recv: ncclRecv", Recv, buf, count, detail::nccl_type(type), peer);
 }
 

@@ -16,11 +16,13 @@ bool cuda_supported() {
 
 Result<int> buffers_device(std::initializer_list<const void*> buffers, void* stream,
                            const char* what) {
+  // Without a usable device every buffer is host memory: no CUDA query on the host path.
+  static const bool kCuda = cuda_supported();
   int device = -1;
   const void* host = nullptr;
   for (const void* b : buffers) {
     if (b == nullptr) continue;
-    const gpu::PointerInfo info = gpu::pointer_info(b);
+    const gpu::PointerInfo info = kCuda ? gpu::pointer_info(b) : gpu::PointerInfo{};
     if (info.kind == gpu::MemoryKind::kDevice || info.kind == gpu::MemoryKind::kManaged) {
       if (device < 0) device = info.device;
     } else if (host == nullptr) {

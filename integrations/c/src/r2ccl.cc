@@ -244,14 +244,17 @@ r2ccl::Result<int> placed(r2cclComm& c, std::initializer_list<const void*> buffe
   return device;
 }
 
-// A collective: the checks every one shares, then `host` on the communicator, or `device` on its
-// GPU side where the buffers are device memory.
+// A collective: the checks every one shares (`args`: its datatype and reduction, read once),
+// then `host` on the communicator, or `device` on its GPU side where the buffers are device
+// memory.
 template <typename Host, typename Device>
 r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* what,
-                         std::initializer_list<const void*> buffers, Host&& host, Device&& device) {
+                         const Status& args, std::initializer_list<const void*> buffers,
+                         Host&& host, Device&& device) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
     if (Status st = not_in_group(what); !st) return fail(c.get(), st);
+    if (!args) return fail(c.get(), args.with_context(what));
     auto where = placed(*c, buffers, stream, what);
     if (!where) return fail(c.get(), where.status());
     Status st = *where >= 0 ? device(c->device) : host(*c->comm);
@@ -264,9 +267,10 @@ r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* w
 // at r2cclGroupEnd.
 template <typename Host, typename Device>
 r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const char* what,
-                             const void* buffer, Host&& host, Device&& device) {
+                             const Status& args, const void* buffer, Host&& host, Device&& device) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
+    if (!args) return fail(c.get(), args.with_context(what));
     auto where = placed(*c, {buffer}, stream, what);
     if (!where) return fail(c.get(), where.status());
     if (t_group_depth > 0 && t_group_comm != c) {
@@ -495,15 +499,11 @@ r2cclResult_t r2cclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
   const auto t = data_type(datatype);
   const auto o = red_op(op);
   return collective(
-      comm, stream, "r2cclAllReduce", {sendbuff, recvbuff},
+      comm, stream, "r2cclAllReduce", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
       [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return c.all_reduce(sendbuff, recvbuff, count, *t, *o);
       },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return d.all_reduce(sendbuff, recvbuff, count, *t, *o, stream);
       });
 }
@@ -513,13 +513,11 @@ r2cclResult_t r2cclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclStream_t stream) {
   const auto t = data_type(datatype);
   return collective(
-      comm, stream, "r2cclBroadcast", {sendbuff, recvbuff},
+      comm, stream, "r2cclBroadcast", t.status(), {sendbuff, recvbuff},
       [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return c.broadcast(sendbuff, recvbuff, count, *t, root);
       },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return d.broadcast(sendbuff, recvbuff, count, *t, root, stream);
       });
 }
@@ -530,15 +528,11 @@ r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
   const auto t = data_type(datatype);
   const auto o = red_op(op);
   return collective(
-      comm, stream, "r2cclReduce", {sendbuff, recvbuff},
+      comm, stream, "r2cclReduce", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
       [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return c.reduce(sendbuff, recvbuff, count, *t, *o, root);
       },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return d.reduce(sendbuff, recvbuff, count, *t, *o, root, stream);
       });
 }
@@ -547,13 +541,11 @@ r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendco
                              r2cclDataType_t datatype, r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
   return collective(
-      comm, stream, "r2cclAllGather", {sendbuff, recvbuff},
+      comm, stream, "r2cclAllGather", t.status(), {sendbuff, recvbuff},
       [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return c.all_gather(sendbuff, recvbuff, sendcount, *t);
       },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return d.all_gather(sendbuff, recvbuff, sendcount, *t, stream);
       });
 }
@@ -564,15 +556,11 @@ r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t re
   const auto t = data_type(datatype);
   const auto o = red_op(op);
   return collective(
-      comm, stream, "r2cclReduceScatter", {sendbuff, recvbuff},
+      comm, stream, "r2cclReduceScatter", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
       [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return c.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o);
       },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        R2CCL_RETURN_IF_ERROR(o.status());
         return d.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o, stream);
       });
 }
@@ -592,13 +580,9 @@ r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t data
                         r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
   return point_to_point(
-      comm, stream, "r2cclSend", sendbuff,
-      [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        return c.send(sendbuff, count, *t, peer);
-      },
+      comm, stream, "r2cclSend", t.status(), sendbuff,
+      [&](coll::Communicator& c) -> Status { return c.send(sendbuff, count, *t, peer); },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return d.send(sendbuff, count, *t, peer, stream);
       });
 }
@@ -607,13 +591,9 @@ r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, 
                         r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
   return point_to_point(
-      comm, stream, "r2cclRecv", recvbuff,
-      [&](coll::Communicator& c) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
-        return c.recv(recvbuff, count, *t, peer);
-      },
+      comm, stream, "r2cclRecv", t.status(), recvbuff,
+      [&](coll::Communicator& c) -> Status { return c.recv(recvbuff, count, *t, peer); },
       [&](r2ccl::capi::DeviceComm& d) -> Status {
-        R2CCL_RETURN_IF_ERROR(t.status());
         return d.recv(recvbuff, count, *t, peer, stream);
       });
 }
