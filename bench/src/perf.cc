@@ -699,7 +699,7 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"r2ccl-perf: nccl-tests style benchmarks over r2ccl's multi-rail fabric"};
   Options o;
-  bool print_table = false;
+  bool print_reference = false;
   app.add_option("op", o.op, "operation")
       ->check(CLI::IsMember(
           {"sendrecv", "allreduce", "allgather", "reducescatter", "broadcast", "reduce"}));
@@ -736,10 +736,11 @@ int main(int argc, char** argv) {
                  "with --duration: write every rail's counters, read between rounds about every "
                  "200 ms, as JSON lines to PATH.rankN")
       ->needs(duration);
-  app.add_flag("--print-config-table", print_table, "print the R2CCL_* table (Markdown) and exit");
+  app.add_flag("--print-config-reference", print_reference,
+               "print the R2CCL_* reference (docs/CONFIGURATION.md, Markdown) and exit");
   CLI11_PARSE(app, argc, argv);
-  if (print_table) {
-    fmt::print("{}", r2ccl::config_table_markdown());
+  if (print_reference) {
+    fmt::print("{}", r2ccl::config_reference_markdown());
     return 0;
   }
   try {

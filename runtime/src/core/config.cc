@@ -96,7 +96,8 @@ constexpr ConfigEntry kTable[] = {
      "`balance`, `r2cc`, `weighted`."},
     {"R2CCL_DEGRADED_ALGO", "auto",
      "Degraded mode: before an all-reduce of at least `R2CCL_DEGRADED_MIN_BYTES` the ranks agree "
-     "on each one's bandwidth (its rails up and their measured rates); where they differ, the "
+     "on each one's bandwidth (each rail up counted at a nominal 10 Gbit/s, a degraded one at its "
+     "weight; NIC line rates are not read); where they differ, the "
      "all-reduce runs `balance` (the ring), `r2cc` (R2CC-AllReduce) or `weighted` (shards weighted "
      "by bandwidth), `auto` choosing by the cost model; `off`: no agreement, no re-planning."},
     {"R2CCL_DEGRADED_MIN_BYTES", "1M",
@@ -165,6 +166,21 @@ std::string config_table_markdown() {
   for (const auto& e : kTable)
     out += fmt::format("| `{}` | {} | {} |\n", e.name, e.default_text, e.meaning);
   return out;
+}
+
+std::string config_reference_markdown() {
+  return "# Configuration reference\n"
+         "\n"
+         "<!-- Generated from runtime/src/core/config.cc by `r2ccl-perf "
+         "--print-config-reference`; the unit test Config.ReferenceIsTheCodesTable fails when "
+         "they differ. -->\n"
+         "\n"
+         "Every setting is an environment variable. A bad value stops start-up with an error "
+         "naming the variable, the value and what is allowed. Sizes take "
+         "`K`, `M` and `G` suffixes (powers of 1024: `512K`, `64M`); durations take `ms`, `s` "
+         "(the unit of a bare number) and `m` (`200ms`, `30s`, `2m`).\n"
+         "\n" +
+         config_table_markdown();
 }
 
 EnvLookup process_env() {

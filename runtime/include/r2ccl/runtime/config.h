@@ -78,10 +78,12 @@ struct ConfigEntry {
   const char* meaning;
 };
 
-// Every variable, in the order the README lists them.
+// Every variable, in the order docs/CONFIGURATION.md lists them.
 std::span<const ConfigEntry> config_table();
-// The table as Markdown, exactly as in the README.
+// The table as Markdown.
 std::string config_table_markdown();
+// docs/CONFIGURATION.md, whole: how values are written, then the table.
+std::string config_reference_markdown();
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
 // Looks variables up in the process environment.
