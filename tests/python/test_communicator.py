@@ -41,6 +41,16 @@ def test_identity_and_version():
     assert cs[0].closed and "closed" in repr(cs[0])
 
 
+def test_the_package_version_is_cmakes():
+    """r2ccl.__version__ is CMakeLists.txt's project version, from the source tree or installed
+    from it (the metadata pip wrote)."""
+    import re
+
+    cmake = (pathlib.Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    assert r2ccl.__version__ == re.search(r"project\(r2ccl VERSION ([0-9.]+)", cmake)[1]
+    assert r2ccl.library_version()[:2] == tuple(int(v) for v in r2ccl.__version__.split(".")[:2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8])
 def test_all_reduce_sum_out_of_place_never_writes_the_input(dtype):
     cs = comms(2)
@@ -300,3 +310,45 @@ def test_two_processes_from_a_gloo_group_or_the_environment(tmp_path, how):
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out
         assert f"ok {rank} 2" in out, out
+
+
+WITHOUT_TORCH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None  # import torch fails, as where it is not installed
+    sys.path.insert(0, sys.argv[1])
+    import r2ccl
+    with r2ccl.KvEngine("no-torch") as e:
+        assert e.metadata()
+        try:
+            e.register_pool([bytearray(64)], layers=1, blocks=1, block_bytes=64, parts=1)
+        except ModuleNotFoundError as err:
+            print("register_pool:", err.name, err)
+    c = r2ccl.Communicator(unique_id=r2ccl.get_unique_id(), rank=0, world_size=1)
+    c.barrier()
+    try:
+        c.all_reduce([1.0, 2.0])
+    except ModuleNotFoundError as err:
+        print("all_reduce:", err.name, err)
+    c.close()
+    print("version", r2ccl.__version__)
+    """
+)
+
+
+def test_without_torch_r2ccl_imports_and_a_tensor_call_says_how_to_install_it(tmp_path):
+    """Where torch is not installed: r2ccl imports, the calls without tensors work (a KV engine, a
+    one-rank communicator's barrier), and a call that takes a tensor raises ModuleNotFoundError
+    naming PyTorch and `pip install torch`. (tests/python/wheel_venv_test.sh: the same, installed.)"""
+    script = tmp_path / "no_torch.py"
+    script.write_text(WITHOUT_TORCH_SCRIPT)
+    p = subprocess.run(
+        [sys.executable, str(script), str(r2ccl_dir())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stdout
+    for call, what in (("register_pool", "register_pool's buffers"), ("all_reduce", "input")):
+        assert f"{call}: torch r2ccl: {what} must be" in p.stdout, p.stdout
+    assert p.stdout.count("but PyTorch (torch) is not installed") == 2, p.stdout
+    assert p.stdout.count("install it with `pip install torch`") == 2, p.stdout
+    assert f"version {r2ccl.__version__}" in p.stdout, p.stdout

@@ -1,10 +1,39 @@
-"""What a tensor must be before its memory is handed to libr2ccl.so."""
+"""What a tensor must be before its memory is handed to libr2ccl.so, and PyTorch itself: imported
+on first use (by the first call that takes a tensor), so that r2ccl imports, and its KV engine's
+and communicator's calls without tensors work, where torch is not installed."""
 
 from __future__ import annotations
 
-import torch
+import sys
+from typing import TYPE_CHECKING
 
 from . import _lib
+
+if TYPE_CHECKING:
+    import torch
+
+_torch = None
+
+
+def torch_module(needed_by: str):
+    """The torch module, imported on first use. Without PyTorch: ModuleNotFoundError (an
+    ImportError) that says `needed_by` ("input must be a torch.Tensor", ...), that PyTorch is
+    missing and how to install it. A torch that is installed but fails to import raises its own
+    error."""
+    global _torch
+    if _torch is None:
+        try:
+            import torch
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            raise ModuleNotFoundError(
+                f"r2ccl: {needed_by}, but PyTorch (torch) is not installed for {sys.executable}: "
+                "install it with `pip install torch` (or install r2ccl with its extra, r2ccl[torch])",
+                name="torch",
+            ) from None
+        _torch = torch
+    return _torch
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -38,6 +67,7 @@ def checked(t: object, what: str) -> torch.Tensor:
     """`t` as a tensor r2ccl can use: a torch.Tensor in host memory (or CUDA memory, where
     libr2ccl has CUDA), contiguous, of a supported dtype. Anything else raises TypeError or
     ValueError naming `what` and what was wrong."""
+    torch = _torch or torch_module(f"{what} must be a torch.Tensor (got {type(t).__name__})")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"r2ccl: {what} must be a torch.Tensor, not {type(t).__name__}")
     if on_device(t):
@@ -69,6 +99,7 @@ def stream_of(t: torch.Tensor) -> int | None:
     stream of its device (the one a CUDA graph capture records)."""
     if not on_device(t):
         return None
+    torch = _torch or torch_module("a CUDA tensor's stream")
     return torch.cuda.current_stream(t.device).cuda_stream
 
 

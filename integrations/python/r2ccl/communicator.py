@@ -1,20 +1,24 @@
 """r2ccl.Communicator: collectives and point-to-point transfers of torch tensors between ranks,
 over libr2ccl.so. Shaped like vLLM's PyNcclCommunicator: made from a unique id that rank 0 of an
-existing CPU process group (gloo) broadcasts, or from the launch environment."""
+existing CPU process group (gloo) broadcasts, or from the launch environment. torch is imported
+by the first call that needs it (_tensors.torch_module), not with this module."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import math
+import sys
 import threading
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import _lib
 from ._errors import R2cclError, raise_for
-from ._tensors import checked, dtype_code, numel_is, same_dtype, stream_of
+from ._tensors import checked, dtype_code, numel_is, same_dtype, stream_of, torch_module
+
+if TYPE_CHECKING:
+    import torch
 
 
 def get_unique_id() -> bytes:
@@ -30,8 +34,8 @@ def _op_code(op: object) -> int:
     if isinstance(op, str):
         if op.lower() in _lib.OPS:
             return _lib.OPS[op.lower()]
-    else:
-        reduce_op = torch.distributed.ReduceOp
+    elif "torch" in sys.modules:  # else `op` cannot be one of torch's ReduceOps
+        reduce_op = sys.modules["torch"].distributed.ReduceOp
         by_op = {
             reduce_op.SUM: "sum",
             reduce_op.PRODUCT: "prod",
@@ -54,6 +58,7 @@ def _output(input: torch.Tensor, output: torch.Tensor | None, shape: tuple, why:
     """A collective's output: a new tensor of `shape` when None, else `output` checked (a host
     tensor, contiguous, of `input`'s dtype, with as many elements as `shape`)."""
     if output is None:
+        torch = torch_module("output=None makes a new torch tensor")
         return torch.empty(shape, dtype=input.dtype, device=input.device)
     checked(output, "output")
     same_dtype(input, output, "input", "output")
@@ -119,11 +124,12 @@ class Communicator:
         self._handle = handle.value
         self.rank = self._query(self._lib.r2cclCommUserRank, "CommUserRank")
         self.world_size = self._query(self._lib.r2cclCommCount, "CommCount")
-        if device is not None and torch.device(device).type == "cuda":
+        if device is not None and torch_module("device= takes a torch device").device(device).type == "cuda":
             self.bind_device(device)
 
     @staticmethod
     def _id_from_group(group: torch.distributed.ProcessGroup) -> tuple[bytes, int, int]:
+        torch = torch_module("a Communicator made from a process group uses torch.distributed")
         dist = torch.distributed
         rank = dist.get_rank(group)
         world_size = dist.get_world_size(group)
@@ -231,13 +237,17 @@ class Communicator:
         """Returns once every rank reached it (on a communicator bound to a GPU with `device=`
         or `bind_device()`, also once the work queued on that GPU's current stream is done)."""
         handle = self._live()
-        stream = torch.cuda.current_stream(self._device).cuda_stream if self._device is not None else None
+        stream = None
+        if self._device is not None:  # bound by bind_device, which imported torch
+            cuda = torch_module("a barrier on a GPU waits for its torch stream").cuda
+            stream = cuda.current_stream(self._device).cuda_stream
         self._call(self._lib.r2cclBarrier(handle, stream), "Barrier", handle)
 
     def bind_device(self, device: torch.device | int | str) -> None:
         """Sets up the GPU side on `device` now (r2cclCommBindDevice; every rank, each with its own
         GPU). A communicator's first call on CUDA tensors does it otherwise, but not inside a
         CUDA graph capture: bind first, or run one call eagerly."""
+        torch = torch_module("bind_device takes a CUDA device through torch")
         index = torch.device(device).index if not isinstance(device, int) else device
         if index is None:
             index = torch.cuda.current_device()

@@ -1,16 +1,19 @@
 """r2ccl.KvEngine: blocks of a paged KV cache moved between a prefill and a decode process, over
-libr2ccl.so's r2cclKv* functions."""
+libr2ccl.so's r2cclKv* functions. Only register_pool takes tensors (and imports torch)."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import _lib
 from ._errors import R2cclError, raise_for
+from ._tensors import torch_module
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,7 @@ class KvEngine:
         unregister_pool."""
         if not buffers:
             raise ValueError("r2ccl: register_pool needs at least one buffer")
+        torch = torch_module(f"register_pool's buffers must be torch tensors (got {type(buffers[0]).__name__})")
         for i, b in enumerate(buffers):
             if not isinstance(b, torch.Tensor):
                 raise TypeError(f"r2ccl: buffers[{i}] must be a torch.Tensor, not {type(b).__name__}")
