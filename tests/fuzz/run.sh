@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tests/fuzz/run.sh BUILD_DIR SECONDS [FUZZER...]: runs each libFuzzer target (all of them by
-# default) for SECONDS on a copy of its seed corpus (tests/fuzz/corpus/NAME), two at a time.
+# default) for SECONDS on a copy of its seed corpus (tests/fuzz/corpus/NAME), two at a time;
+# SECONDS 0 replays every input of the seed corpus once (what `scripts/run test` does).
 # A crash, a leak, a sanitizer report or a hang (a single input over 20 s) fails the run; the
 # input that did it is kept in BUILD_DIR/fuzz/NAME/ and named in the output.
 set -uo pipefail
@@ -23,14 +24,17 @@ run_one() {
   local name=$1 work=$build/fuzz/$1
   rm -rf "$work" && mkdir -p "$work/corpus" "$work/artifacts"
   [[ -d $here/corpus/$name ]] && cp "$here/corpus/$name"/* "$work/corpus/" 2>/dev/null
-  local jobs=1
-  "$build/bin/$name" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+  local budget=(-max_total_time="$seconds")
+  [[ $seconds == 0 ]] && budget=(-runs=0)
+  "$build/bin/$name" "${budget[@]}" -timeout=20 -rss_limit_mb=4096 \
     -max_len=65536 -print_final_stats=1 -artifact_prefix="$work/artifacts/" "$work/corpus" \
     >"$work/log" 2>&1
   local rc=$?
   local execs
   execs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$work/log" | grep -Eo '[0-9]+$')
-  if [[ $rc -eq 0 ]]; then
+  if [[ $rc -eq 0 && $seconds == 0 ]]; then
+    echo "fuzz: $name replayed its $(ls "$work/corpus" | wc -l) seed inputs, no crash"
+  elif [[ $rc -eq 0 ]]; then
     echo "fuzz: $name ran ${seconds}s, ${execs:-?} inputs, no crash"
   else
     echo "fuzz: $name FAILED (exit $rc); inputs that failed: $(ls "$work/artifacts" | tr '\n' ' ')"
