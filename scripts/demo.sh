@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # r2ccl demo: a NIC dies under load and nothing is lost.
 #
-#   scripts/demo.sh BUILD_DIR        (normally through `scripts/run demo`)
+#   scripts/demo.sh BUILD_DIR [--plot PNG]       (normally through `scripts/run demo`)
 #
 # With root and a working netns testbed it builds testbed "demo" (2 hosts x 4 NICs, every rail
 # shaped to 200mbit), runs rank 0 on host 0 and rank 1 on host 1 exchanging 16 MiB messages both
@@ -12,6 +12,9 @@
 # rails, when the rail was re-admitted, and whether every byte was verified.
 # Otherwise (not root, no namespaces) it says why and runs the same two ranks on loopback, each
 # with four 127.0.0.x rails, for 10 s, without the fault. Exit status: 0 when both ranks verified every byte.
+# --plot PNG: also draws the rails over time to PNG (per-rail throughput, rail states and events,
+# the outage; needs python3-matplotlib for /usr/bin/python3) and keeps the records it is drawn
+# from as PNG with .json (bench/failover_plot.py --data JSON draws them again).
 set -euo pipefail
 
 RUN_S=32 # 10 on loopback, where nothing is taken down
@@ -21,13 +24,29 @@ readonly TB_NAME=demo
 readonly RATE=200mbit
 readonly FAULT_NIC=eth2
 
-[[ $# -ge 1 ]] || { echo "usage: scripts/demo.sh BUILD_DIR" >&2; exit 2; }
+usage() { echo "usage: scripts/demo.sh BUILD_DIR [--plot PNG]" >&2; exit 2; }
+[[ $# -ge 1 ]] || usage
 build=$1
+shift
+plot=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --plot) [[ $# -ge 2 ]] || usage; plot=(--plot "$2"); shift 2 ;;
+    *) usage ;;
+  esac
+done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 testbed=$root/tests/testbed/testbed
 perf=$build/bin/r2ccl-perf
 [[ -x $perf ]] || { echo "demo: $perf not found (build first: scripts/run build)" >&2; exit 2; }
-command -v python3 >/dev/null || { echo "demo: python3 not found (Debian package python3)" >&2; exit 2; }
+python=python3
+if [[ ${#plot[@]} -gt 0 ]]; then
+  # The picture needs matplotlib: Debian's Python with python3-matplotlib (as scripts/run simplots).
+  python=/usr/bin/python3
+  "$python" -c 'import matplotlib' 2>/dev/null ||
+    { echo "demo: --plot needs matplotlib for $python (Debian package python3-matplotlib)" >&2; exit 2; }
+fi
+command -v "$python" >/dev/null || { echo "demo: $python not found (Debian package python3)" >&2; exit 2; }
 
 NAME=demo
 # shellcheck source=scripts/lib.sh
@@ -115,5 +134,12 @@ if [[ -n $injector ]]; then
   wait "$injector" || { echo "r2ccl demo: taking $FAULT_NIC down or up again FAILED" >&2; rc=1; }
 fi
 ((rc == 0)) || { echo "r2ccl demo: FAILED" >&2; exit 1; }
-python3 "$root/scripts/demo_report.py" --faults "$work/faults" --events "$work/events" \
-  --samples "$work/samples" --result "$work/result.json" --output "$work/demo.0.out"
+if [[ ${#plot[@]} -gt 0 ]]; then
+  # What was run, kept beside the picture's records (the command without its output paths).
+  about="scripts/demo.sh on loopback ($why), no fault"
+  [[ $mode == testbed ]] && about="scripts/demo.sh: 2 hosts x 4 NICs (netns testbed, every rail \
+shaped to $RATE); $FAULT_NIC of host 0 down ${FAULT_S} s after the launch, up at ${RESTORE_S} s"
+  plot+=(--about "$about; each rank: r2ccl-perf ${args[*]:0:11}")
+fi
+"$python" "$root/scripts/demo_report.py" --faults "$work/faults" --events "$work/events" \
+  --samples "$work/samples" --result "$work/result.json" --output "$work/demo.0.out" "${plot[@]}"

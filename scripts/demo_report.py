@@ -7,7 +7,13 @@ Inputs (written by scripts/demo.sh and r2ccl-perf):
   --samples S   r2ccl-perf --rail-samples files S.rank0, S.rank1 (per-rail counters over time)
   --result R    r2ccl-perf --json of rank 0 (rounds, size)
   --output O    rank 0's standard output (its "# Check:" line)
-Exit status: 0 when rank 0 reported every byte verified, 1 otherwise, 2 on unreadable input.
+  --plot PNG    also draw the rails over time (bench/failover_plot.py: per-rail throughput, rail
+                states and events, the outage) to PNG, keeping the records it is drawn from next
+                to it as PNG with .json (`bench/failover_plot.py --data JSON` draws them again);
+                needs python3-matplotlib
+  --about TEXT  with --plot: what was run, kept in the JSON
+Exit status: 0 when rank 0 reported every byte verified, 1 otherwise, 2 on unreadable input (or,
+with --plot, no matplotlib).
 """
 
 from __future__ import annotations
@@ -55,7 +61,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("faults", "events", "samples", "result", "output"):
         ap.add_argument(f"--{name}", required=True, type=Path)
+    ap.add_argument("--plot", type=Path, help="also draw the rails over time to this PNG")
+    ap.add_argument("--about", default="", help="with --plot: what was run, kept in the JSON")
     a = ap.parse_args()
+    failover_plot = None
+    if a.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+        try:
+            import matplotlib  # noqa: F401
+            import failover_plot
+        except ImportError as e:
+            print(f"demo_report: --plot needs python3-matplotlib ({e})", file=sys.stderr)
+            return 2
 
     faults = {}
     for line in a.faults.read_text().split("\n"):
@@ -155,6 +172,11 @@ def main() -> int:
               f"{r['time_us'] / 1e3:.1f} ms per round on average.")
     print("Result: every byte verified on every rank." if verified else
           "Result: FAILED: rank 0 did not report every byte verified.")
+    if failover_plot:
+        data = failover_plot.records(faults, events, samples, a.about)
+        failover_plot.dump(data, a.plot.with_suffix(".json"))
+        failover_plot.draw(data, a.plot)
+        print(f"Timeline: {a.plot} (records: {a.plot.with_suffix('.json')})")
     return 0 if verified else 1
 
 
