@@ -247,6 +247,31 @@ def test_unknown_nic(perf):
     assert "R2CCL_NICS" in r.stderr and "nosuchnic" in r.stderr, r.describe()
 
 
+def test_no_token_with_rails_outside_loopback_is_refused(perf):
+    # Rank 0 on loopback lets a job start without a token, but its rails are the testbed's NICs
+    # (198.18.x), whose handshakes the all-zero token would key: both ranks refuse, naming them.
+    # With R2CCL_INSECURE_NO_TOKEN=1 the same job runs. (Both ranks on host 0.)
+    with Testbed(hosts=2, nics=2) as tb:
+        def pair(**extra):
+            port = random_port()
+            envs = [rank_env(r, 2, f"127.0.0.1:{port}", R2CCL_BOOTSTRAP_TIMEOUT="10s", **extra)
+                    for r in range(2)]
+            for env in envs:
+                del env["R2CCL_BOOTSTRAP_TOKEN"]
+            return launch_ranks([Proc(env=env, host=0, args=["sendrecv", "-b", "64K", "-e", "64K"])
+                                 for env in envs], testbed=tb, timeout=60)
+
+        refused = pair()
+        allowed = pair(R2CCL_INSECURE_NO_TOKEN="1")
+    for r in refused:
+        assert r.returncode == 2, r.describe()
+        assert "R2CCL_BOOTSTRAP_TOKEN is not set" in r.stderr, r.describe()
+        assert f"eth1 {Testbed.addr(0, 1)}" in r.stderr, r.describe()
+        assert "R2CCL_INSECURE_NO_TOKEN=1" in r.stderr, r.describe()
+    assert [r.returncode for r in allowed] == [0, 0], describe(allowed)
+    assert "# Out of bounds values : 0 OK" in allowed[0].stdout, describe(allowed)
+
+
 # --------------------------------------------------------------------------- mpirun
 
 

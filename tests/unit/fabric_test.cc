@@ -389,4 +389,31 @@ TEST(Fabric, MessagesOfEachServiceReachOnlyItsOwnHandler) {
 }
 
 }  // namespace
+// A job without a token keys its rails' handshakes with the all-zero token, which anyone knows:
+// allowed only where every rail is loopback, or where R2CCL_INSECURE_NO_TOKEN=1 says so.
+TEST(Fabric, NoTokenOnlyWhereEveryRailIsLoopback) {
+  const auto rail = [](const char* nic, const char* address) {
+    EndpointInfo::Rail r;
+    r.nic = nic;
+    r.address = address;
+    return r;
+  };
+  const std::vector<EndpointInfo::Rail> loopback = {rail("lo", "127.0.0.11"),
+                                                    rail("lo", "127.1.2.3")};
+  const std::vector<EndpointInfo::Rail> mixed = {
+      rail("lo", "127.0.0.11"), rail("eth1", "198.18.0.1"), rail("eth2", "198.18.1.1")};
+  EXPECT_TRUE(check_rails_need_no_token(Token{}, loopback, false).is_ok());
+  const Status refused = check_rails_need_no_token(Token{}, mixed, false);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.code(), ErrorCode::kConfig);
+  for (const char* part : {"R2CCL_BOOTSTRAP_TOKEN is not set", "eth1 198.18.0.1", "eth2 198.18.1.1",
+                           "R2CCL_INSECURE_NO_TOKEN=1"})
+    EXPECT_NE(refused.message().find(part), std::string::npos) << part << ": " << refused.message();
+  EXPECT_EQ(refused.message().find("127.0.0.11"), std::string::npos) << refused.message();
+  Token token{};
+  token[0] = 1;
+  EXPECT_TRUE(check_rails_need_no_token(token, mixed, false).is_ok());
+  EXPECT_TRUE(check_rails_need_no_token(Token{}, mixed, true).is_ok());
+}
+
 }  // namespace r2ccl

@@ -194,6 +194,26 @@ Fabric::~Fabric() {
   bootstrap_.reset();
 }
 
+Status check_rails_need_no_token(const Token& token, const std::vector<EndpointInfo::Rail>& rails,
+                                 bool insecure) {
+  if (token != Token{} || insecure) return Status::ok();
+  std::vector<std::string> outside;
+  for (const auto& r : rails) {
+    in_addr a{};
+    const bool loopback =
+        inet_pton(AF_INET, r.address.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+    if (!loopback) outside.push_back(fmt::format("{} {}", r.nic, r.address));
+  }
+  if (outside.empty()) return Status::ok();
+  return Status(
+      ErrorCode::kConfig,
+      fmt::format("R2CCL_BOOTSTRAP_TOKEN is not set, and this rank's rails listen outside "
+                  "loopback ({}): give every rank the same token (32 hex digits, e.g. "
+                  "from `openssl rand -hex 16`), or set R2CCL_INSECURE_NO_TOKEN=1 to let "
+                  "anyone who reaches those NICs connect",
+                  fmt::join(outside, ", ")));
+}
+
 Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const BootstrapOptions& boot) {
   std::unique_ptr<Fabric> f(new Fabric());
   f->config_ = config;
@@ -216,6 +236,8 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
     if (a) options.control_address = *a;  // a host name: rails are then chosen without excluding it
   }
   R2CCL_ASSIGN_OR_RETURN(f->endpoint_, Endpoint::create(config, std::move(options)));
+  R2CCL_RETURN_IF_ERROR(
+      check_rails_need_no_token(boot.token, f->endpoint_->info().rails, config.insecure_no_token));
   Fabric* self = f.get();
   f->endpoint_->set_fatal_handler([self](const Status& st) { self->record_async_error(st); });
   // The ranks share the job's token already: the blob they exchange leaves it out.

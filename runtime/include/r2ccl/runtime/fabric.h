@@ -34,6 +34,12 @@ namespace r2ccl {
 class SelfChannel;
 class OutOfBandSender;
 
+// A job without a token (all-zero: R2CCL_BOOTSTRAP_TOKEN unset, rank 0 on loopback) keys its
+// rails' handshakes with a key everyone knows, so it may run only where every rail is loopback
+// too; insecure (R2CCL_INSECURE_NO_TOKEN=1) lets it run anyway. The error names the rails.
+Status check_rails_need_no_token(const Token& token, const std::vector<EndpointInfo::Rail>& rails,
+                                 bool insecure);
+
 class Fabric {
  public:
   static Result<std::unique_ptr<Fabric>> create(const Config& config, const BootstrapOptions& boot);
