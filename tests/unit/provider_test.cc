@@ -1,6 +1,7 @@
 // The tcp provider between two providers on loopback addresses, plus a raw socket that speaks
 // (or breaks) the wire format described at the top of runtime/src/tcp_provider.cc.
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -244,13 +245,20 @@ TEST_F(TcpProviderTest, AProviderWithTheWrongTokenIsDropped) {
 
 class RawPeer {
  public:
-  explicit RawPeer(const Bytes& endpoint) {
+  // Connects from `source` (an IPv4 address of this host) where given.
+  explicit RawPeer(const Bytes& endpoint, const char* source = nullptr) {
     ByteReader r(endpoint);
     std::string host = r.str();
     const auto port = r.u16();
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     timeval tv{5, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (source != nullptr) {
+      sockaddr_in from{};
+      from.sin_family = AF_INET;
+      inet_pton(AF_INET, source, &from.sin_addr);
+      if (::bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0) return;
+    }
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(port);
@@ -328,6 +336,66 @@ TEST_F(TcpProviderTest, AConnectionWithoutTheTokenIsDropped) {
   // The challenge, then the connection closes.
   EXPECT_EQ(q.read_some(40 + kChallengeSize + 1), static_cast<ssize_t>(40 + kChallengeSize));
   EXPECT_EQ(b_->counters().dropped_connections, 2u);
+}
+
+// Whoever reaches a rail port cannot pin its file descriptors: one source holds at most 16
+// connections that have not sent their hello; the next is closed at once, without a challenge,
+// and a peer from another address still connects meanwhile.
+TEST_F(TcpProviderTest, ASourceHoldsABoundedNumberOfConnectionsBeforeTheirHello) {
+  constexpr std::size_t kAllowed = 16;
+  std::vector<std::unique_ptr<RawPeer>> idle;
+  for (std::size_t i = 0; i < kAllowed; ++i) {
+    idle.push_back(std::make_unique<RawPeer>(b_->endpoint(0)));
+    ASSERT_TRUE(idle.back()->connected());
+    // Its challenge arrived: the acceptor holds it, waiting for the hello.
+    ASSERT_EQ(idle.back()->read_some(40 + kChallengeSize),
+              static_cast<ssize_t>(40 + kChallengeSize));
+  }
+  EXPECT_EQ(b_->counters().dropped_connections, 0u);
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < 4; ++i) {
+    RawPeer extra(b_->endpoint(0));
+    ASSERT_TRUE(extra.connected());
+    EXPECT_EQ(extra.read_some(40 + kChallengeSize), 0);  // closed, no challenge
+  }
+  // Closed at once, not by the 5 s hello deadline.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  EXPECT_EQ(b_->counters().dropped_connections, 4u);
+  // a_ connects from 127.0.0.51, another source: its rail is accepted.
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  rail_a_ = *r;
+  // Once the idle ones are gone, the source may connect again.
+  idle.clear();
+  bool accepted_again = false;
+  for (int attempt = 0; attempt < 50 && !accepted_again; ++attempt) {
+    RawPeer again(b_->endpoint(0));
+    accepted_again =
+        again.read_some(40 + kChallengeSize) == static_cast<ssize_t>(40 + kChallengeSize);
+    if (!accepted_again) std::this_thread::sleep_for(milliseconds(100));
+  }
+  EXPECT_TRUE(accepted_again);
+}
+
+// Many sources together hold at most 256 such connections: the next one sheds the oldest.
+TEST_F(TcpProviderTest, PastTheBoundTheOldestConnectionWithoutAHelloIsShed) {
+  constexpr std::size_t kSources = 16, kEach = 16;  // 256 in all
+  std::vector<std::unique_ptr<RawPeer>> idle;
+  for (std::size_t s = 0; s < kSources; ++s) {
+    const std::string source = fmt::format("127.0.60.{}", s + 1);
+    for (std::size_t i = 0; i < kEach; ++i) {
+      idle.push_back(std::make_unique<RawPeer>(b_->endpoint(0), source.c_str()));
+      ASSERT_TRUE(idle.back()->connected()) << source;
+      ASSERT_EQ(idle.back()->read_some(40 + kChallengeSize),
+                static_cast<ssize_t>(40 + kChallengeSize));
+    }
+  }
+  EXPECT_EQ(b_->counters().dropped_connections, 0u);
+  RawPeer newest(b_->endpoint(0), "127.0.60.100");
+  ASSERT_TRUE(newest.connected());
+  EXPECT_EQ(newest.read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
+  EXPECT_EQ(idle.front()->read_some(1), 0);  // the oldest was closed
+  EXPECT_EQ(b_->counters().dropped_connections, 1u);
 }
 
 // Plays the acceptor for one connection of `connector` (a raw listener on 127.0.0.53): sends the

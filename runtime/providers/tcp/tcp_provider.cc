@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstddef>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -40,6 +41,11 @@ constexpr std::uint64_t kMaxWrite = 256ull << 20;
 constexpr std::uint64_t kMaxControl = 1u << 20;
 constexpr std::uint64_t kMaxNackText = 4096;
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
+// Connections that have not yet proven the token, held at once by a provider: from one source
+// address (past it a new one is refused), and in all (past it the oldest is shed), so that
+// whoever reaches a rail port cannot pin the process's file descriptors.
+constexpr std::size_t kMaxPendingHellosPerSource = 16;
+constexpr std::size_t kMaxPendingHellos = 256;
 // A write batch holds frames up to kBatchBytes (one fragment at most, as a fragment is that
 // size), so an urgent frame (an ack) never waits behind more than the batch being written.
 constexpr std::size_t kBatchFrames = 64;
@@ -895,6 +901,11 @@ class TcpProvider final : public Provider {
     crypto::Nonce challenge{};
     crypto::Nonce client{};
     bool done = false;
+    // An accepted connection's: whence and on which NIC, and its place among the pending ones.
+    std::string source;
+    std::string from;
+    std::string nic;
+    std::list<std::weak_ptr<Handshake>>::iterator pending;
   };
 
   // Reads one handshake frame of `op` with a payload of [min, max] bytes into hs->payload.
@@ -1000,20 +1011,60 @@ class TcpProvider final : public Provider {
     });
   }
 
+  // Accepted connections waiting for their hello, oldest first, and how many per source address.
+  // Shared with the handshakes' callbacks, which may run after the provider is gone.
+  struct PendingHellos {
+    std::list<std::weak_ptr<Handshake>> order;
+    std::unordered_map<std::string, std::size_t> by_source;
+
+    // Ends an accepted connection's handshake: it no longer counts as pending.
+    void settle(Handshake& hs) {
+      hs.done = true;
+      order.erase(hs.pending);
+      auto it = by_source.find(hs.source);
+      if (it != by_source.end() && --it->second == 0) by_source.erase(it);
+    }
+  };
+
+  static void drop_incoming(PendingHellos& pending, AtomicProviderCounters& counters,
+                            const std::shared_ptr<Handshake>& hs, const std::string& why) {
+    if (hs->done) return;
+    pending.settle(*hs);
+    counters.dropped_connections.fetch_add(1);
+    R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic, why);
+    error_code e;
+    hs->timer.cancel();
+    hs->socket.close(e);
+  }
+
   void on_incoming(std::size_t device, tcp::socket s) {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     error_code ec;
     auto remote = hs->socket.remote_endpoint(ec);
-    const std::string from = fmt::format("{}:{}", remote.address().to_string(), remote.port());
-    const std::string nic = devices_[device].name;
-    auto drop = [this, hs, from, nic](const std::string& why) {
-      if (hs->done) return;
-      hs->done = true;
+    hs->source = remote.address().to_string();
+    hs->from = fmt::format("{}:{}", hs->source, remote.port());
+    hs->nic = devices_[device].name;
+    if (pending_->by_source[hs->source] >= kMaxPendingHellosPerSource) {
       counters_->dropped_connections.fetch_add(1);
-      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", from, nic, why);
-      error_code e;
-      hs->timer.cancel();
-      hs->socket.close(e);
+      R2CCL_WARN_LIMITED(
+          "dropped a rail connection from {} on {}: {} connections from {} are "
+          "already waiting for their hello",
+          hs->from, hs->nic, kMaxPendingHellosPerSource, hs->source);
+      hs->socket.close(ec);
+      return;
+    }
+    if (pending_->order.size() >= kMaxPendingHellos) {
+      if (auto oldest = pending_->order.front().lock())
+        drop_incoming(
+            *pending_, *counters_, oldest,
+            fmt::format("shed: {} connections were waiting for their hello", kMaxPendingHellos));
+      else
+        pending_->order.pop_front();
+    }
+    ++pending_->by_source[hs->source];
+    hs->pending = pending_->order.insert(pending_->order.end(), hs);
+    auto drop = [pending = pending_, counters = counters_, hs](const std::string& why) {
+      drop_incoming(*pending, *counters, hs, why);
     };
     hs->timer.expires_after(kHelloTimeout);
     hs->timer.async_wait([drop](error_code e) {
@@ -1043,7 +1094,7 @@ class TcpProvider final : public Provider {
           auto ack = encode_ack(token_, accepted->client, hs->challenge);
           if (!ack) return drop(ack.status().message());
           if (!accept_handler_) return drop("not accepting rails yet");
-          hs->done = true;
+          pending_->settle(*hs);
           hs->timer.cancel();
           auto rail = std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
                                                 state_[device]->keys, counters_, accepted->hello);
@@ -1063,6 +1114,7 @@ class TcpProvider final : public Provider {
   std::shared_ptr<AtomicProviderCounters> counters_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   AcceptHandler accept_handler_;
+  std::shared_ptr<PendingHellos> pending_ = std::make_shared<PendingHellos>();
 };
 
 }  // namespace
