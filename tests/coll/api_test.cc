@@ -275,6 +275,53 @@ TEST(Communicator, ACollectiveThatFailedOnSomeRanksLeavesNothingForTheNext) {
   });
 }
 
+// Legal programs may be unbalanced: a root's small broadcasts complete once queued (eagerly), so
+// a root can run a hundred collectives ahead of a rank that is busy, and then start a large one
+// whose request-to-send reaches that rank 101 epochs ahead of it. The same holds for non-root
+// ranks running reduces ahead of a busy root. Nothing is cut off: every byte arrives on every
+// rank once the busy ones join, and no asynchronous error is raised.
+TEST(Communicator, RanksFarAheadOfABusyRankAreNotCutOff) {
+  auto comms = test::make_comms(3);
+  ASSERT_EQ(comms.size(), 3u);
+  constexpr int kSmall = 100;
+  constexpr std::size_t kLarge = (std::size_t{1} << 20) + 3;
+  const auto small_count = [](int i) { return static_cast<std::size_t>(1 + 37 * i % 1500); };
+  const auto byte_of = [](int i, std::size_t k) {
+    return static_cast<std::uint8_t>((k * 131 + static_cast<std::size_t>(i) * 17 + 5) & 0xff);
+  };
+  test::on_all(comms, [&](int r, Communicator& c) {
+    // Broadcasts from rank 0, which runs ahead of ranks 1 and 2 (they sleep first).
+    if (r != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    for (int i = 0; i <= kSmall; ++i) {
+      const std::size_t n = i < kSmall ? small_count(i) : kLarge;
+      std::vector<std::uint8_t> buf(n);
+      if (r == 0)
+        for (std::size_t k = 0; k < n; ++k)
+          buf[k] = byte_of(i, k);
+      ASSERT_TRUE(c.broadcast(buf.data(), buf.data(), n, DataType::kU8, 0).is_ok())
+          << "rank " << r << ", broadcast " << i;
+      for (std::size_t k = 0; k < n; ++k)
+        ASSERT_EQ(buf[k], byte_of(i, k)) << "rank " << r << ", broadcast " << i << ", byte " << k;
+    }
+    // Reduces to rank 0, which is busy now while ranks 1 and 2 run ahead of it.
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    for (int i = 0; i <= kSmall; ++i) {
+      const std::size_t n = i < kSmall ? small_count(i) : kLarge / 4;
+      std::vector<std::int32_t> in(n), out(n, -1);
+      for (std::size_t k = 0; k < n; ++k)
+        in[k] = static_cast<std::int32_t>(k * 7 + static_cast<std::size_t>(i + r * 1000));
+      ASSERT_TRUE(c.reduce(in.data(), out.data(), n, DataType::kI32, RedOp::kSum, 0).is_ok())
+          << "rank " << r << ", reduce " << i;
+      if (r != 0) continue;
+      for (std::size_t k = 0; k < n; ++k)
+        ASSERT_EQ(out[k],
+                  static_cast<std::int32_t>(3 * (k * 7 + static_cast<std::size_t>(i)) + 3000))
+            << "reduce " << i << ", element " << k;
+    }
+    EXPECT_TRUE(c.async_error().is_ok()) << "rank " << r << ": " << c.async_error().to_string();
+  });
+}
+
 TEST(Communicator, GroupedSendsAndReceivesRunTogether) {
   auto comms = test::make_comms(4);
   ASSERT_EQ(comms.size(), 4u);

@@ -294,8 +294,9 @@ class Channel {
   static constexpr std::uint64_t kEarlyWindow = 65536;
   // The peer's message `seq`, which this side has not posted (its next is `next`): kept early
   // (its receive or send may still be posted here), stale (its epoch is over here, so it never
-  // will be), or a protocol violation (further ahead than a peer following the protocol gets,
-  // or more than `window` kept already in `kept`).
+  // will be), or a protocol violation (`window` or more into its epoch, or `window` kept already
+  // in `kept`: more than a peer following the protocol gets). Any epoch ahead is legal: what is
+  // kept is bounded by its size, not by how far ahead the peer's program is.
   struct Early {
     bool stale = false;
     std::optional<std::string> violation;

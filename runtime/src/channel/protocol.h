@@ -69,9 +69,11 @@ inline constexpr std::size_t kServeWindow = 4;
 // later operation's. An index that outgrows its bits carries into the epoch on both sides alike.
 inline constexpr unsigned kEpochShift = 24;
 inline constexpr std::uint64_t kMaxEpoch = (std::uint64_t{1} << (63 - kEpochShift)) - 1;
-// A peer's messages are kept early (their receive or send not posted here yet) from at most this
-// many epochs ahead: a peer whose operations fail quickly may run ahead of one that waits.
-inline constexpr std::uint64_t kEpochsAhead = 64;
+// A peer's messages are kept early (their receive or send not posted here yet) from any epoch
+// ahead of this side's: a legal program may run any number of collectives ahead of a busy peer
+// (eager sends complete once queued; a peer whose operations fail quickly runs ahead of one that
+// waits). What is kept early is bounded by size instead (eager data by the eager credit, the
+// announcements and clear-to-sends by Channel::kEarlyWindow and ChunkImm::kSlots entries).
 inline constexpr std::uint64_t epoch_of(std::uint64_t seq) {
   return seq >> kEpochShift;
 }

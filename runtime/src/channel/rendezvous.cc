@@ -61,14 +61,16 @@ Channel::Early Channel::judge_early(std::uint64_t seq, std::uint64_t next, std::
     e.stale = true;
     return e;
   }
+  // However many epochs ahead: a legal program may run any number of collectives ahead of a
+  // busy peer (its eager sends complete once queued). What is kept is bounded by its size
+  // instead: `window` entries, each at most `window` into its epoch.
   const std::uint64_t ahead = epoch == epoch_of(next) ? seq - next : index_of(seq);
-  if (epoch - now > kEpochsAhead)
+  if (ahead >= window)
     e.violation =
-        fmt::format("{} epochs ahead of this side's (at most {})", epoch - now, kEpochsAhead);
-  else if (ahead >= window || kept >= window)
+        fmt::format("{} ahead of the next one here in its epoch (at most {})", ahead, window - 1);
+  else if (kept >= window)
     e.violation =
-        fmt::format("{} ahead of the next one here in its epoch, with {} kept early (at most {})",
-                    ahead, kept, window);
+        fmt::format("with {} of its messages kept early here already (at most {})", kept, window);
   return e;
 }
 
