@@ -9,6 +9,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "test_util.h"
 
@@ -241,6 +242,9 @@ TEST(Endpoint, OperationsWithAPeerThatLeftFailNamingIt) {
   EXPECT_EQ(a->isend(12345, *reg, 0, 1).status().message(), "send: no peer has id 12345");
 }
 
+// A process that started again connects with its old name at a new incarnation. Its old
+// incarnation's connections are gone (its process ended without a goodbye: here, abort() closes
+// them), so the old peer is evicted: operations towards it fail at once, naming why.
 TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
   PeerLog log;  // outlives the endpoints: their handlers write to it
   auto a = make_endpoint(0, "A");
@@ -250,7 +254,17 @@ TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
   ASSERT_TRUE(b1->connect(a->blob()).is_ok());
   auto first = log.wait(Endpoint::PeerEvent::Kind::kJoined, 0);
   ASSERT_TRUE(first);
-  // The same name again from another process (here: another endpoint, the first one still up).
+  b1->abort("it crashed");  // closes its rails; no goodbye
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto rails_of_first = [&] {
+    for (const auto& p : a->peers())
+      if (p.id == first->peer) return p.rails;
+    return std::size_t{99};
+  };
+  while (rails_of_first() != 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_EQ(rails_of_first(), 0u);
+  // The same name again from another process (here: another endpoint).
   auto b2 = make_endpoint(2, "B");
   ASSERT_TRUE(b2);
   auto id2 = b2->connect(a->blob());
@@ -271,6 +285,40 @@ TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
                         "{:016x}",
                         b1->incarnation(), b2->incarnation()));
   exchange(*b2, *id2, *a, second->peer, 1024 * 1024 + 3, 4);
+}
+
+// A name proves nothing: it is chosen by the process that connects (two replicas configured
+// alike, or anyone holding the token). A peer that connects with the name of a peer that is
+// still connected does not evict it: both are peers, each with its own id, and both exchange data.
+TEST(Endpoint, APeerWithTheNameOfALiveOneIsAnotherPeerAndEvictsNothing) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  auto a = make_endpoint(0, "A");
+  auto b1 = make_endpoint(1, "B");
+  auto b2 = make_endpoint(2, "B");
+  ASSERT_TRUE(a && b1 && b2);
+  log.attach(*a);
+  auto id1 = b1->connect(a->blob());
+  ASSERT_TRUE(id1.is_ok()) << id1.status().to_string();
+  auto first = log.wait(Endpoint::PeerEvent::Kind::kJoined, 0);
+  ASSERT_TRUE(first);
+  auto id2 = b2->connect(a->blob());
+  ASSERT_TRUE(id2.is_ok()) << id2.status().to_string();
+  auto second = log.wait(Endpoint::PeerEvent::Kind::kJoined, 1);
+  ASSERT_TRUE(second);
+  EXPECT_NE(second->peer, first->peer);
+  EXPECT_EQ(second->label, fmt::format("peer 'B' (incarnation {:016x})", b2->incarnation()));
+  // Both are still there, and each carries its own data, both ways.
+  exchange(*b1, *id1, *a, first->peer, 1024 * 1024 + 7, 7);
+  exchange(*b2, *id2, *a, second->peer, 1024 * 1024 + 9, 8);
+  exchange(*a, first->peer, *b1, *id1, 5000, 9);
+  exchange(*a, second->peer, *b2, *id2, 5001, 10);
+  const auto peers = a->peers();
+  ASSERT_EQ(peers.size(), 2u);
+  for (const auto& p : peers)
+    EXPECT_TRUE(p.alive) << p.label;
+  std::lock_guard lock(log.m);
+  for (const auto& e : log.events)
+    EXPECT_NE(e.kind, Endpoint::PeerEvent::Kind::kLeft) << e.label << ": " << e.why;
 }
 
 TEST(Endpoint, TwoEndpointsConnectingToEachOtherAtOnceShareOneChannel) {

@@ -594,11 +594,20 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
                        info ? "incarnation or provider mismatch" : info.status().message());
     return false;
   }
-  // The same name at another incarnation: that process started again, the old one is gone.
-  for (auto& p : peers_)
-    if (p && !p->channel->dead() && p->info.name == info->name)
-      p->channel->on_peer_left(
-          fmt::format("it started again as incarnation {:016x}", info->incarnation));
+  // The same name at another incarnation. A name proves nothing (the connecting process chooses
+  // it), so it evicts only a peer that is gone already as far as this side can tell: no rail
+  // connected to it and none connecting (its process ended and the kernel closed its
+  // connections, or every rail to it failed). That is a process that started again. A peer
+  // still connected is not evicted: the newcomer is another peer, and the collision is logged.
+  std::vector<std::string> namesakes;
+  for (auto& p : peers_) {
+    if (!p || p->channel->dead() || p->info.name != info->name) continue;
+    Channel& old = *p->channel;
+    if (old.attached() == 0 && old.connecting() == 0)
+      old.on_peer_left(fmt::format("it started again as incarnation {:016x}", info->incarnation));
+    else
+      namesakes.push_back(fmt::format("{} (peer id {})", old.label(), old.peer()));
+  }
   PeerOptions options;
   options.connector = false;
   auto id = add_peer_locked(std::move(*info), options);
@@ -609,6 +618,12 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
   Channel& c = *channel(*id);
   c.mark_started();
   R2CCL_INFO("{} connected (peer id {})", c.label(), *id);
+  if (!namesakes.empty())
+    R2CCL_WARN_LIMITED(
+        "{} (peer id {}) has the name of {}, still connected: kept as distinct peers (endpoint "
+        "names should be unique; a process that starts again replaces its old incarnation only "
+        "once that one's rails are gone)",
+        c.label(), *id, fmt::join(namesakes, ", "));
   if (peer_handler_) peer_handler_(PeerEvent{PeerEvent::Kind::kJoined, *id, c.label(), {}});
   return c.attach(h.rail, rail);
 }
