@@ -41,7 +41,8 @@ constexpr std::uint32_t kMetaVersion = 2;
 constexpr auto kService = static_cast<std::uint8_t>(Fabric::Service::kKvTransfer);
 constexpr std::uint64_t kMaxWriteBytes = 4u << 20;  // coalesced writes stay below this
 
-enum class MsgType : std::uint8_t { kNotify = 1, kPull = 2 };
+// kCancel: the requester of a pull abandoned it (the side that pushes stops issuing writes).
+enum class MsgType : std::uint8_t { kNotify = 1, kPull = 2, kCancel = 3 };
 
 std::uint64_t block_hash(const std::byte* p, std::uint64_t n, std::uint32_t layer,
                          std::uint32_t part) {
@@ -104,7 +105,11 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     std::uint64_t id = 0;
     int peer = -1;
     std::uint32_t local_pool = 0, remote_pool = 0;
-    bool is_pull_record = false;  // we asked `peer` to push; it reports back
+    bool is_pull_record = false;   // we asked `peer` to push; it reports back
+    Clock::time_point deadline{};  // a pull record: it fails when this passes
+    // A pull record ended here (deadline, the peer left, cancelled): what the peer says of it
+    // later is ignored.
+    bool abandoned = false;
     RequestState state = RequestState::kPending;
     bool sealed = false;
     bool cancelled = false;
@@ -134,6 +139,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   };
   struct Received {
     Notification note;
+    bool local = false;  // a pull that ended here (no word from the peer)
     // To verify on the receiving side.
     std::uint32_t pool = 0;
     std::vector<std::uint32_t> layers;
@@ -172,6 +178,9 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   std::condition_variable inbox_cv;
   bool stopping = false;
   std::map<std::uint32_t, int> verifying;  // pool -> verifications under way
+  // Pull records in flight by deadline; the worker fails them when it passes.
+  std::set<std::pair<Clock::time_point, std::uint64_t>> pull_deadlines;
+  int peer_listener = -1;  // the endpoint's peer events (pulls of a peer that leaves fail)
   std::thread worker;
   EngineCounters counters;
 
@@ -427,14 +436,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       }
     }
     r.invalid_list.assign(r.invalid.begin(), r.invalid.end());
-    // Ended requests stay queryable for a while; the oldest are forgotten past kHistory.
-    ended.push_back(key);
-    while (ended.size() > kHistory) {
-      auto old = requests.find(ended.front());
-      if (old != requests.end() && old->second.ended() && old->second.inflight == 0)
-        requests.erase(old);
-      ended.pop_front();
-    }
+    remember_ended(key);
     ByteWriter w;
     w.u8(static_cast<std::uint8_t>(MsgType::kNotify))
         .u64(r.id)
@@ -461,6 +463,79 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     cv.notify_all();
   }
 
+  // Ended requests stay queryable for a while; the oldest are forgotten past kHistory. Lock
+  // held.
+  void remember_ended(const Key& key) {
+    ended.push_back(key);
+    while (ended.size() > kHistory) {
+      auto old = requests.find(ended.front());
+      if (old != requests.end() && old->second.ended() && old->second.inflight == 0)
+        requests.erase(old);
+      ended.pop_front();
+    }
+  }
+
+  // Ends a pull record here, without the peer (its deadline passed, the peer left, this side
+  // disconnected from it or cancelled it): every destination block is invalid, and this side
+  // gets the notification the peer would have sent. Lock held.
+  void end_pull(const Key& key, Request& q, RequestState state, std::string reason) {
+    q.state = state;
+    q.reason = std::move(reason);
+    q.abandoned = true;
+    q.invalid_list.assign(q.dst_blocks.begin(), q.dst_blocks.end());
+    q.duration = Clock::now() - q.started;
+    pull_deadlines.erase({q.deadline, q.id});
+    if (state == RequestState::kCancelled)
+      ++counters.cancelled;
+    else
+      ++counters.failed;
+    remember_ended(key);
+    cv.notify_all();
+    Received rec;
+    rec.local = true;
+    rec.note.request = q.id;
+    rec.note.peer = q.peer;
+    rec.note.state = q.state;
+    rec.note.reason = q.reason;
+    rec.note.invalid_blocks = q.invalid_list;
+    queue_for_worker(std::move(rec));
+  }
+
+  // Hands a notification to the worker (verification, then the callback or the queue). Lock
+  // held.
+  void queue_for_worker(Received rec) {
+    if (inbox.size() >= kMaxQueued) {
+      R2CCL_WARN_LIMITED(
+          "kv: dropped the notification of request {} from {}: {} are waiting to be handled "
+          "already",
+          rec.note.request, label(rec.note.peer), inbox.size());
+      return;
+    }
+    inbox.push_back(std::move(rec));
+    inbox_cv.notify_one();
+  }
+
+  // Pull records whose deadline passed fail. Lock held.
+  void expire_pulls(Clock::time_point now) {
+    while (!pull_deadlines.empty() && pull_deadlines.begin()->first <= now) {
+      const std::uint64_t id = pull_deadlines.begin()->second;
+      pull_deadlines.erase(pull_deadlines.begin());
+      auto it = requests.find(Key{-1, id});
+      if (it == requests.end() || !it->second.is_pull_record || it->second.ended()) continue;
+      end_pull(it->first, it->second, RequestState::kFailed,
+               fmt::format("pull {}: {} did not complete it within {}ms (R2CCL_TIMEOUT)", id,
+                           label(it->second.peer), endpoint.config().timeout.count()));
+    }
+  }
+
+  // The pulls asked of `peer` fail: it left, or this side disconnected from it.
+  void fail_pulls_of(int peer, const std::string& why) {
+    std::lock_guard lock(mu);
+    for (auto& [key, q] : requests)
+      if (key.requester < 0 && q.is_pull_record && q.peer == peer && !q.ended())
+        end_pull(key, q, RequestState::kFailed, fmt::format("pull {}: {}", q.id, why));
+  }
+
   void send(const std::vector<Outgoing>& out) {
     for (const auto& o : out) {
       // A world's control path works when no rail is left; an endpoint has only the rails.
@@ -479,6 +554,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     const auto type = static_cast<MsgType>(r.u8());
     if (type == MsgType::kNotify) return on_notify(peer, r);
     if (type == MsgType::kPull) return on_pull(peer, r);
+    if (type == MsgType::kCancel) return on_cancel(peer, r);
     R2CCL_WARN_LIMITED("kv: unknown message type {} from {}", static_cast<int>(type), label(peer));
   }
 
@@ -486,7 +562,17 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     Received rec;
     rec.note.peer = peer;
     rec.note.request = r.u64();
-    rec.note.state = static_cast<RequestState>(r.u8());
+    // Only an end is ever notified: any other value is a protocol error, never cast blindly.
+    const auto state = r.u8();
+    if (r.ok() && (state < static_cast<std::uint8_t>(RequestState::kDone) ||
+                   state > static_cast<std::uint8_t>(RequestState::kCancelled))) {
+      R2CCL_WARN_LIMITED(
+          "kv: dropped the notification of request {} from {}: its state {} is not DONE, "
+          "FAILED or CANCELLED (a protocol error)",
+          rec.note.request, label(peer), static_cast<int>(state));
+      return;
+    }
+    rec.note.state = static_cast<RequestState>(state);
     rec.note.reason = r.str(4096);
     rec.note.payload = r.blob(kMaxPayloadBytes);
     const auto n = r.u32();
@@ -508,21 +594,23 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       return;
     }
     std::lock_guard lock(mu);
-    if (inbox.size() >= kMaxQueued) {
-      R2CCL_WARN_LIMITED("kv: dropped a notification from {}: {} are waiting to be handled already",
-                         label(peer), inbox.size());
-      return;
-    }
-    inbox.push_back(std::move(rec));
-    inbox_cv.notify_one();
+    queue_for_worker(std::move(rec));
   }
 
-  // The worker: verification and callbacks off the progress loop and outside `mu`.
+  // The worker: verification and callbacks off the progress loop and outside `mu`; pulls whose
+  // deadline passed fail here.
   void work() {
     std::unique_lock lock(mu);
     while (true) {
-      inbox_cv.wait(lock, [&] { return stopping || !inbox.empty(); });
       if (stopping) return;
+      expire_pulls(Clock::now());
+      if (inbox.empty()) {
+        if (pull_deadlines.empty())
+          inbox_cv.wait(lock);
+        else
+          inbox_cv.wait_until(lock, pull_deadlines.begin()->first);
+        continue;
+      }
       Received rec = std::move(inbox.front());
       inbox.pop_front();
       // The pool's buffers stay registered while they are hashed (unregister_pool waits).
@@ -546,20 +634,32 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   // A verified notification: the end of a pull this side asked for, then the callback or the
   // queue. Lock held (released around the callback).
   void handle_verified(Received rec, std::unique_lock<std::mutex>& lock) {
-    auto it = requests.find(Key{-1, rec.note.request});
-    if (it != requests.end() && it->second.is_pull_record && it->second.peer == rec.note.peer &&
-        !it->second.ended()) {
+    auto it = rec.local ? requests.end() : requests.find(Key{-1, rec.note.request});
+    if (it != requests.end() && it->second.is_pull_record && it->second.peer == rec.note.peer) {
       auto& q = it->second;
-      q.state = rec.note.state;
-      q.reason = rec.note.reason;
-      q.invalid_list = rec.note.invalid_blocks;
-      q.duration = Clock::now() - q.started;
-      ended.push_back(it->first);
-      if (q.state == RequestState::kDone) {
-        ++counters.done;
-        counters.bytes += q.bytes;
-      } else {
-        ++counters.failed;
+      if (q.abandoned) {
+        // It ended here (and this side was notified then): a late word from the peer is ignored.
+        R2CCL_DEBUG("kv: ignored the late {} of pull {} from {}: it ended here ({})",
+                    request_state_name(rec.note.state), q.id, label(q.peer),
+                    request_state_name(q.state));
+        return;
+      }
+      if (!q.ended()) {
+        q.state = rec.note.state;
+        q.reason = rec.note.reason;
+        q.invalid_list = rec.note.invalid_blocks;
+        q.duration = Clock::now() - q.started;
+        pull_deadlines.erase({q.deadline, q.id});
+        if (q.state == RequestState::kDone) {
+          ++counters.done;
+          counters.bytes += q.bytes;
+        } else if (q.state == RequestState::kCancelled) {
+          ++counters.cancelled;
+        } else {
+          ++counters.failed;
+        }
+        remember_ended(it->first);
+        cv.notify_all();
       }
     }
     if (callback) {
@@ -614,6 +714,28 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     rec.note.reason =
         fmt::format("{} block(s) failed verification (first: block {})", bad.size(), bad.front());
     rec.note.invalid_blocks = bad;
+  }
+
+  // The requester of a pull abandoned it: nothing more is issued for it; it ends CANCELLED once
+  // what was in flight lands (the requester ignores that notification).
+  void on_cancel(int peer, ByteReader& r) {
+    const auto id = r.u64();
+    if (!r.finish("KV cancel").is_ok()) {
+      R2CCL_WARN_LIMITED("kv: malformed cancel from {}", label(peer));
+      return;
+    }
+    std::vector<Outgoing> out;
+    {
+      std::lock_guard lock(mu);
+      auto it = requests.find(Key{peer, id});
+      if (it == requests.end() || it->second.ended()) return;
+      auto& q = it->second;
+      q.cancelled = true;
+      q.reason = "cancelled by the side that asked for the pull";
+      q.pending.clear();
+      maybe_finish(it->first, q, out);
+    }
+    send(out);
   }
 
   void on_pull(int peer, ByteReader& r) {
@@ -677,6 +799,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
 KvEngine::KvEngine(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 KvEngine::~KvEngine() {
+  impl_->endpoint.remove_peer_listener(impl_->peer_listener);
   impl_->endpoint.set_message_handler(kService, nullptr);
   {
     std::lock_guard lock(impl_->mu);
@@ -734,6 +857,13 @@ Result<std::unique_ptr<KvEngine>> KvEngine::create(Endpoint& endpoint, const Eng
   });
   endpoint.set_message_handler(
       kService, [raw](int peer, Bytes msg) { raw->on_message(peer, std::move(msg)); });
+  // Pulls of a peer that leaves fail at once (not at their deadline).
+  impl->peer_listener =
+      endpoint.add_peer_listener([weak = std::weak_ptr<Impl>(impl)](const Endpoint::PeerEvent& ev) {
+        if (ev.kind != Endpoint::PeerEvent::Kind::kLeft) return;
+        if (auto self = weak.lock())
+          self->fail_pulls_of(ev.peer, fmt::format("{} left: {}", ev.label, ev.why));
+      });
   return std::unique_ptr<KvEngine>(new KvEngine(std::move(impl)));
 }
 
@@ -826,6 +956,7 @@ Status KvEngine::disconnect(int peer) {
       return {ErrorCode::kInvalidArgument,
               fmt::format("disconnect: {} is not connected here", impl_->label(peer))};
   }
+  impl_->fail_pulls_of(peer, fmt::format("this side disconnected from {}", impl_->label(peer)));
   if (impl_->world) return Status::ok();  // a world's channels stay
   return impl_->endpoint.disconnect(peer);
 }
@@ -980,6 +1111,7 @@ Status KvEngine::submit(std::uint64_t id, int peer, std::uint32_t local_pool,
 Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
                       std::uint32_t remote_pool, const std::vector<BlockSpan>& spans) {
   ByteWriter w;
+  Clock::time_point deadline;
   {
     std::lock_guard lock(impl_->mu);
     R2CCL_RETURN_IF_ERROR(impl_->check_target(id, peer, local_pool, remote_pool));
@@ -1000,14 +1132,32 @@ Status KvEngine::pull(std::uint64_t id, int peer, std::uint32_t local_pool,
       r.bytes += static_cast<std::uint64_t>(s.last_layer - s.first_layer) * s.src_blocks.size() *
                  impl_->pools[local_pool].layout.block_bytes *
                  impl_->pools[local_pool].layout.parts;
+      r.dst_blocks.insert(s.dst_blocks.begin(), s.dst_blocks.end());
     }
+    w.u8(static_cast<std::uint8_t>(MsgType::kPull)).u64(id).u32(remote_pool).u32(local_pool);
+    encode_spans(w, spans);
+    if (w.bytes().size() > 64 * 1024)
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("pull {}: its block lists take {} bytes, more than 65536 in one request "
+                          "(split it)",
+                          id, w.bytes().size())};
+    // Recorded before it is sent (the peer's answer may come at once), forgotten if it cannot be.
+    r.deadline = Clock::now() + impl_->endpoint.config().timeout;
+    deadline = r.deadline;
+    impl_->pull_deadlines.emplace(r.deadline, id);
     impl_->requests.emplace(Impl::Key{-1, id}, std::move(r));
+    impl_->inbox_cv.notify_one();  // the worker watches the deadline
   }
-  w.u8(static_cast<std::uint8_t>(MsgType::kPull)).u64(id).u32(remote_pool).u32(local_pool);
-  encode_spans(w, spans);
-  if (w.bytes().size() > 64 * 1024)
-    return {ErrorCode::kInvalidArgument, "pull: too many blocks in one request (split it)"};
-  return impl_->endpoint.send_message(peer, kService, w.take());
+  Status st = impl_->endpoint.send_message(peer, kService, w.take());
+  if (!st) {
+    std::lock_guard lock(impl_->mu);
+    auto it = impl_->requests.find(Impl::Key{-1, id});
+    if (it != impl_->requests.end() && it->second.is_pull_record && !it->second.ended()) {
+      impl_->pull_deadlines.erase({deadline, id});
+      impl_->requests.erase(it);
+    }
+  }
+  return st.with_context(fmt::format("pull {}", id));
 }
 
 Result<RequestStatus> KvEngine::status(std::uint64_t id) const {
@@ -1046,6 +1196,7 @@ Result<RequestStatus> KvEngine::wait(std::uint64_t id, std::chrono::milliseconds
 
 Status KvEngine::cancel(std::uint64_t id) {
   std::vector<Impl::Outgoing> out;
+  int peer = -1;  // a pull's: told to stop
   {
     std::lock_guard lock(impl_->mu);
     auto it = impl_->requests.find(Impl::Key{-1, id});
@@ -1056,14 +1207,27 @@ Status KvEngine::cancel(std::uint64_t id) {
       return {ErrorCode::kInvalidArgument,
               fmt::format("request {} already ended ({}); nothing to cancel", id,
                           request_state_name(r.state))};
-    if (r.is_pull_record)
-      return {ErrorCode::kInvalidArgument,
-              fmt::format("request {} is a pull: the peer sends it", id)};
-    r.cancelled = true;
-    r.pending.clear();
-    impl_->maybe_finish(it->first, r, out);
+    if (r.is_pull_record) {
+      // Abandoned here at once; the peer is asked to stop (best effort).
+      peer = r.peer;
+      impl_->end_pull(it->first, r, RequestState::kCancelled,
+                      fmt::format("pull {}: cancelled by this side (writes of {} already in flight "
+                                  "may still land in its blocks)",
+                                  id, impl_->label(r.peer)));
+    } else {
+      r.cancelled = true;
+      r.pending.clear();
+      impl_->maybe_finish(it->first, r, out);
+    }
   }
   impl_->send(out);
+  if (peer >= 0) {
+    ByteWriter w;
+    w.u8(static_cast<std::uint8_t>(MsgType::kCancel)).u64(id);
+    if (Status st = impl_->endpoint.send_message(peer, kService, w.take()); !st)
+      R2CCL_DEBUG("kv: cannot tell {} that pull {} was cancelled: {}", impl_->label(peer), id,
+                  st.message());
+  }
   return Status::ok();
 }
 

@@ -276,6 +276,141 @@ TEST(KvEngine, PullMovesThePeersBlocksHere) {
   EXPECT_FALSE(holds(s[1], 0, 0, 60));  // layer 0 was not asked for
 }
 
+// A KV notification as a peer's engine sends it (MsgType kNotify), with any state byte.
+Bytes notification_message(std::uint64_t id, std::uint8_t state) {
+  ByteWriter w;
+  w.u8(1).u64(id).u8(state).str("").blob(Bytes{}).u32(0).u8(0);
+  return w.take();
+}
+
+Status send_as_engine(Side& from, int to, Bytes message) {
+  return from.fabric->endpoint().send_message(
+      to, static_cast<std::uint8_t>(Fabric::Service::kKvTransfer), std::move(message));
+}
+
+// A pull that cannot be sent leaves nothing behind (review N-M3): its id is free again.
+TEST(KvEngine, APullThatCannotBeSentLeavesNoRecord) {
+  auto s = make_pair_of_engines();
+  BlockSpan huge{0, 1, {}, {}};
+  for (std::uint32_t i = 0; i < 9000; ++i) {
+    huge.src_blocks.push_back(i % kBlocks);
+    huge.dst_blocks.push_back(i % kBlocks);
+  }
+  EXPECT_EQ(s[1].engine->pull(12, 0, 0, 0, {huge}).message(),
+            "pull 12: its block lists take 72033 bytes, more than 65536 in one request (split it)");
+  EXPECT_EQ(s[1].engine->status(12).status().message(), "no request 12");
+  ASSERT_TRUE(s[1].engine->pull(12, 0, 0, 0, {BlockSpan{0, kLayers, {5}, {6}}}).is_ok());
+  auto st = s[1].engine->wait(12, 10s);
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kDone) << st->reason;
+}
+
+// A pull whose peer never answers (its engine is gone; its endpoint still takes messages) fails
+// at the endpoint's deadline, naming the peer; this side is notified as if the peer had.
+TEST(KvEngine, APullThePeerNeverAnswersFailsAtItsDeadline) {
+  auto s = make_pair_of_engines({{"R2CCL_TIMEOUT", "1s"}});
+  s[0].engine.reset();
+  ASSERT_TRUE(s[1].engine->pull(9, 0, 0, 0, {BlockSpan{0, kLayers, {3, 4}, {1, 0}}}).is_ok());
+  auto st = s[1].engine->wait(9, 30s);  // a hang bound
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kFailed);
+  EXPECT_EQ(st->reason, "pull 9: rank 0 did not complete it within 1000ms (R2CCL_TIMEOUT)");
+  EXPECT_EQ(st->invalid_blocks, (std::vector<std::uint32_t>{0, 1}));
+  auto note = s[1].engine->wait_notification(0, 9, 10s);
+  ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+  EXPECT_EQ(note->state, RequestState::kFailed);
+  EXPECT_EQ(note->reason, st->reason);
+  EXPECT_EQ(note->invalid_blocks, (std::vector<std::uint32_t>{0, 1}));
+  EXPECT_EQ(s[1].engine->counters().failed, 1u);
+}
+
+// A pull whose peer leaves fails at once, long before its deadline, naming the peer and why.
+TEST(KvEngine, APullOfAPeerThatLeavesFailsAtOnce) {
+  auto make = [](int host, const std::string& name) {
+    std::map<std::string, std::string> vars;
+    vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2", 70 + host);
+    vars["R2CCL_TIMEOUT"] = "120s";
+    auto cfg = parse_config(test::env_of(vars));
+    EXPECT_TRUE(cfg.is_ok());
+    EndpointOptions o;
+    o.name = name;
+    return std::move(*Endpoint::create(*cfg, o));
+  };
+  auto prefill = make(0, "prefill");
+  auto decode = make(1, "decode");
+  auto pe = KvEngine::create(*prefill, EngineOptions{});
+  auto de = KvEngine::create(*decode, EngineOptions{});
+  ASSERT_TRUE(pe.is_ok() && de.is_ok());
+  std::vector<Side> s(2);
+  s[0].engine = std::move(*pe);
+  s[1].engine = std::move(*de);
+  for (auto& side : s) {
+    side.memory.assign(kLayers * kParts * kBlocks * kBlockBytes, std::byte{0});
+    ASSERT_TRUE(side.engine
+                    ->register_pool({std::span<std::byte>(side.memory)},
+                                    KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts))
+                    .is_ok());
+  }
+  auto back = s[1].engine->load_remote(s[0].engine->metadata());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  const auto label = fmt::format("peer 'prefill' (incarnation {:016x})", prefill->incarnation());
+  s[0].engine.reset();  // it will not answer
+  ASSERT_TRUE(s[1].engine->pull(4, *back, 0, 0, {BlockSpan{0, kLayers, {1}, {2}}}).is_ok());
+  prefill.reset();                      // says goodbye
+  auto st = s[1].engine->wait(4, 60s);  // a hang bound, half the deadline
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kFailed);
+  EXPECT_EQ(st->reason, fmt::format("pull 4: {} left: it disconnected", label));
+  EXPECT_EQ(st->invalid_blocks, std::vector<std::uint32_t>{2});
+  s[1].engine.reset();
+}
+
+// A pull can be cancelled: it ends CANCELLED here at once, and what the peer says of it later
+// is ignored (no second notification, no change of state).
+TEST(KvEngine, ACancelledPullEndsHereAndALateAnswerIsIgnored) {
+  auto s = make_pair_of_engines();
+  s[0].engine.reset();  // it will not answer; its endpoint stands in for it below
+  ASSERT_TRUE(s[1].engine->pull(5, 0, 0, 0, {BlockSpan{0, kLayers, {3}, {7}}}).is_ok());
+  ASSERT_TRUE(s[1].engine->cancel(5).is_ok());
+  auto st = s[1].engine->status(5);
+  ASSERT_TRUE(st.is_ok());
+  EXPECT_EQ(st->state, RequestState::kCancelled);
+  EXPECT_EQ(st->reason,
+            "pull 5: cancelled by this side (writes of rank 0 already in flight may still land in "
+            "its blocks)");
+  EXPECT_EQ(st->invalid_blocks, std::vector<std::uint32_t>{7});
+  EXPECT_EQ(s[1].engine->cancel(5).message(),
+            "request 5 already ended (CANCELLED); nothing to cancel");
+  // A late DONE for it, then another notification: once the second is here, the first was
+  // handled.
+  const auto kDone = static_cast<std::uint8_t>(RequestState::kDone);
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(5, kDone)).is_ok());
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(77, kDone)).is_ok());
+  ASSERT_TRUE(s[1].engine->wait_notification(0, 77, 10s).is_ok());
+  EXPECT_EQ(s[1].engine->status(5)->state, RequestState::kCancelled);
+  const auto notes = s[1].engine->poll_notifications();
+  ASSERT_EQ(notes.size(), 1u);  // the one given when it was cancelled
+  EXPECT_EQ(notes[0].request, 5u);
+  EXPECT_EQ(notes[0].state, RequestState::kCancelled);
+  EXPECT_EQ(notes[0].invalid_blocks, std::vector<std::uint32_t>{7});
+  EXPECT_EQ(s[1].engine->counters().cancelled, 1u);
+  EXPECT_EQ(s[1].engine->counters().done, 0u);
+}
+
+// A notification's state must be an end (DONE, FAILED, CANCELLED): another value is a protocol
+// error and the notification is dropped, never handed on with a state cast from the byte.
+TEST(KvEngine, ANotificationWhoseStateIsNotAnEndIsDropped) {
+  auto s = make_pair_of_engines();
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(3, 1)).is_ok());  // IN_FLIGHT
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(4, 0)).is_ok());  // PENDING
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(6, 9)).is_ok());  // nothing
+  ASSERT_TRUE(send_as_engine(
+                  s[0], 1, notification_message(8, static_cast<std::uint8_t>(RequestState::kDone)))
+                  .is_ok());
+  ASSERT_TRUE(s[1].engine->wait_notification(0, 8, 10s).is_ok());
+  EXPECT_TRUE(s[1].engine->poll_notifications().empty());
+}
+
 TEST(KvEngine, VerifiedBlocksAndACorruptedOneIsNamed) {
   auto s = make_pair_of_engines({{"R2CCL_KV_VERIFY", "1"}});
   ASSERT_TRUE(s[0].engine->submit(3, 1, 0, 0, {BlockSpan{0, kLayers, {1, 2}, {30, 31}}}).is_ok());

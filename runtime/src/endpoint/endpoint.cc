@@ -5,6 +5,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
 #include <thread>
@@ -624,7 +625,7 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
         "names should be unique; a process that starts again replaces its old incarnation only "
         "once that one's rails are gone)",
         c.label(), *id, fmt::join(namesakes, ", "));
-  if (peer_handler_) peer_handler_(PeerEvent{PeerEvent::Kind::kJoined, *id, c.label(), {}});
+  tell_peer_event(PeerEvent{PeerEvent::Kind::kJoined, *id, c.label(), {}});
   return c.attach(h.rail, rail);
 }
 
@@ -632,7 +633,7 @@ void Endpoint::retire(int peer, const std::string& why) {
   Channel* c = channel(peer);
   if (!c) return;
   prober_->remove_targets(peer);
-  if (peer_handler_) peer_handler_(PeerEvent{PeerEvent::Kind::kLeft, peer, c->label(), why});
+  tell_peer_event(PeerEvent{PeerEvent::Kind::kLeft, peer, c->label(), why});
   departed_.push_back(peer);
   // Forget the oldest departed peers (a channel with a connection attempt still under way is
   // kept until it ends: the attempt's handler refers to it).
@@ -647,6 +648,29 @@ void Endpoint::retire(int peer, const std::string& why) {
 
 void Endpoint::set_peer_handler(std::function<void(const PeerEvent&)> handler) {
   engine_->call([&] { peer_handler_ = std::move(handler); });
+}
+
+int Endpoint::add_peer_listener(std::function<void(const PeerEvent&)> listener) {
+  return engine_->call([&] {
+    const int id = next_listener_++;
+    peer_listeners_.emplace_back(id, std::move(listener));
+    return id;
+  });
+}
+
+void Endpoint::remove_peer_listener(int id) {
+  engine_->call(
+      [&] { std::erase_if(peer_listeners_, [&](const auto& l) { return l.first == id; }); });
+}
+
+void Endpoint::tell_peer_event(const PeerEvent& event) {
+  if (peer_handler_) peer_handler_(event);
+  // A listener may remove itself, or another, while it runs: a copy, each looked up before.
+  const auto listeners = peer_listeners_;
+  for (const auto& [id, fn] : listeners)
+    if (std::any_of(peer_listeners_.begin(), peer_listeners_.end(),
+                    [id = id](const auto& l) { return l.first == id; }))
+      fn(event);
 }
 
 void Endpoint::set_fatal_handler(std::function<void(const Status&)> handler) {

@@ -110,13 +110,19 @@ class KvEngine {
   Status submit(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool,
                 const std::vector<BlockSpan>& spans, Bytes payload = {});
   // Pull: `peer` pushes its blocks (src_blocks, its pool `remote_pool`) into ours (dst_blocks).
+  // It must end within the endpoint's timeout (R2CCL_TIMEOUT), else it fails naming the peer;
+  // it fails at once when the peer leaves or is disconnected. A pull that ends here (so, or
+  // cancelled) is notified here as the peer's push would be, with every destination block
+  // invalid, and what the peer says of it later is ignored.
   Status pull(std::uint64_t id, int peer, std::uint32_t local_pool, std::uint32_t remote_pool,
               const std::vector<BlockSpan>& spans);
 
   Result<RequestStatus> status(std::uint64_t id) const;
   // Until the request (push or pull) ends, at most `timeout`.
   Result<RequestStatus> wait(std::uint64_t id, std::chrono::milliseconds timeout);
-  // Stops a request: nothing more is sent; it ends CANCELLED once what was in flight lands.
+  // Stops a request. A push: nothing more is sent; it ends CANCELLED once what was in flight
+  // lands. A pull: it ends CANCELLED at once and the peer is asked to stop, but writes of the
+  // peer already in flight may still land in its destination blocks.
   Status cancel(std::uint64_t id);
 
   // Notifications for requests pushed to this side (verified here when R2CCL_KV_VERIFY is on).

@@ -133,6 +133,11 @@ class Endpoint {
   // Peers that connected to this endpoint, and peers that left. Runs on the progress thread;
   // must not block.
   void set_peer_handler(std::function<void(const PeerEvent&)> handler);
+  // The same events for a component that must not take the one handler above (the KV engine):
+  // every listener hears them, after the handler. Runs on the progress thread; must not block.
+  // Once remove_peer_listener returns, the listener is not called again.
+  int add_peer_listener(std::function<void(const PeerEvent&)> listener);
+  void remove_peer_listener(int id);
   struct PeerSummary {
     int id;
     std::string label;
@@ -214,6 +219,7 @@ class Endpoint {
   OpPtr start_op(Post post);
   // After it left: probes stop, the handler hears of it, the oldest departed are forgotten.
   void retire(int peer, const std::string& why);
+  void tell_peer_event(const PeerEvent& event);  // the handler, then the listeners (loop thread)
 
   Config config_;
   EndpointOptions options_;
@@ -229,7 +235,9 @@ class Endpoint {
   OutOfBand out_of_band_;
   std::function<void(const Status&)> on_fatal_;
   std::atomic<std::uint64_t> epoch_{0};  // of the sends and receives posted next (set_epoch)
-  std::function<void(const PeerEvent&)> peer_handler_;      // loop thread
+  std::function<void(const PeerEvent&)> peer_handler_;  // loop thread
+  std::vector<std::pair<int, std::function<void(const PeerEvent&)>>> peer_listeners_;  // loop
+  int next_listener_ = 0;                                                              // loop
   std::array<MessageHandler, kServices> message_handlers_;  // loop thread
   mutable std::mutex peers_mutex_;            // peers_ changes on the loop thread, under it
   std::vector<std::unique_ptr<Peer>> peers_;  // by id; null: never used, or forgotten
