@@ -321,6 +321,74 @@ TEST(Endpoint, APeerWithTheNameOfALiveOneIsAnotherPeerAndEvictsNothing) {
     EXPECT_NE(e.kind, Endpoint::PeerEvent::Kind::kLeft) << e.label << ": " << e.why;
 }
 
+// An operation is checked on the caller's thread and posted on the progress loop; the peer may be
+// forgotten in between (a departed peer's channel is dropped once 256 more have left). The loop
+// then fails the operation naming the peer, instead of using a channel that is gone. Here the
+// loop is held inside the peer handler while the 257th departure is being retired.
+TEST(Endpoint, AnOperationWhosePeerIsForgottenBeforeTheLoopRunsItFailsNamingIt) {
+  // Declared before the endpoint, whose handler uses them.
+  std::mutex m;
+  std::condition_variable cv;
+  bool holding = false, release = false;
+  int hold_on = -1;
+  auto a = make_endpoint(0, "A");
+  ASSERT_TRUE(a);
+  auto self = EndpointInfo::decode(a->blob());
+  ASSERT_TRUE(self.is_ok());
+  // Peers that are added and never connected (their blobs name this endpoint's rails).
+  auto add = [&](std::uint64_t incarnation) {
+    EndpointInfo info = *self;
+    info.incarnation = incarnation;
+    info.name = fmt::format("gone-{}", incarnation);
+    auto id = a->add_peer(info.encode(true), Endpoint::PeerOptions{});
+    EXPECT_TRUE(id.is_ok()) << id.status().to_string();
+    return id.value_or(-1);
+  };
+  a->set_peer_handler([&](const Endpoint::PeerEvent& e) {
+    std::unique_lock lock(m);
+    if (e.kind != Endpoint::PeerEvent::Kind::kLeft || e.peer != hold_on) return;
+    holding = true;
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return release; });
+  });
+  const int first = add(1000);
+  a->peer_left(first, "it went away");
+  std::vector<int> others;
+  for (std::uint64_t k = 1; k <= 256; ++k)
+    others.push_back(add(1000 + k));
+  {
+    std::lock_guard lock(m);
+    hold_on = others.back();
+  }
+  for (int id : others)
+    a->peer_left(id, "it went away");
+  {
+    std::unique_lock lock(m);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return holding; }));
+  }
+  // The loop is held in the 257th departure's handler: `first` is still known here...
+  std::vector<std::byte> buf(4096);
+  auto reg = a->register_memory(buf.data(), buf.size());
+  ASSERT_TRUE(reg.is_ok());
+  auto send = a->isend(first, *reg, 0, 100);
+  auto recv = a->irecv(first, *reg, 0, 100);
+  auto write = a->iwrite(first, *reg, 0, RemoteRegion{1, 4096, {1, 1, 1, 1}}, 0, 100);
+  ASSERT_TRUE(send.is_ok() && recv.is_ok() && write.is_ok());
+  EXPECT_TRUE(a->send_message(first, 0, Bytes(10)).is_ok());
+  // ... and forgotten by the time the loop runs the operations.
+  {
+    std::lock_guard lock(m);
+    release = true;
+  }
+  cv.notify_all();
+  EXPECT_EQ(a->wait(*send).to_string(), "aborted: send: peer 0 left long ago");
+  EXPECT_EQ(a->wait(*recv).to_string(), "aborted: receive: peer 0 left long ago");
+  EXPECT_EQ(a->wait(*write).to_string(), "aborted: write: peer 0 left long ago");
+  EXPECT_EQ(a->peer_label(first).status().message(), "peer 0 left long ago");
+  EXPECT_EQ(a->isend(first, *reg, 0, 100).status().message(), "send: peer 0 left long ago");
+  a->set_peer_handler(nullptr);
+}
+
 TEST(Endpoint, TwoEndpointsConnectingToEachOtherAtOnceShareOneChannel) {
   auto a = make_endpoint(0, "A");
   auto b = make_endpoint(1, "B");

@@ -795,6 +795,14 @@ Status Endpoint::check_args(int peer, const RegionPtr& region, std::size_t offse
   return check_region(region, offset, length, what);
 }
 
+namespace {
+// An operation whose peer was forgotten (retire) after check_args found it, before the loop ran
+// the operation: it fails as one posted later would have been refused.
+void left_long_ago(const OpPtr& op, const char* what, int peer) {
+  op->complete({ErrorCode::kAborted, fmt::format("{}: peer {} left long ago", what, peer)});
+}
+}  // namespace
+
 template <typename Post>
 OpPtr Endpoint::start_op(Post post) {
   auto op = std::make_shared<Op>();
@@ -811,6 +819,7 @@ Result<OpPtr> Endpoint::isend(int peer, const RegionPtr& region, std::size_t off
       [this, region, offset, length, peer, rails, epoch = epoch_.load(std::memory_order_relaxed)](
           OpPtr op, Clock::time_point deadline) {
         Channel* c = channel(peer);
+        if (!c) return left_long_ago(op, "send", peer);
         c->enter_epoch(epoch);
         c->post_send(std::move(op), region, offset, length, deadline, rails);
       });
@@ -824,6 +833,7 @@ Result<OpPtr> Endpoint::irecv(int peer, const RegionPtr& region, std::size_t off
       [this, region, offset, length, peer, epoch = epoch_.load(std::memory_order_relaxed)](
           OpPtr op, Clock::time_point deadline) {
         Channel* c = channel(peer);
+        if (!c) return left_long_ago(op, "receive", peer);
         c->enter_epoch(epoch);
         c->post_recv(std::move(op), region, offset, length, deadline);
       });
@@ -839,8 +849,9 @@ Result<OpPtr> Endpoint::iwrite(int peer, const RegionPtr& region, std::size_t of
                               remote_offset, peer_label(peer).value_or("the peer"), remote.length));
   return start_op([this, region, offset, remote, remote_offset, length, peer](
                       OpPtr op, Clock::time_point deadline) {
-    channel(peer)->post_write(std::move(op), region, offset, remote, remote_offset, length,
-                              deadline);
+    Channel* c = channel(peer);
+    if (!c) return left_long_ago(op, "write", peer);
+    c->post_write(std::move(op), region, offset, remote, remote_offset, length, deadline);
   });
 }
 
@@ -864,7 +875,10 @@ Status Endpoint::send_message(int peer, std::uint8_t service, Bytes payload) {
     return {ErrorCode::kInvalidArgument,
             fmt::format("message: unknown service {}", static_cast<int>(service))};
   engine_->submit([this, peer, service, payload = std::move(payload)] {
-    channel(peer)->send_user_message(service, payload);
+    if (Channel* c = channel(peer))
+      c->send_user_message(service, payload);
+    else
+      R2CCL_WARN_LIMITED("message to peer {} dropped: it left long ago", peer);
   });
   return Status::ok();
 }
