@@ -249,7 +249,9 @@ TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
   PeerLog log;  // outlives the endpoints: their handlers write to it
   auto a = make_endpoint(0, "A");
   auto b1 = make_endpoint(1, "B");
-  ASSERT_TRUE(a && b1);
+  // The same name again, from another process (here: another endpoint), made ready beforehand.
+  auto b2 = make_endpoint(2, "B");
+  ASSERT_TRUE(a && b1 && b2);
   log.attach(*a);
   ASSERT_TRUE(b1->connect(a->blob()).is_ok());
   auto first = log.wait(Endpoint::PeerEvent::Kind::kJoined, 0);
@@ -264,9 +266,6 @@ TEST(Endpoint, APeerStartedAgainIsANewIncarnationAndTheOldOneIsGone) {
   while (rails_of_first() != 0 && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(milliseconds(5));
   ASSERT_EQ(rails_of_first(), 0u);
-  // The same name again from another process (here: another endpoint).
-  auto b2 = make_endpoint(2, "B");
-  ASSERT_TRUE(b2);
   auto id2 = b2->connect(a->blob());
   ASSERT_TRUE(id2.is_ok()) << id2.status().to_string();
   auto second = log.wait(Endpoint::PeerEvent::Kind::kJoined, 1);
