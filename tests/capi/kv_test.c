@@ -181,6 +181,36 @@ int main(void) {
   if (notification(decode, &note, payload, sizeof payload) && note.request != 6)
     failed("second notification", "wrong request");
 
+  /* A request cancelled after its blocks were added ends CANCELLED with every destination block
+   * invalid; the list, not only its count, is reachable on both sides. */
+  OK(prefill, r2cclKvBegin(prefill, 30, peer, spool, dpool));
+  const r2cclKvSpan again = {0, LAYERS, s2, d2, 2};
+  OK(prefill, r2cclKvAdd(prefill, 30, &again));
+  OK(prefill, r2cclKvCancel(prefill, 30));
+  OK(prefill, r2cclKvWait(prefill, 30, 10000, &state));
+  if (state != r2cclKvCancelled) failed("cancel", "not CANCELLED");
+  size_t count = 0;
+  uint32_t invalid[4] = {0};
+  OK(prefill, r2cclKvGetInvalidBlocks(prefill, -1, 30, NULL, 0, &count));
+  if (count != 2) failed("the count of a cancelled request's invalid blocks", "not 2");
+  refused(prefill, "invalid blocks into a small buffer",
+          r2cclKvGetInvalidBlocks(prefill, -1, 30, invalid, 1, &count), r2cclInvalidArgument,
+          "r2cclKvGetInvalidBlocks: the buffer holds 1 blocks, request 30 has 2");
+  OK(prefill, r2cclKvGetInvalidBlocks(prefill, -1, 30, invalid, 4, &count));
+  if (count != 2 || invalid[0] != 13 || invalid[1] != 14)
+    failed("the sender's invalid blocks", "not 13 and 14");
+  if (notification(decode, &note, payload, sizeof payload)) {
+    if (note.request != 30 || note.state != r2cclKvCancelled || note.invalidBlocks != 2)
+      failed("the cancelled request's notification", note.reason);
+    memset(invalid, 0, sizeof invalid);
+    OK(decode, r2cclKvGetInvalidBlocks(decode, note.peer, 30, invalid, 4, &count));
+    if (count != 2 || invalid[0] != 13 || invalid[1] != 14)
+      failed("the receiver's invalid blocks", "not 13 and 14");
+    refused(decode, "invalid blocks of a notification never taken",
+            r2cclKvGetInvalidBlocks(decode, note.peer, 31, invalid, 4, &count),
+            r2cclInvalidArgument, "no notification of request 31 from peer");
+  }
+
   /* Pull: the decode side loads the prefill side's metadata and asks for blocks 5 and 6 into 7
    * and 8 of its pool. */
   size_t plen = 0;

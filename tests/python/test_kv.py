@@ -65,7 +65,8 @@ def test_push_layer_by_layer_pull_and_notifications(pair):
     assert prefill.poll(1) == "done"
     landed(src, dst, [(1, 3), (2, 4), (5, 0)])
     (note,) = wait_note(decode)
-    assert (note.request, note.state, note.payload, note.invalid_blocks) == (1, "done", b"token 42", 0)
+    assert (note.request, note.state, note.payload, note.invalid_blocks) == (1, "done", b"token 42", [])
+    assert note.invalid_block_count == 0
 
     prefill.begin(2, peer, spool, dpool)
     for layer in range(LAYERS):
@@ -79,6 +80,23 @@ def test_push_layer_by_layer_pull_and_notifications(pair):
     decode.pull(3, back, dpool, spool, [(0, LAYERS, [8, 9], [10, 11])])
     assert decode.wait(3, timeout=10) == "done"
     landed(src, dst, [(8, 10), (9, 11)])
+
+
+def test_the_invalid_blocks_of_a_cancelled_push_are_listed_on_both_sides(pair):
+    prefill, decode, src, dst, spool, dpool, peer = pair
+    prefill.begin(4, peer, spool, dpool)
+    prefill.add(4, (0, LAYERS, [1, 2, 3], [9, 5, 7]))
+    prefill.cancel(4)
+    assert prefill.wait(4, timeout=10) == "cancelled"
+    assert prefill.invalid_blocks(4) == [5, 7, 9]
+    (note,) = wait_note(decode)
+    assert (note.request, note.state, note.invalid_blocks) == (4, "cancelled", [5, 7, 9])
+    assert note.invalid_block_count == 3
+    prefill.submit(5, peer, spool, dpool, [(0, LAYERS, [1], [9])])
+    assert prefill.wait(5, timeout=10) == "done"
+    assert prefill.invalid_blocks(5) == []
+    with pytest.raises(r2ccl.R2cclError, match="no request 1234"):
+        prefill.invalid_blocks(1234)
 
 
 def test_bad_input_is_refused_naming_it(pair):

@@ -230,7 +230,8 @@ typedef struct {
   r2cclKvState_t state; /* DONE, FAILED or CANCELLED */
   int verified;         /* R2CCL_KV_VERIFY: every block's checksum matched */
   size_t payloadBytes;  /* the sender's payload (e.g. the first token): its full length */
-  size_t invalidBlocks; /* FAILED/CANCELLED: destination blocks not valid (their count) */
+  size_t invalidBlocks; /* FAILED/CANCELLED: destination blocks not valid (their count; the list:
+                         * r2cclKvGetInvalidBlocks) */
   char reason[256];     /* FAILED/CANCELLED: why, in words (NUL-terminated, cut to fit) */
 } r2cclKvNotification;
 
@@ -282,6 +283,14 @@ r2cclResult_t r2cclKvCancel(r2cclKvEngine_t engine, uint64_t id);
  * R2CCL_KV_MAX_PAYLOAD) and r2cclInvalidArgument is returned. */
 r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification* note,
                                      void* payload, size_t payloadCapacity, int* got);
+/* The destination blocks that are not valid once a request ended FAILED or CANCELLED (none after
+ * DONE). peer < 0: this engine's own request `request` (a push it sent, or a pull it asked for);
+ * peer >= 0: the notification of `request` from `peer` that r2cclKvGetNotification returned
+ * (the last 1024 taken are kept; r2cclKvNotification.invalidBlocks is their count). *count is
+ * set to how many there are; with blocks NULL nothing else is done. When capacity is smaller,
+ * nothing is copied and r2cclInvalidArgument is returned. */
+r2cclResult_t r2cclKvGetInvalidBlocks(r2cclKvEngine_t engine, int peer, uint64_t request,
+                                      uint32_t* blocks, size_t capacity, size_t* count);
 
 #ifdef __cplusplus
 }

@@ -29,6 +29,15 @@ struct r2cclKvEngine {
   r2ccl::capi::ErrorSlot errors;
   std::mutex notes_mutex;
   std::deque<kv::Notification> notes;  // taken from the engine, not yet from the caller
+  // The invalid blocks of the last notifications the caller took (r2cclKvGetInvalidBlocks),
+  // newest last; bounded in count and in block ids. Under notes_mutex.
+  struct Taken {
+    int peer;
+    std::uint64_t request;
+    std::vector<std::uint32_t> invalid_blocks;
+  };
+  std::deque<Taken> taken;
+  std::size_t taken_blocks = 0;
 };
 
 namespace {
@@ -39,6 +48,8 @@ constexpr std::size_t kMaxBuffers = 1u << 16;   // buffers of one pool
 constexpr std::size_t kMaxSpans = 1u << 20;     // spans of one request
 constexpr std::size_t kMaxBlocks = 1u << 24;    // blocks of one request, all spans together
 static_assert(R2CCL_KV_MAX_PAYLOAD == kv::kMaxPayloadBytes);
+constexpr std::size_t kTakenKept = 1024;            // notifications kept for their blocks
+constexpr std::size_t kTakenBlocksKept = 1u << 20;  // block ids kept for them, all together
 
 r2ccl::capi::ErrorSlot* slot(r2cclKvEngine* e) {
   return e != nullptr ? &e->errors : nullptr;
@@ -378,8 +389,48 @@ r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification
                               "than payloadCapacity {}; it stays queued",
                               n.request, n.payload.size(), payloadCapacity));
     if (!n.payload.empty()) std::memcpy(payload, n.payload.data(), n.payload.size());
+    engine->taken_blocks += n.invalid_blocks.size();
+    engine->taken.push_back({n.peer, n.request, n.invalid_blocks});
+    while (engine->taken.size() > kTakenKept ||
+           (engine->taken.size() > 1 && engine->taken_blocks > kTakenBlocksKept)) {
+      engine->taken_blocks -= engine->taken.front().invalid_blocks.size();
+      engine->taken.pop_front();
+    }
     engine->notes.pop_front();
     *got = 1;
+    return r2cclSuccess;
+  });
+}
+
+r2cclResult_t r2cclKvGetInvalidBlocks(r2cclKvEngine_t engine, int peer, uint64_t request,
+                                      uint32_t* blocks, size_t capacity, size_t* count) {
+  return entry(engine, "r2cclKvGetInvalidBlocks", [&] {
+    const char* what = "r2cclKvGetInvalidBlocks";
+    if (count == nullptr)
+      return fail(engine, r2cclInvalidArgument, fmt::format("{}: count is NULL", what));
+    std::vector<std::uint32_t> list;
+    if (peer < 0) {
+      auto st = engine->engine->status(request);
+      if (!st) return fail(engine, st.status().with_context(what));
+      list = std::move(st->invalid_blocks);
+    } else {
+      std::lock_guard lock(engine->notes_mutex);
+      auto it = std::find_if(engine->taken.rbegin(), engine->taken.rend(),
+                             [&](const auto& t) { return t.peer == peer && t.request == request; });
+      if (it == engine->taken.rend())
+        return fail(engine, r2cclInvalidArgument,
+                    fmt::format("{}: no notification of request {} from peer {} was taken (the "
+                                "last {} taken are kept)",
+                                what, request, peer, kTakenKept));
+      list = it->invalid_blocks;
+    }
+    *count = list.size();
+    if (blocks == nullptr) return r2cclSuccess;
+    if (capacity < list.size())
+      return fail(engine, r2cclInvalidArgument,
+                  fmt::format("{}: the buffer holds {} blocks, request {} has {}", what, capacity,
+                              request, list.size()));
+    std::copy(list.begin(), list.end(), blocks);
     return r2cclSuccess;
   });
 }

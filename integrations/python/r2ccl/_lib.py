@@ -149,6 +149,10 @@ _FUNCTIONS = {
         _res,
         [_engine, _c.POINTER(KvNotification), _p, _size, _c.POINTER(_c.c_int)],
     ),
+    "r2cclKvGetInvalidBlocks": (
+        _res,
+        [_engine, _c.c_int, _c.c_uint64, _c.POINTER(_c.c_uint32), _size, _c.POINTER(_size)],
+    ),
 }
 
 

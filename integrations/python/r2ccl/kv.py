@@ -36,8 +36,12 @@ class Notification:
     state: str  # "done", "failed" or "cancelled"
     verified: bool  # R2CCL_KV_VERIFY: every block's checksum matched
     payload: bytes
-    invalid_blocks: int  # failed or cancelled: destination blocks not valid
+    invalid_blocks: list[int]  # failed or cancelled: the destination blocks not valid
     reason: str
+
+    @property
+    def invalid_block_count(self) -> int:
+        return len(self.invalid_blocks)
 
 
 def _spans(spans: Sequence[Span | tuple]) -> tuple[ctypes.Array, list]:
@@ -191,7 +195,24 @@ class KvEngine:
         return _lib.KV_STATES[state.value]
 
     def cancel(self, request: int) -> None:
+        """Stops a push (it ends cancelled once what was in flight lands), or abandons a pull at
+        once (writes of the peer already in flight may still land in its blocks)."""
         self._call("KvCancel", self._lib.r2cclKvCancel, request)
+
+    def invalid_blocks(self, request: int) -> list[int]:
+        """The destination blocks not valid after this side's request (a push or a pull) ended
+        failed or cancelled; [] after done."""
+        return self._invalid_blocks(-1, request)
+
+    def _invalid_blocks(self, peer: int, request: int) -> list[int]:
+        count = ctypes.c_size_t(0)
+        get = self._lib.r2cclKvGetInvalidBlocks
+        self._call("KvGetInvalidBlocks", get, peer, request, None, 0, ctypes.byref(count))
+        if count.value == 0:
+            return []
+        blocks = (ctypes.c_uint32 * count.value)()
+        self._call("KvGetInvalidBlocks", get, peer, request, blocks, count.value, ctypes.byref(count))
+        return list(blocks[: count.value])
 
     def notifications(self) -> list[Notification]:
         """Every notification waiting (requests pushed to this side that ended), oldest first."""
@@ -206,11 +227,12 @@ class KvEngine:
             )
             if not got.value:
                 break
+            invalid = self._invalid_blocks(note.peer, note.request) if note.invalidBlocks else []
             out.append(
                 Notification(
                     request=note.request, peer=note.peer, state=_lib.KV_STATES.get(note.state, "failed"),
                     verified=bool(note.verified), payload=payload.raw[: note.payloadBytes],
-                    invalid_blocks=note.invalidBlocks, reason=note.reason.decode(errors="replace"),
+                    invalid_blocks=invalid, reason=note.reason.decode(errors="replace"),
                 )
             )
         return out
