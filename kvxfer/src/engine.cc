@@ -226,6 +226,13 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
                       std::uint32_t remote_pool) const {
     if (requests.count(Key{-1, id}) != 0)
       return {ErrorCode::kInvalidArgument, fmt::format("request id {} is already in use", id)};
+    return check_pools(peer, local_pool, remote_pool);
+  }
+
+  // A connected peer, and pools that exist on both sides and suit each other: checked when a
+  // request begins and again whenever blocks are added to it (the peer's metadata may have been
+  // replaced, or the peer disconnected, in between). Lock held.
+  Status check_pools(int peer, std::uint32_t local_pool, std::uint32_t remote_pool) const {
     auto pit = peers.find(peer);
     if (pit == peers.end())
       return {
@@ -1052,8 +1059,12 @@ Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
     if (r.sealed || r.ended())
       return {ErrorCode::kInvalidArgument,
               fmt::format("request {} is already sealed ({})", id, request_state_name(r.state))};
+    // The pools again: a connect() since begin() may have replaced the peer's (fewer, or of
+    // other shapes), and a disconnect() forgot them.
+    R2CCL_RETURN_IF_ERROR(impl_->check_pools(r.peer, r.local_pool, r.remote_pool)
+                              .with_context(fmt::format("request {}", id)));
     const auto& src = impl_->pools[r.local_pool];
-    const auto& dst = impl_->peers.at(r.peer)[r.remote_pool];
+    const auto& dst = impl_->peers.find(r.peer)->second[r.remote_pool];
     R2CCL_RETURN_IF_ERROR(impl_->check_span(span, src.layout, dst.layout, "local", "remote")
                               .with_context(fmt::format("request {}", id)));
     impl_->plan(r, span, src, dst);

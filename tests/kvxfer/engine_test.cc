@@ -411,6 +411,43 @@ TEST(KvEngine, ANotificationWhoseStateIsNotAnEndIsDropped) {
   EXPECT_TRUE(s[1].engine->poll_notifications().empty());
 }
 
+// Blocks added to a request are checked against the peer's pools as they are then (review C1):
+// a connect() since begin() may have replaced them (fewer pools, other shapes) and a
+// disconnect() forgot them. Refused with the reason, never indexed blindly.
+TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
+  auto s = make_pair_of_engines();
+  auto& e = *s[0].engine;
+  std::vector<std::byte> second(kLayers * kParts * kBlocks * kBlockBytes);
+  ASSERT_TRUE(s[1].engine
+                  ->register_pool({std::span<std::byte>(second)},
+                                  KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts))
+                  .is_ok());
+  ASSERT_TRUE(e.connect(1, s[1].engine->metadata()).is_ok());
+  ASSERT_TRUE(e.begin(1, 1, 0, 0).is_ok());
+  ASSERT_TRUE(e.begin(2, 1, 0, 1).is_ok());
+  // Rank 1's metadata again, now with one pool of two layers (another engine on its endpoint).
+  std::vector<std::byte> other(2 * kParts * kBlocks * kBlockBytes);
+  {
+    auto replaced = KvEngine::create(*s[1].fabric, EngineOptions{});
+    ASSERT_TRUE(replaced.is_ok());
+    ASSERT_TRUE((*replaced)
+                    ->register_pool({std::span<std::byte>(other)},
+                                    KvLayout::layer_major(2, kBlocks, kBlockBytes, kParts))
+                    .is_ok());
+    ASSERT_TRUE(e.connect(1, (*replaced)->metadata()).is_ok());
+  }
+  const BlockSpan span{0, kLayers, {1}, {2}};
+  EXPECT_EQ(
+      e.add(1, span).message(),
+      "request 1: KV pool 0 here and rank 1's pool 0 are incompatible: layers differ (4 here, "
+      "2 there)");
+  EXPECT_EQ(e.add(2, span).message(), "request 2: rank 1 has no KV pool 1 (it has 1)");
+  ASSERT_TRUE(e.disconnect(1).is_ok());
+  EXPECT_EQ(e.add(1, span).message(),
+            "request 1: unknown peer 1: connect() with its metadata before sending to it");
+  s[1].engine.reset();  // before `second` goes away
+}
+
 TEST(KvEngine, VerifiedBlocksAndACorruptedOneIsNamed) {
   auto s = make_pair_of_engines({{"R2CCL_KV_VERIFY", "1"}});
   ASSERT_TRUE(s[0].engine->submit(3, 1, 0, 0, {BlockSpan{0, kLayers, {1, 2}, {30, 31}}}).is_ok());
