@@ -139,7 +139,8 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   };
   struct Received {
     Notification note;
-    bool local = false;  // a pull that ended here (no word from the peer)
+    bool local = false;    // a pull that ended here (no word from the peer)
+    std::size_t cost = 0;  // counted in queued_bytes while it waits (inbox, then received)
     // To verify on the receiving side.
     std::uint32_t pool = 0;
     std::vector<std::uint32_t> layers;
@@ -170,11 +171,12 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   std::deque<Key> ended;
   // Notifications from peers go from the progress loop to a worker thread, which verifies them
   // (R2CCL_KV_VERIFY) without the engine's lock and hands them to the callback outside it, or
-  // queues them in `received`. Both queues are bounded: past kMaxQueued a notification is
-  // dropped, saying so.
+  // queues them in `received`. Both queues are bounded: past kMaxQueued notifications each, or
+  // options.max_queued_bytes for both together, a notification is dropped, saying so.
   std::function<void(const Notification&)> callback;
   std::deque<Received> inbox;
   static constexpr std::size_t kMaxQueued = 1u << 16;
+  std::uint64_t queued_bytes = 0;  // of the notifications in inbox and received
   std::condition_variable inbox_cv;
   bool stopping = false;
   std::map<std::uint32_t, int> verifying;  // pool -> verifications under way
@@ -511,13 +513,19 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   // Hands a notification to the worker (verification, then the callback or the queue). Lock
   // held.
   void queue_for_worker(Received rec) {
-    if (inbox.size() >= kMaxQueued) {
+    // What it holds on to while it waits (an upper bound: verification only shortens it).
+    rec.cost = 64 + rec.note.reason.size() + rec.note.payload.size() +
+               4 * rec.note.invalid_blocks.size() + 4 * rec.layers.size() + 12 * rec.hashes.size();
+    if (inbox.size() >= kMaxQueued || queued_bytes + rec.cost > options.max_queued_bytes) {
+      ++counters.dropped_notifications;
       R2CCL_WARN_LIMITED(
-          "kv: dropped the notification of request {} from {}: {} are waiting to be handled "
-          "already",
-          rec.note.request, label(rec.note.peer), inbox.size());
+          "kv: dropped the notification of request {} from {}: {} notifications ({} bytes) are "
+          "waiting to be handled or polled already (at most {} bytes)",
+          rec.note.request, label(rec.note.peer), inbox.size() + received.size(), queued_bytes,
+          options.max_queued_bytes);
       return;
     }
+    queued_bytes += rec.cost;
     inbox.push_back(std::move(rec));
     inbox_cv.notify_one();
   }
@@ -649,6 +657,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
         R2CCL_DEBUG("kv: ignored the late {} of pull {} from {}: it ended here ({})",
                     request_state_name(rec.note.state), q.id, label(q.peer),
                     request_state_name(q.state));
+        queued_bytes -= rec.cost;
         return;
       }
       if (!q.ended()) {
@@ -670,6 +679,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       }
     }
     if (callback) {
+      queued_bytes -= rec.cost;
       auto fn = callback;
       lock.unlock();
       fn(rec.note);
@@ -677,6 +687,8 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       return;
     }
     if (received.size() >= kMaxQueued) {
+      queued_bytes -= rec.cost;
+      ++counters.dropped_notifications;
       R2CCL_WARN(
           "kv: dropped the notification of request {} from {}: {} notifications are not "
           "polled yet",
@@ -1245,8 +1257,10 @@ Status KvEngine::cancel(std::uint64_t id) {
 std::vector<Notification> KvEngine::poll_notifications() {
   std::vector<Notification> out;
   std::lock_guard lock(impl_->mu);
-  for (auto& rec : impl_->received)
+  for (auto& rec : impl_->received) {
+    impl_->queued_bytes -= rec.cost;
     out.push_back(std::move(rec.note));
+  }
   impl_->received.clear();
   return out;
 }
@@ -1266,6 +1280,7 @@ Result<Notification> KvEngine::wait_notification(int peer, std::uint64_t id,
   auto it = match();
   Impl::Received rec = std::move(*it);
   impl_->received.erase(it);
+  impl_->queued_bytes -= rec.cost;
   return rec.note;
 }
 
@@ -1277,6 +1292,8 @@ void KvEngine::set_notification_callback(std::function<void(const Notification&)
     if (!fn) return;
     queued = std::move(impl_->received);
     impl_->received.clear();
+    for (const auto& rec : queued)
+      impl_->queued_bytes -= rec.cost;
   }
   for (const auto& rec : queued)  // already verified; outside the engine's lock
     fn(rec.note);

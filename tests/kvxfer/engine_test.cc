@@ -277,9 +277,9 @@ TEST(KvEngine, PullMovesThePeersBlocksHere) {
 }
 
 // A KV notification as a peer's engine sends it (MsgType kNotify), with any state byte.
-Bytes notification_message(std::uint64_t id, std::uint8_t state) {
+Bytes notification_message(std::uint64_t id, std::uint8_t state, const Bytes& payload = {}) {
   ByteWriter w;
-  w.u8(1).u64(id).u8(state).str("").blob(Bytes{}).u32(0).u8(0);
+  w.u8(1).u64(id).u8(state).str("").blob(payload).u32(0).u8(0);
   return w.take();
 }
 
@@ -446,6 +446,34 @@ TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
   EXPECT_EQ(e.add(1, span).message(),
             "request 1: unknown peer 1: connect() with its metadata before sending to it");
   s[1].engine.reset();  // before `second` goes away
+}
+
+// Notifications waiting to be polled are bounded in bytes, not only in count (review N-m5): with
+// a 64 KiB budget, 15 notifications of 4 KiB payloads wait (64 bytes of bookkeeping each) and the
+// next 25 are dropped and counted; once polled, the budget is free again.
+TEST(KvEngine, WaitingNotificationsAreBoundedInBytes) {
+  auto s = make_pair_of_engines();
+  EngineOptions options;
+  options.max_queued_bytes = 64 * 1024;
+  auto small = KvEngine::create(*s[1].fabric, options);  // takes rank 1's KV messages
+  ASSERT_TRUE(small.is_ok());
+  auto& e = **small;
+  const auto kDone = static_cast<std::uint8_t>(RequestState::kDone);
+  const Bytes payload(kMaxPayloadBytes, std::byte{7});
+  for (std::uint64_t id = 0; id < 40; ++id)
+    ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(id, kDone, payload)).is_ok());
+  for (int i = 0; i < 1000 && e.counters().dropped_notifications < 25; ++i)  // a hang bound
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(e.counters().dropped_notifications, 25u);
+  const auto notes = e.poll_notifications();
+  ASSERT_EQ(notes.size(), 15u);
+  for (std::uint64_t id = 0; id < 15; ++id) {
+    EXPECT_EQ(notes[id].request, id);
+    EXPECT_EQ(notes[id].payload, payload);
+  }
+  ASSERT_TRUE(send_as_engine(s[0], 1, notification_message(100, kDone, payload)).is_ok());
+  EXPECT_TRUE(e.wait_notification(0, 100, 10s).is_ok());
+  EXPECT_EQ(e.counters().dropped_notifications, 25u);
 }
 
 TEST(KvEngine, VerifiedBlocksAndACorruptedOneIsNamed) {

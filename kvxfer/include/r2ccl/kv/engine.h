@@ -62,11 +62,18 @@ struct Notification {
 
 struct EngineCounters {
   std::uint64_t done = 0, failed = 0, cancelled = 0, preserved = 0, bytes = 0;
+  // Notifications from peers dropped because too many, or too many bytes of them, were waiting
+  // (EngineOptions::max_queued_bytes).
+  std::uint64_t dropped_notifications = 0;
 };
 
 struct EngineOptions {
   bool verify = false;                     // R2CCL_KV_VERIFY
   std::uint64_t max_inflight = 64u << 20;  // R2CCL_KV_MAX_INFLIGHT: bytes in flight per peer
+  // Notifications waiting to be verified, handed to the callback or polled: at most this many
+  // bytes (payloads, reasons, block lists, checksums) together, besides at most 65,536 of them;
+  // past either, a notification is dropped, saying so.
+  std::uint64_t max_queued_bytes = 64u << 20;
   static EngineOptions from(const Config& config) {
     return {config.kv_verify, config.kv_max_inflight};
   }
