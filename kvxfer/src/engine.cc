@@ -12,6 +12,7 @@
 #include <set>
 #include <thread>
 
+#include "memory_kind.h"
 #include "r2ccl/runtime/log.h"
 
 namespace r2ccl::kv {
@@ -893,9 +894,20 @@ Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineO
 Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::byte>>& buffers,
                                               const KvLayout& layout) {
   std::vector<std::uint64_t> lengths;
-  for (const auto& b : buffers) {
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    const auto& b = buffers[i];
     if (b.data() == nullptr)
       return Status(ErrorCode::kInvalidArgument, "register_pool: a buffer is null");
+    // Host memory only for now: the tcp rail copies into and out of the pool on the host, and
+    // R2CCL_KV_VERIFY hashes it there.
+    const PointerInfo info = pointer_info(b.data());
+    if (info.kind != PointerKind::kHost)
+      return Status(
+          ErrorCode::kInvalidArgument,
+          fmt::format("register_pool: buffer {} of the pool ({}, {} bytes) is CUDA {} memory (of "
+                      "device {}): KV pools must be host memory for now",
+                      i, static_cast<const void*>(b.data()), b.size(),
+                      info.kind == PointerKind::kManaged ? "managed" : "device", info.device));
     lengths.push_back(b.size());
   }
   R2CCL_RETURN_IF_ERROR(layout.validate(lengths).with_context("register_pool"));

@@ -411,6 +411,18 @@ TEST(KvEngine, ANotificationWhoseStateIsNotAnEndIsDropped) {
   EXPECT_TRUE(s[1].engine->poll_notifications().empty());
 }
 
+// Host memory registers, whether or not this process uses CUDA (the engine asks the CUDA
+// driver only where the process loaded it; here it is not loaded).
+TEST(KvEngine, HostMemoryIsRegistered) {
+  auto s = make_pair_of_engines();
+  const auto layout = KvLayout::layer_major(1, 4, 1024, 1);
+  std::vector<std::byte> heap(4096);
+  auto pool = s[0].engine->register_pool({std::span<std::byte>(heap)}, layout);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  EXPECT_EQ(*pool, 1u);
+  EXPECT_TRUE(s[0].engine->unregister_pool(*pool).is_ok());
+}
+
 // Blocks added to a request are checked against the peer's pools as they are then (review C1):
 // a connect() since begin() may have replaced them (fewer pools, other shapes) and a
 // disconnect() forgot them. Refused with the reason, never indexed blindly.

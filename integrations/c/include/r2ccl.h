@@ -183,6 +183,7 @@ r2cclResult_t r2cclGroupEnd(void);
  * not in one communicator (a prefill and a decode server). Each side makes an engine on its own
  * endpoint (its rails: R2CCL_NICS), registers its cache as a pool, and hands its metadata (bytes)
  * to the other side by any means; the side that loads it can push to, or pull from, the other.
+ * Pools are host memory only for now: a device-resident cache needs a host copy to move.
  */
 typedef struct r2cclKvEngine* r2cclKvEngine_t;
 
@@ -242,7 +243,9 @@ r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine);
 const char* r2cclKvGetLastError(r2cclKvEngine_t engine);
 /* Registers `nbuffers` buffers laid out as `layout` (remote-writable: peers that hold the
  * metadata may write blocks into them). They stay owned by the caller and allocated until
- * r2cclKvUnregisterPool (or the engine's destruction) returns. */
+ * r2cclKvUnregisterPool (or the engine's destruction) returns. Host memory only for now
+ * (pageable or pinned): CUDA device or managed memory is refused (r2cclInvalidArgument, naming
+ * the buffer). */
 r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
                                   const size_t* lengths, int nbuffers, const r2cclKvLayout* layout,
                                   uint32_t* pool);
