@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/handshake.h"
+#include "common/pending_hellos.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "rail_recorder.h"
@@ -396,6 +397,60 @@ TEST_F(TcpProviderTest, PastTheBoundTheOldestConnectionWithoutAHelloIsShed) {
   EXPECT_EQ(newest.read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
   EXPECT_EQ(idle.front()->read_some(1), 0);  // the oldest was closed
   EXPECT_EQ(b_->counters().dropped_connections, 1u);
+}
+
+// The bound itself (common/pending_hellos.h), which the tcp and verbs acceptors and the bootstrap
+// root share: one source past its share is refused, naming it, while others are still admitted;
+// a settled connection makes room for its source again.
+TEST(PendingHellos, ASourcePastItsShareIsRefusedWhileOthersAreAdmitted) {
+  PendingHellos<int> pending(2, 8);
+  auto a1 = std::make_shared<int>(1), a2 = std::make_shared<int>(2), a3 = std::make_shared<int>(3);
+  auto b1 = std::make_shared<int>(4);
+  ASSERT_TRUE(pending.admit(a1, "10.0.0.1").is_ok());
+  ASSERT_TRUE(pending.admit(a2, "10.0.0.1").is_ok());
+  auto refused = pending.admit(a3, "10.0.0.1");
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kNoResource);
+  EXPECT_EQ(refused.status().message(),
+            "2 connections from 10.0.0.1 are already waiting for their hello");
+  auto other = pending.admit(b1, "10.0.0.2");
+  ASSERT_TRUE(other.is_ok());
+  EXPECT_EQ(*other, nullptr);  // nothing shed
+  EXPECT_EQ(pending.size(), 3u);
+  pending.settle(a1.get());
+  pending.settle(a1.get());  // idempotent
+  EXPECT_EQ(pending.from("10.0.0.1"), 1u);
+  EXPECT_TRUE(pending.admit(a3, "10.0.0.1").is_ok());
+  EXPECT_EQ(pending.from("10.0.0.1"), 2u);
+}
+
+// Past the total the oldest connection is shed (returned to be closed, no longer counted), and one
+// destroyed without being settled does not hold its place for ever.
+TEST(PendingHellos, PastTheTotalTheOldestIsShedAndTheGoneAreForgotten) {
+  PendingHellos<int> pending(4, 3);
+  std::vector<std::shared_ptr<int>> conns;
+  for (int i = 0; i < 3; ++i) {
+    conns.push_back(std::make_shared<int>(i));
+    ASSERT_TRUE(pending.admit(conns.back(), fmt::format("10.0.1.{}", i)).is_ok());
+  }
+  auto newest = std::make_shared<int>(3);
+  auto shed = pending.admit(newest, "10.0.1.3");
+  ASSERT_TRUE(shed.is_ok());
+  EXPECT_EQ(*shed, conns[0]);
+  EXPECT_EQ(pending.size(), 3u);
+  EXPECT_EQ(pending.from("10.0.1.0"), 0u);
+  EXPECT_EQ(pending.shed_reason(), "shed: 3 connections were waiting for their hello");
+  pending.settle(conns[0].get());  // already gone: ignored
+  EXPECT_EQ(pending.size(), 3u);
+  // The oldest left (conns[1]) is destroyed without settle(): the next admission drops its entry
+  // instead of shedding a live connection.
+  conns[1].reset();
+  auto later = std::make_shared<int>(4);
+  auto none = pending.admit(later, "10.0.1.4");
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_EQ(*none, nullptr);
+  EXPECT_EQ(pending.size(), 3u);
+  EXPECT_EQ(pending.from("10.0.1.1"), 0u);
 }
 
 // Plays the acceptor for one connection of `connector` (a raw listener on 127.0.0.53): sends the

@@ -17,12 +17,12 @@
 #include <atomic>
 #include <cstddef>
 #include <deque>
-#include <list>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
 
 #include "common/handshake.h"
+#include "common/pending_hellos.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
@@ -41,11 +41,6 @@ constexpr std::uint64_t kMaxWrite = 256ull << 20;
 constexpr std::uint64_t kMaxControl = 1u << 20;
 constexpr std::uint64_t kMaxNackText = 4096;
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
-// Connections that have not yet proven the token, held at once by a provider: from one source
-// address (past it a new one is refused), and in all (past it the oldest is shed), so that
-// whoever reaches a rail port cannot pin the process's file descriptors.
-constexpr std::size_t kMaxPendingHellosPerSource = 16;
-constexpr std::size_t kMaxPendingHellos = 256;
 // A write batch holds frames up to kBatchBytes (one fragment at most, as a fragment is that
 // size), so an urgent frame (an ack) never waits behind more than the batch being written.
 constexpr std::size_t kBatchFrames = 64;
@@ -901,11 +896,9 @@ class TcpProvider final : public Provider {
     crypto::Nonce challenge{};
     crypto::Nonce client{};
     bool done = false;
-    // An accepted connection's: whence and on which NIC, and its place among the pending ones.
-    std::string source;
+    // An accepted connection's: whence and on which NIC.
     std::string from;
     std::string nic;
-    std::list<std::weak_ptr<Handshake>>::iterator pending;
   };
 
   // Reads one handshake frame of `op` with a payload of [min, max] bytes into hs->payload.
@@ -1011,25 +1004,15 @@ class TcpProvider final : public Provider {
     });
   }
 
-  // Accepted connections waiting for their hello, oldest first, and how many per source address.
-  // Shared with the handshakes' callbacks, which may run after the provider is gone.
-  struct PendingHellos {
-    std::list<std::weak_ptr<Handshake>> order;
-    std::unordered_map<std::string, std::size_t> by_source;
+  // Accepted connections waiting for their hello (common/pending_hellos.h). Shared with the
+  // handshakes' callbacks, which may run after the provider is gone.
+  using Pending = PendingHellos<Handshake>;
 
-    // Ends an accepted connection's handshake: it no longer counts as pending.
-    void settle(Handshake& hs) {
-      hs.done = true;
-      order.erase(hs.pending);
-      auto it = by_source.find(hs.source);
-      if (it != by_source.end() && --it->second == 0) by_source.erase(it);
-    }
-  };
-
-  static void drop_incoming(PendingHellos& pending, AtomicProviderCounters& counters,
+  static void drop_incoming(Pending& pending, AtomicProviderCounters& counters,
                             const std::shared_ptr<Handshake>& hs, const std::string& why) {
     if (hs->done) return;
-    pending.settle(*hs);
+    hs->done = true;
+    pending.settle(hs.get());
     counters.dropped_connections.fetch_add(1);
     R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic, why);
     error_code e;
@@ -1041,28 +1024,18 @@ class TcpProvider final : public Provider {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     error_code ec;
     auto remote = hs->socket.remote_endpoint(ec);
-    hs->source = remote.address().to_string();
-    hs->from = fmt::format("{}:{}", hs->source, remote.port());
+    const std::string source = remote.address().to_string();
+    hs->from = fmt::format("{}:{}", source, remote.port());
     hs->nic = devices_[device].name;
-    if (pending_->by_source[hs->source] >= kMaxPendingHellosPerSource) {
+    auto admitted = pending_->admit(hs, source);
+    if (!admitted) {
       counters_->dropped_connections.fetch_add(1);
-      R2CCL_WARN_LIMITED(
-          "dropped a rail connection from {} on {}: {} connections from {} are "
-          "already waiting for their hello",
-          hs->from, hs->nic, kMaxPendingHellosPerSource, hs->source);
+      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic,
+                         admitted.status().message());
       hs->socket.close(ec);
       return;
     }
-    if (pending_->order.size() >= kMaxPendingHellos) {
-      if (auto oldest = pending_->order.front().lock())
-        drop_incoming(
-            *pending_, *counters_, oldest,
-            fmt::format("shed: {} connections were waiting for their hello", kMaxPendingHellos));
-      else
-        pending_->order.pop_front();
-    }
-    ++pending_->by_source[hs->source];
-    hs->pending = pending_->order.insert(pending_->order.end(), hs);
+    if (*admitted) drop_incoming(*pending_, *counters_, *admitted, pending_->shed_reason());
     auto drop = [pending = pending_, counters = counters_, hs](const std::string& why) {
       drop_incoming(*pending, *counters, hs, why);
     };
@@ -1094,7 +1067,8 @@ class TcpProvider final : public Provider {
           auto ack = encode_ack(token_, accepted->client, hs->challenge);
           if (!ack) return drop(ack.status().message());
           if (!accept_handler_) return drop("not accepting rails yet");
-          pending_->settle(*hs);
+          hs->done = true;
+          pending_->settle(hs.get());
           hs->timer.cancel();
           auto rail = std::make_shared<TcpRail>(engine_, std::move(hs->socket), devices_[device],
                                                 state_[device]->keys, counters_, accepted->hello);
@@ -1114,7 +1088,8 @@ class TcpProvider final : public Provider {
   std::shared_ptr<AtomicProviderCounters> counters_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   AcceptHandler accept_handler_;
-  std::shared_ptr<PendingHellos> pending_ = std::make_shared<PendingHellos>();
+  std::shared_ptr<Pending> pending_ =
+      std::make_shared<Pending>(kMaxPendingHellosPerSource, kMaxPendingHellos);
 };
 
 }  // namespace
