@@ -8,9 +8,11 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <thread>
 
 #include "nvlink_kernels.h"
 #include "r2ccl/coll/gpu/device.h"
+#include "r2ccl/runtime/log.h"
 
 #ifdef R2CCL_HAVE_NCCL
 #include "nccl_api.h"
@@ -78,6 +80,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   options.low_latency_max = std::max<std::size_t>(options.low_latency_max / 16 * 16, 16);
   if (options.one_shot_max == 0)
     options.one_shot_max = p <= 2 ? std::size_t{32} << 20 : std::size_t{1} << 20;
+  const CurrentDevice keep;  // the caller's device, as it was, on every way out
   std::unique_ptr<NvlinkComm> c(new NvlinkComm());
   c->host_ = &host;
   c->rank_ = host.rank();
@@ -113,6 +116,29 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   if (local)
     local = cuda_status(cudaMemset(c->counters_, 0, detail::kCounterWords * sizeof(std::uint32_t)),
                         "cudaMemset");
+  if (local) {
+    void* words = nullptr;
+    local = cuda_status(cudaHostAlloc(&words, sizeof(detail::NvlinkHostWords), cudaHostAllocMapped),
+                        "cudaHostAlloc of the abort and error words");
+    c->words_ = static_cast<detail::NvlinkHostWords*>(words);
+  }
+  if (local) {
+    *c->words_ = detail::NvlinkHostWords{};
+    c->words_->dead = 1u + static_cast<std::uint32_t>(c->rank_);
+    void* mapped = nullptr;
+    local = cuda_status(cudaHostGetDevicePointer(&mapped, c->words_, 0),
+                        "cudaHostGetDevicePointer of the abort and error words");
+    c->words_device_ = static_cast<detail::NvlinkHostWords*>(mapped);
+  }
+  if (local)
+    local =
+        cuda_status(cudaEventCreateWithFlags(&c->last_, cudaEventDisableTiming), "cudaEventCreate");
+  if (local)
+    local = cuda_status(cudaEventCreateWithFlags(&c->last_captured_, cudaEventDisableTiming),
+                        "cudaEventCreate");
+  if (local)
+    local = cuda_status(cudaStreamCreateWithFlags(&c->side_, cudaStreamNonBlocking),
+                        "cudaStreamCreate");
   if (local)
     local = cuda_status(cudaIpcGetMemHandle(&card.handle, c->mine_), "cudaIpcGetMemHandle");
   if (local) local = cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -122,6 +148,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   }
   card.nccl = p > 1 && nccl_available().is_ok() ? 1 : 0;
   std::vector<Card> cards(static_cast<std::size_t>(p));
+  c->exported_ = card.ok != 0 && p > 1;  // from here a peer may map this rank's memory
   R2CCL_RETURN_IF_ERROR(host.all_gather(&card, cards.data(), sizeof(Card), DataType::kU8)
                             .with_context("nvlink: exchanging the IPC handles"));
   if (!local) return local.with_context(fmt::format("nvlink: rank {}", c->rank_));
@@ -187,10 +214,30 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   }
 #endif
   if (options.tune && p > 1) R2CCL_RETURN_IF_ERROR(c->tune());
+  if (p > 1) {
+    NvlinkComm* self = c.get();
+    c->watchdog_ = std::thread([self] {
+      (void)cudaSetDevice(self->device_);
+      std::unique_lock lock(self->watchdog_mutex_);
+      while (!self->watchdog_stop_) {
+        self->watchdog_cv_.wait_for(lock, std::chrono::milliseconds(20));
+        if (self->watchdog_stop_) break;
+        if (Status failed = self->host_->async_error(); !failed) {
+          lock.unlock();
+          // The peers' hosts see the same failure, or their kernels see this rank's: this rank
+          // marks only itself (a peer whose process ended may no longer back its memory).
+          self->fail(fmt::format("nvlink: the host communicator failed ({})", failed.message()),
+                     /*tell_peers=*/false);
+          return;
+        }
+      }
+    });
+  }
   return c;
 }
 
 void NvlinkComm::unmap_peers() {
+  std::lock_guard lock(failure_mutex_);  // abort() writes through the mappings
 #ifdef R2CCL_HAVE_NCCL
   if (nccl_) (void)(*detail::nccl())->CommDestroy(static_cast<ncclComm_t>(nccl_));
 #endif
@@ -208,35 +255,185 @@ void NvlinkComm::free_mine() {
   counters_ = nullptr;
 }
 
-NvlinkComm::~NvlinkComm() {
+void NvlinkComm::free_host_side() {
+  if (last_) (void)cudaEventDestroy(last_);
+  if (last_captured_) (void)cudaEventDestroy(last_captured_);
+  if (side_) (void)cudaStreamDestroy(side_);
+  if (words_) (void)cudaFreeHost(words_);
+  last_ = last_captured_ = nullptr;
+  side_ = nullptr;
+  words_ = words_device_ = nullptr;
+}
+
+void NvlinkComm::stop_watchdog() {
+  {
+    std::lock_guard lock(watchdog_mutex_);
+    watchdog_stop_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+bool NvlinkComm::wait_idle(std::chrono::milliseconds limit) const {
+  if (last_ == nullptr) return true;
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(last_);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+void NvlinkComm::abort(const std::string& why) {
+  fail(why, /*tell_peers=*/true);
+}
+
+void NvlinkComm::fail(const std::string& why, bool tell_peers) {
+  {
+    std::lock_guard lock(failure_mutex_);
+    if (failure_.is_ok()) failure_ = Status(ErrorCode::kAborted, why);
+  }
+  if (aborted_.exchange(true) || words_ == nullptr) return;
+  std::atomic_ref<std::uint32_t>(words_->abort).store(1, std::memory_order_release);
+  // The dead word, into this rank's memory (calls still queued here give up at their first wait)
+  // and, for an abort, every peer's (theirs give up, and their hosts refuse later calls).
+  const CurrentDevice keep;
+  (void)cudaSetDevice(device_);
+  std::lock_guard lock(failure_mutex_);
+  bool wrote = false;
+  for (int r = 0; r < size_; ++r) {
+    std::byte* block = peers_[static_cast<std::size_t>(r)];
+    if (block == nullptr || (r != rank_ && !tell_peers)) continue;
+    wrote = cudaMemcpyAsync(block + detail::kDeadOffset, &words_->dead, sizeof words_->dead,
+                            cudaMemcpyHostToDevice, side_) == cudaSuccess ||
+            wrote;
+  }
+  if (wrote) (void)cudaStreamSynchronize(side_);
+  (void)cudaGetLastError();
+}
+
+void NvlinkComm::teardown_failed() {
+  // Kernels give up within microseconds of the abort word; where they did not, nothing they use
+  // is touched. This rank's memory stays allocated: a peer may still write into it.
+  if (!wait_idle(std::chrono::seconds(10))) {
+    R2CCL_ERROR(
+        "nvlink: rank {}: calls still running 10 s after the communicator failed; its "
+        "GPU memory and mappings are left as they are",
+        rank_);
+    return;
+  }
   unmap_peers();
-  free_mine();
+  free_host_side();
+  if (!exported_) free_mine();
+}
+
+NvlinkComm::~NvlinkComm() {
+  stop_watchdog();
+  if (closed_) return;
+  const CurrentDevice keep;
+  (void)cudaSetDevice(device_);
+  if (!error().is_ok() || !wait_idle(std::chrono::seconds(10))) {
+    fail("nvlink: the communicator was destroyed with calls still running", false);
+    teardown_failed();
+    return;
+  }
+  unmap_peers();
+  free_host_side();
+  // Without close()'s barrier a peer may still map this rank's memory: it stays allocated.
+  if (!exported_) free_mine();
 }
 
 Status NvlinkComm::close() {
   if (closed_) return Status::ok();
-  Status st = cuda_status(cudaDeviceSynchronize(), "nvlink close: cudaDeviceSynchronize");
+  const CurrentDevice keep;
+  R2CCL_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "nvlink close: cudaSetDevice"));
+  stop_watchdog();
+  {
+    std::lock_guard lock(order_mutex_);
+    closed_ = true;  // no call from here on
+  }
+  if (error().is_ok() && !wait_idle(host_->config().timeout))
+    fail(
+        fmt::format(
+            "nvlink: rank {}'s calls did not end within {} ms of close", rank_,
+            std::chrono::duration_cast<std::chrono::milliseconds>(host_->config().timeout).count()),
+        /*tell_peers=*/true);
+  if (Status failed = error(); !failed) {
+    teardown_failed();
+    return Status::ok();  // what failed was reported by error(); the teardown itself is done
+  }
   unmap_peers();
-  Status b = host_->barrier();  // every peer has unmapped this rank's memory
-  free_mine();
-  closed_ = true;
-  if (!st) return st;
+  Status b = size_ > 1 ? host_->barrier() : Status::ok();  // every peer unmapped this memory
+  free_host_side();
+  if (b) {
+    free_mine();
+  } else {
+    R2CCL_WARN(
+        "nvlink: rank {}: the barrier before freeing failed ({}); its GPU memory stays "
+        "allocated",
+        rank_, b.message());
+    if (!exported_) free_mine();
+  }
   return b.with_context("nvlink close: the barrier before freeing");
 }
 
-Status NvlinkComm::check() const {
-  std::uint32_t error = 0;
-  R2CCL_RETURN_IF_ERROR(cuda_status(
-      cudaMemcpy(&error, counters_ + detail::kErrorWord, sizeof error, cudaMemcpyDeviceToHost),
-      "nvlink check: reading the error word"));
-  if (error == 0) return Status::ok();
+Status NvlinkComm::error() const {
+  {
+    std::lock_guard lock(failure_mutex_);
+    if (!failure_.is_ok()) return failure_;
+  }
+  if (words_ == nullptr) return Status::ok();
+  const std::uint32_t e =
+      std::atomic_ref<std::uint32_t>(words_->error).load(std::memory_order_acquire);
+  if (e == 0) return Status::ok();
+  if ((e & 0xffff0000u) == detail::kErrorPeer)
+    return {ErrorCode::kAborted,
+            fmt::format("nvlink: rank {} aborted the communicator or failed; rank {}'s calls "
+                        "gave up and this communicator cannot be used again",
+                        e & 0xffffu, rank_)};
   return {
-      ErrorCode::kTimeout,
-      fmt::format(
-          "nvlink: rank {} did not reach an all-reduce barrier within {} ms; this "
-          "communicator cannot be used again",
-          error - 1,
-          std::chrono::duration_cast<std::chrono::milliseconds>(host_->config().timeout).count())};
+      ErrorCode::kAborted,
+      fmt::format("nvlink: rank {}'s communicator was aborted; it cannot be used again", rank_)};
+}
+
+Status NvlinkComm::check() const {
+  if (last_ != nullptr)
+    R2CCL_RETURN_IF_ERROR(
+        cuda_status(cudaEventSynchronize(last_), "nvlink check: waiting for the last call"));
+  return error();
+}
+
+template <class F>
+Status NvlinkComm::ordered(const char* what, cudaStream_t stream, F&& enqueue) {
+  std::lock_guard lock(order_mutex_);
+  R2CCL_RETURN_IF_ERROR(usable(what));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  R2CCL_RETURN_IF_ERROR(cuda_status(cudaStreamGetCaptureInfo(stream, &capture, &id),
+                                    fmt::format("{}: cudaStreamGetCaptureInfo", what)));
+  if (capture == cudaStreamCaptureStatusInvalidated)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("{}: the stream's CUDA graph capture was invalidated", what)};
+  const bool capturing = capture == cudaStreamCaptureStatusActive;
+  cudaEvent_t& chain = capturing ? last_captured_ : last_;
+  // Eager: after the last eager call (an event never recorded is complete). Captured: after the
+  // last call of the same capture; a capture cannot wait for work outside it.
+  if (!capturing || (captured_any_ && capture_id_ == id))
+    R2CCL_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream, chain, 0),
+                                      fmt::format("{}: cudaStreamWaitEvent", what)));
+  const Status st = enqueue();
+  const Status recorded =
+      cuda_status(cudaEventRecord(chain, stream), fmt::format("{}: cudaEventRecord", what));
+  if (capturing) {
+    capture_id_ = id;
+    captured_any_ = true;
+  }
+  return st.is_ok() ? recorded : st;
 }
 
 #ifdef R2CCL_HAVE_NCCL
@@ -253,6 +450,7 @@ Status NvlinkComm::check() const {
 Status NvlinkComm::usable(const char* what) const {
   if (closed_)
     return {ErrorCode::kInvalidArgument, fmt::format("{}: the communicator is closed", what)};
+  if (Status e = error(); !e) return e.with_context(what);
   return Status::ok();
 }
 
@@ -269,13 +467,12 @@ void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
   for (int r = 0; r < size_; ++r)
     a.block[r] = peers_[static_cast<std::size_t>(r)];
   a.counters = counters_;
+  a.host = words_device_;
   a.rank = rank_;
   a.nranks = size_;
   a.staging_bytes = options_.staging_bytes;
   a.ll_offset = detail::kFlagsBytes + 2 * options_.staging_bytes;
   a.ll_bytes = 2 * options_.low_latency_max;
-  a.timeout_ns = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(host_->config().timeout).count());
 }
 
 NvlinkAlgo NvlinkComm::choose(std::size_t bytes) const {
@@ -395,39 +592,41 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
   R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t elem = type_size(type);
   if (algo == NvlinkAlgo::kAuto) algo = choose(count * elem);
-  if (algo == NvlinkAlgo::kNccl) {
-    if (nccl_)
-      R2CCL_NCCL_CALL("nvlink all-reduce: ncclAllReduce", AllReduce, send, recv, count,
-                      detail::nccl_type(type), detail::nccl_op(op));
-    return {ErrorCode::kInvalidArgument,
-            size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
-                       : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
-                                     nccl_available().message())};
-  }
-  const bool low_latency = algo == NvlinkAlgo::kLowLatency;
-  // push: a half holds a slot per rank of the longest slice, then the whole call.
-  const std::size_t per_call =
-      low_latency ? options_.low_latency_max / elem
-      : algo == NvlinkAlgo::kPush
-          ? (options_.staging_bytes / 16 - static_cast<std::size_t>(size_)) / 2 * (16 / elem)
-          : options_.staging_bytes / elem;
-  detail::NvlinkArgs a;
-  base_args(a);
-  a.divide_by = op == RedOp::kAvg ? size_ : 0;
-  a.two_shot = algo == NvlinkAlgo::kTwoShot;
-  a.push = algo == NvlinkAlgo::kPush;
-  for (std::size_t done = 0; done < count; done += per_call) {
-    const std::size_t n = std::min(per_call, count - done);
-    a.send = static_cast<const std::byte*>(send) + done * elem;
-    a.recv = static_cast<std::byte*>(recv) + done * elem;
-    a.count = n;
-    // Always each kernel's full grid: every thread block counts every call (nvlink_kernels.h).
-    R2CCL_RETURN_IF_ERROR(cuda_status(
-        low_latency ? detail::launch_low_latency(a, type, op, options_.low_latency_blocks, stream)
-                    : detail::launch_nvlink(a, type, op, options_.blocks, stream),
-        fmt::format("nvlink all-reduce of {} {} ({})", n, type_name(type), redop_name(op))));
-  }
-  return Status::ok();
+  return ordered(what, stream, [&]() -> Status {
+    if (algo == NvlinkAlgo::kNccl) {
+      if (nccl_)
+        R2CCL_NCCL_CALL("nvlink all-reduce: ncclAllReduce", AllReduce, send, recv, count,
+                        detail::nccl_type(type), detail::nccl_op(op));
+      return {ErrorCode::kInvalidArgument,
+              size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
+                         : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
+                                       nccl_available().message())};
+    }
+    const bool low_latency = algo == NvlinkAlgo::kLowLatency;
+    // push: a half holds a slot per rank of the longest slice, then the whole call.
+    const std::size_t per_call =
+        low_latency ? options_.low_latency_max / elem
+        : algo == NvlinkAlgo::kPush
+            ? (options_.staging_bytes / 16 - static_cast<std::size_t>(size_)) / 2 * (16 / elem)
+            : options_.staging_bytes / elem;
+    detail::NvlinkArgs a;
+    base_args(a);
+    a.divide_by = op == RedOp::kAvg ? size_ : 0;
+    a.two_shot = algo == NvlinkAlgo::kTwoShot;
+    a.push = algo == NvlinkAlgo::kPush;
+    for (std::size_t done = 0; done < count; done += per_call) {
+      const std::size_t n = std::min(per_call, count - done);
+      a.send = static_cast<const std::byte*>(send) + done * elem;
+      a.recv = static_cast<std::byte*>(recv) + done * elem;
+      a.count = n;
+      // Always each kernel's full grid: every thread block counts every call (nvlink_kernels.h).
+      R2CCL_RETURN_IF_ERROR(cuda_status(
+          low_latency ? detail::launch_low_latency(a, type, op, options_.low_latency_blocks, stream)
+                      : detail::launch_nvlink(a, type, op, options_.blocks, stream),
+          fmt::format("nvlink all-reduce of {} {} ({})", n, type_name(type), redop_name(op))));
+    }
+    return Status::ok();
+  });
 }
 
 Status NvlinkComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
@@ -442,22 +641,25 @@ Status NvlinkComm::reduce(const void* send, void* recv, std::size_t count, DataT
   R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
   if (rank_ == root) R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t elem = type_size(type);
-  if (nccl_takes(count * elem))
-    R2CCL_NCCL_CALL("nvlink reduce: ncclReduce", Reduce, send, recv, count, detail::nccl_type(type),
-                    detail::nccl_op(op), root);
-  detail::NvlinkArgs a;
-  base_args(a);
-  a.divide_by = op == RedOp::kAvg ? size_ : 0;
-  a.root = root;
-  const std::size_t per_call = options_.staging_bytes / elem;
-  for (std::size_t done = 0; done < count; done += per_call) {
-    a.send = static_cast<const std::byte*>(send) + done * elem;
-    a.recv = rank_ == root ? static_cast<std::byte*>(recv) + done * elem : nullptr;
-    a.count = std::min(per_call, count - done);
-    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_nvlink(a, type, op, options_.blocks, stream),
-                                      fmt::format("{} of {} {}", what, a.count, type_name(type))));
-  }
-  return Status::ok();
+  return ordered(what, stream, [&]() -> Status {
+    if (nccl_takes(count * elem))
+      R2CCL_NCCL_CALL("nvlink reduce: ncclReduce", Reduce, send, recv, count,
+                      detail::nccl_type(type), detail::nccl_op(op), root);
+    detail::NvlinkArgs a;
+    base_args(a);
+    a.divide_by = op == RedOp::kAvg ? size_ : 0;
+    a.root = root;
+    const std::size_t per_call = options_.staging_bytes / elem;
+    for (std::size_t done = 0; done < count; done += per_call) {
+      a.send = static_cast<const std::byte*>(send) + done * elem;
+      a.recv = rank_ == root ? static_cast<std::byte*>(recv) + done * elem : nullptr;
+      a.count = std::min(per_call, count - done);
+      R2CCL_RETURN_IF_ERROR(
+          cuda_status(detail::launch_nvlink(a, type, op, options_.blocks, stream),
+                      fmt::format("{} of {} {}", what, a.count, type_name(type))));
+    }
+    return Status::ok();
+  });
 }
 
 Status NvlinkComm::reduce_scatter(const void* send, void* recv, std::size_t recv_count,
@@ -469,25 +671,27 @@ Status NvlinkComm::reduce_scatter(const void* send, void* recv, std::size_t recv
   R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
   R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t elem = type_size(type);
-  if (nccl_takes(recv_count * elem * static_cast<std::size_t>(size_)))
-    R2CCL_NCCL_CALL("nvlink reduce-scatter: ncclReduceScatter", ReduceScatter, send, recv,
-                    recv_count, detail::nccl_type(type), detail::nccl_op(op));
-  detail::NvlinkArgs a;
-  base_args(a);
-  a.divide_by = op == RedOp::kAvg ? size_ : 0;
-  a.stride = recv_count;
-  // Each rank's block of a call, in whole 16-byte units, must fit its share of a staging half.
-  const std::size_t per_call =
-      options_.staging_bytes / static_cast<std::size_t>(size_) / 16 * (16 / elem);
-  for (std::size_t done = 0; done < recv_count; done += per_call) {
-    a.send = static_cast<const std::byte*>(send) + done * elem;
-    a.recv = static_cast<std::byte*>(recv) + done * elem;
-    a.count = std::min(per_call, recv_count - done);
-    R2CCL_RETURN_IF_ERROR(
-        cuda_status(detail::launch_reduce_scatter(a, type, op, options_.blocks, stream),
-                    fmt::format("{} of {} {}", what, a.count, type_name(type))));
-  }
-  return Status::ok();
+  return ordered(what, stream, [&]() -> Status {
+    if (nccl_takes(recv_count * elem * static_cast<std::size_t>(size_)))
+      R2CCL_NCCL_CALL("nvlink reduce-scatter: ncclReduceScatter", ReduceScatter, send, recv,
+                      recv_count, detail::nccl_type(type), detail::nccl_op(op));
+    detail::NvlinkArgs a;
+    base_args(a);
+    a.divide_by = op == RedOp::kAvg ? size_ : 0;
+    a.stride = recv_count;
+    // Each rank's block of a call, in whole 16-byte units, must fit its share of a staging half.
+    const std::size_t per_call =
+        options_.staging_bytes / static_cast<std::size_t>(size_) / 16 * (16 / elem);
+    for (std::size_t done = 0; done < recv_count; done += per_call) {
+      a.send = static_cast<const std::byte*>(send) + done * elem;
+      a.recv = static_cast<std::byte*>(recv) + done * elem;
+      a.count = std::min(per_call, recv_count - done);
+      R2CCL_RETURN_IF_ERROR(
+          cuda_status(detail::launch_reduce_scatter(a, type, op, options_.blocks, stream),
+                      fmt::format("{} of {} {}", what, a.count, type_name(type))));
+    }
+    return Status::ok();
+  });
 }
 
 Status NvlinkComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
@@ -498,20 +702,22 @@ Status NvlinkComm::all_gather(const void* send, void* recv, std::size_t count, D
   R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
   R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t bytes = count * type_size(type);
-  if (nccl_takes(bytes * static_cast<std::size_t>(size_)))
-    R2CCL_NCCL_CALL("nvlink all-gather: ncclAllGather", AllGather, send, recv, count,
-                    detail::nccl_type(type));
-  detail::NvlinkArgs a;
-  base_args(a);
-  a.stride = bytes;
-  for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
-    a.send = static_cast<const std::byte*>(send) + done;
-    a.recv = static_cast<std::byte*>(recv) + done;
-    a.count = std::min(options_.staging_bytes, bytes - done);
-    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
-                                      fmt::format("{} of {} bytes", what, a.count)));
-  }
-  return Status::ok();
+  return ordered(what, stream, [&]() -> Status {
+    if (nccl_takes(bytes * static_cast<std::size_t>(size_)))
+      R2CCL_NCCL_CALL("nvlink all-gather: ncclAllGather", AllGather, send, recv, count,
+                      detail::nccl_type(type));
+    detail::NvlinkArgs a;
+    base_args(a);
+    a.stride = bytes;
+    for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
+      a.send = static_cast<const std::byte*>(send) + done;
+      a.recv = static_cast<std::byte*>(recv) + done;
+      a.count = std::min(options_.staging_bytes, bytes - done);
+      R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
+                                        fmt::format("{} of {} bytes", what, a.count)));
+    }
+    return Status::ok();
+  });
 }
 
 Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, DataType type,
@@ -525,20 +731,22 @@ Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, Da
   if (rank_ == root) R2CCL_RETURN_IF_ERROR(device_buffer(send, what, "send"));
   R2CCL_RETURN_IF_ERROR(device_buffer(recv, what, "receive"));
   const std::size_t bytes = count * type_size(type);
-  if (nccl_takes(bytes))
-    R2CCL_NCCL_CALL("nvlink broadcast: ncclBroadcast", Broadcast, send, recv, count,
-                    detail::nccl_type(type), root);
-  detail::NvlinkArgs a;
-  base_args(a);
-  a.root = root;
-  for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
-    a.send = rank_ == root ? static_cast<const std::byte*>(send) + done : nullptr;
-    a.recv = static_cast<std::byte*>(recv) + done;
-    a.count = std::min(options_.staging_bytes, bytes - done);
-    R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
-                                      fmt::format("{} of {} bytes", what, a.count)));
-  }
-  return Status::ok();
+  return ordered(what, stream, [&]() -> Status {
+    if (nccl_takes(bytes))
+      R2CCL_NCCL_CALL("nvlink broadcast: ncclBroadcast", Broadcast, send, recv, count,
+                      detail::nccl_type(type), root);
+    detail::NvlinkArgs a;
+    base_args(a);
+    a.root = root;
+    for (std::size_t done = 0; done < bytes; done += options_.staging_bytes) {
+      a.send = rank_ == root ? static_cast<const std::byte*>(send) + done : nullptr;
+      a.recv = static_cast<std::byte*>(recv) + done;
+      a.count = std::min(options_.staging_bytes, bytes - done);
+      R2CCL_RETURN_IF_ERROR(cuda_status(detail::launch_gather(a, options_.blocks, stream),
+                                        fmt::format("{} of {} bytes", what, a.count)));
+    }
+    return Status::ok();
+  });
 }
 
 Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t count, int peer,

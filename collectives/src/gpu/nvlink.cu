@@ -20,12 +20,6 @@ __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ std::uint64_t now_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // This call's number (1 for the first), from the block's own counter at `base`.
 __device__ __forceinline__ std::uint32_t call_number(const NvlinkArgs& a, std::size_t base) {
   return a.counters[base + blockIdx.x] + 1;
@@ -45,11 +39,43 @@ __device__ __forceinline__ bool idle(std::size_t longest_walk) {
   return static_cast<std::size_t>(blockIdx.x) * blockDim.x >= longest_walk;
 }
 
+__device__ __forceinline__ std::uint32_t load_volatile(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ const std::uint32_t* dead_word(const NvlinkArgs& a) {
+  return reinterpret_cast<const std::uint32_t*>(a.block[a.rank] + kDeadOffset);
+}
+
+// The reason this kernel gives up, for the host (the first one stays).
+__device__ __forceinline__ void record_error(const NvlinkArgs& a, std::uint32_t why) {
+  if (load_volatile(&a.host->error) == 0) store_release(&a.host->error, why);
+}
+
+// Why to stop waiting, or 0: the host aborted the communicator (a word in mapped host memory,
+// read every 1024 spins), or some rank's host declared it dead (this rank's dead word, every 64).
+__device__ __forceinline__ std::uint32_t give_up(const NvlinkArgs& a, std::uint32_t spins) {
+  if ((spins & 63) != 0) return 0;
+  if (const std::uint32_t d = load_volatile(dead_word(a)); d != 0) return kErrorPeer | (d - 1);
+  if ((spins & 1023) == 0 && load_volatile(&a.host->abort) != 0) return kErrorAborted;
+  return 0;
+}
+
+// After a wait that ended: whether the communicator died meanwhile (its counts can no longer be
+// trusted, so neither can what this call read).
+__device__ __forceinline__ std::uint32_t died(const NvlinkArgs& a) {
+  const std::uint32_t d = load_volatile(dead_word(a));
+  return d != 0 ? kErrorPeer | (d - 1) : 0;
+}
+
 // Block b of this rank tells block b of every rank that it reached call `flag` at `which`
-// barrier, and waits until each of them has (counts only grow: a peer may be a call ahead).
-// False when a peer did not arrive within the timeout: the error word is set.
+// barrier, and waits until each of them has (counts only grow: a peer may be a call ahead). It
+// waits as long as it takes, unless the communicator is aborted or declared dead: false then,
+// with the reason recorded for the host.
 __device__ bool barrier(const NvlinkArgs& a, bool mid, std::uint32_t flag) {
-  __shared__ int failed;
+  __shared__ std::uint32_t failed;
   __syncthreads();
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -61,18 +87,22 @@ __device__ bool barrier(const NvlinkArgs& a, bool mid, std::uint32_t flag) {
         mid ? &theirs->mid[blockIdx.x][a.rank] : &theirs->start[blockIdx.x][a.rank];
     const std::uint32_t* wait = mid ? &ours->mid[blockIdx.x][peer] : &ours->start[blockIdx.x][peer];
     store_release(tell, flag);
-    const std::uint64_t t0 = now_ns();
     std::uint32_t spins = 0;
     while (static_cast<std::int32_t>(load_acquire(wait) - flag) < 0) {
-      if ((++spins & 1023) == 0 && now_ns() - t0 > a.timeout_ns) {
-        atomicExch(&a.counters[kErrorWord], 1u + static_cast<std::uint32_t>(peer));
-        failed = 1;
+      if (const std::uint32_t why = give_up(a, ++spins); why != 0) {
+        atomicCAS(&failed, 0u, why);
         break;
       }
     }
+    if (threadIdx.x == 0)
+      if (const std::uint32_t why = died(a); why != 0) atomicCAS(&failed, 0u, why);
   }
   __syncthreads();
-  return failed == 0;
+  if (failed != 0) {
+    if (threadIdx.x == 0) record_error(a, failed);
+    return false;
+  }
+  return true;
 }
 
 // One unit: up to kPack<T> elements starting at element u * kPack<T>.
@@ -385,7 +415,7 @@ template <class T, RedOp Op>
 __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
   using A = typename Acc<T>::type;
   constexpr int kPer = 8 / static_cast<int>(sizeof(T));  // elements per line
-  __shared__ int failed;
+  __shared__ std::uint32_t failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const std::uint32_t flag = call_number(a, kLowLatencyCounters);
@@ -418,16 +448,14 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
         load8(in, l * 8, n, in8, d);
       } else {
         const uint4* line = area(a.rank, r) + l;
-        const std::uint64_t t0 = now_ns();
         std::uint32_t spins = 0;
         while (!ll_load(line, flag, d[0], d[1])) {
-          if ((++spins & 1023) == 0 && now_ns() - t0 > a.timeout_ns) {
-            atomicExch(&a.counters[kErrorWord], 1u + static_cast<std::uint32_t>(r));
-            failed = 1;
+          if (const std::uint32_t why = give_up(a, ++spins); why != 0) {
+            atomicCAS(&failed, 0u, why);
             break;
           }
         }
-        if (failed) break;
+        if (failed != 0) break;
       }
       T e[kPer];
       memcpy(e, d, sizeof e);
@@ -435,7 +463,7 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
       for (int j = 0; j < kPer; ++j)
         acc[j] = r == 0 ? widen(e[j]) : apply<Op>(acc[j], widen(e[j]));
     }
-    if (failed) break;
+    if (failed != 0) break;
     T e[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -452,8 +480,14 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
       memcpy(out + l * 8, e, n);
     }
   }
+  if (threadIdx.x == 0)
+    if (const std::uint32_t why = died(a); why != 0) atomicCAS(&failed, 0u, why);
   __syncthreads();
-  if (!failed) finish_call(a, kLowLatencyCounters, flag);
+  if (failed != 0) {
+    if (threadIdx.x == 0) record_error(a, failed);
+    return;
+  }
+  finish_call(a, kLowLatencyCounters, flag);
 }
 
 }  // namespace

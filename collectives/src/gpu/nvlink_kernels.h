@@ -18,23 +18,43 @@ inline constexpr int kNvlinkBlocks = 128;  // gpu::kMaxNvlinkBlocks
 // area: for each sending rank, two halves of ll_bytes, in 16-byte lines of two (4 data bytes,
 // 4 flag bytes) pairs.
 //   start[b][r], mid[b][r]: the call count that rank r's thread block b has reached
+//   dead: 0 while the communicator is sound; 1 + the rank that failed or aborted it otherwise
+//         (written by that rank's host into every rank's block; never cleared)
 struct NvlinkFlags {
   std::uint32_t start[kNvlinkBlocks][kNvlinkRanks];
   std::uint32_t mid[kNvlinkBlocks][kNvlinkRanks];
+  std::uint32_t dead;
 };
-inline constexpr std::size_t kFlagsBytes = 8192;
-static_assert(sizeof(NvlinkFlags) <= kFlagsBytes);
+inline constexpr std::size_t kFlagsBytes = 8192 + 128;
+static_assert(sizeof(NvlinkFlags) <= kFlagsBytes && kFlagsBytes % 16 == 0);
+inline constexpr std::size_t kDeadOffset = offsetof(NvlinkFlags, dead);
 // The rank's own counters (not shared): calls so far per thread block of the staged kernel, then
-// of the low-latency kernel, then the error word. Each kernel always runs on its full grid, so
-// every block of it counts every call and they agree on the call's number, which serves as the
-// barriers' and the low-latency lines' flag; its parity picks the half of the area a call uses.
+// of the low-latency kernel. Each kernel always runs on its full grid, so every block of it counts
+// every call and they agree on the call's number, which serves as the barriers' and the
+// low-latency lines' flag; its parity picks the half of the area a call uses. A kernel that
+// fails does not count the call: the communicator is dead from then on (the dead word and the
+// host's refusal of later calls see to it that nothing runs on the disagreeing counts).
 inline constexpr std::size_t kLowLatencyCounters = kNvlinkBlocks;
-inline constexpr std::size_t kErrorWord = 2 * kNvlinkBlocks;
-inline constexpr std::size_t kCounterWords = 2 * kNvlinkBlocks + 1;
+inline constexpr std::size_t kCounterWords = 2 * kNvlinkBlocks;
+
+// Host memory mapped into the device (cudaHostAllocMapped): what the host and the kernels tell
+// each other without a copy or a synchronisation.
+//   abort: set by the host (NvlinkComm::abort); every spin loop polls it and gives up
+//   error:  0, or what made a kernel give up (kErrorAborted, or kErrorPeer | the dead word's rank)
+//   dead:   the value the host writes into the blocks' dead words (1 + this rank)
+struct NvlinkHostWords {
+  std::uint32_t abort;
+  std::uint32_t error;
+  std::uint32_t dead;
+  std::uint32_t pad;
+};
+inline constexpr std::uint32_t kErrorAborted = 1u << 16;
+inline constexpr std::uint32_t kErrorPeer = 2u << 16;  // | the rank that killed the communicator
 
 struct NvlinkArgs {
   std::byte* block[kNvlinkRanks] = {};  // every rank's block, mapped here
   std::uint32_t* counters = nullptr;    // kCounterWords words
+  NvlinkHostWords* host = nullptr;      // the host's words, as the device sees them
   const void* send = nullptr;
   void* recv = nullptr;
   std::size_t count = 0;          // elements in this call (at most staging_bytes of them)
@@ -49,7 +69,6 @@ struct NvlinkArgs {
   int root = -1;           // reduce: the one rank that writes the result; broadcast: the source
   std::size_t stride = 0;  // elements between the ranks' blocks: of send (reduce-scatter), of
                            // recv (all-gather)
-  std::uint64_t timeout_ns = 0;  // a peer that does not arrive in time: the error word is set
 };
 
 cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int blocks,

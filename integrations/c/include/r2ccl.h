@@ -125,16 +125,25 @@ r2cclResult_t r2cclCommInitFromEnv(r2cclComm_t* comm);
  * none (*newcomm = NULL). Every rank of `comm` calls it. `config` must be NULL. */
 r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* newcomm,
                              void* config);
-/* Completes what was posted; the communicator then takes no more operations. */
+/* Completes what was posted; the communicator then takes no more operations. Where it has a
+ * device side, waits for its calls and frees its GPU memory once every rank has unmapped it: a
+ * collective (every rank calls it). */
 r2cclResult_t r2cclCommFinalize(r2cclComm_t comm);
-/* Frees it (NULL is accepted). */
+/* Frees it (NULL is accepted); a collective where the communicator has a device side and was not
+ * finalized, as Finalize. */
 r2cclResult_t r2cclCommDestroy(r2cclComm_t comm);
 /* Fails what is in flight and everything after, from any thread, then frees it like
  * r2cclCommDestroy (calls still inside it return an error first; the memory goes with the last
- * of them). A handle already freed is refused with r2cclInvalidArgument, not used. */
+ * of them). Device collectives spinning on a GPU give up at once, and every other rank's device
+ * calls fail from then on (r2cclCommGetAsyncError says which rank aborted); the GPU memory that
+ * the other ranks map stays allocated until the process ends. A handle already freed is refused
+ * with r2cclInvalidArgument, not used. */
 r2cclResult_t r2cclCommAbort(r2cclComm_t comm);
-/* The first asynchronous error (a peer left, no rail survived, an abort): r2cclSuccess while
- * none. Any thread, any time. */
+/* The first asynchronous error (a peer left, no rail survived, an abort, here or on another
+ * rank's device side): r2cclSuccess while none. Device collectives wait for late ranks as long as
+ * it takes, as NCCL's do; once this reports an error, a device call that was in flight may have
+ * left wrong data in its output, and every later call is refused. Any thread, any time; it does
+ * not wait for the device. */
 r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError);
 r2cclResult_t r2cclCommCount(const r2cclComm_t comm, int* count);
 r2cclResult_t r2cclCommUserRank(const r2cclComm_t comm, int* rank);

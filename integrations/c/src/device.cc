@@ -89,7 +89,9 @@ Status DeviceComm::bind(coll::Communicator& host, int device, void* stream, cons
     device = 0;
     if (here) R2CCL_RETURN_IF_ERROR(gpu::cuda_status(cudaGetDevice(&device), what));
   }
-  auto made = gpu::NvlinkComm::create(host, device);
+  gpu::NvlinkComm::Options options;
+  options.tune = host.config().gpu_tune;
+  auto made = gpu::NvlinkComm::create(host, device, options);
   if (!made) return made.status().with_context(what);
   impl_->nv = std::move(*made);
   return Status::ok();
@@ -144,13 +146,23 @@ Status DeviceComm::group_end() {
   return impl_->nv->group_end();
 }
 Status DeviceComm::synchronize(void* stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  R2CCL_RETURN_IF_ERROR(gpu::cuda_status(cudaStreamIsCapturing(cuda_stream(stream), &capturing),
+                                         "cudaStreamIsCapturing"));
+  if (capturing != cudaStreamCaptureStatusNone)
+    return {ErrorCode::kInvalidArgument,
+            "the stream is being captured into a CUDA graph, and a barrier waits for it on the "
+            "host: call it outside the capture"};
   return gpu::cuda_status(cudaStreamSynchronize(cuda_stream(stream)), "cudaStreamSynchronize");
 }
+Status DeviceComm::error() const {
+  return impl_->nv ? impl_->nv->error() : Status::ok();
+}
+void DeviceComm::abort(const std::string& why) {
+  if (impl_->nv) impl_->nv->abort(why);
+}
 Status DeviceComm::close() {
-  if (!impl_->nv) return Status::ok();
-  Status st = impl_->nv->close();
-  impl_->nv.reset();
-  return st;
+  return impl_->nv ? impl_->nv->close() : Status::ok();
 }
 
 }  // namespace r2ccl::capi

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <memory>
+#include <string>
 
 #include "r2ccl/coll/communicator.h"
 #include "r2ccl/coll/types.h"
@@ -50,9 +51,15 @@ class DeviceComm {
   Status recv(void* buf, std::size_t count, coll::DataType type, int peer, void* stream);
   Status group_start();
   Status group_end();
-  // Waits for `stream` (a barrier's device side).
+  // Waits for `stream` (a barrier's device side); refused while the stream is being captured.
   Status synchronize(void* stream);
-  // Frees the GPU side (a collective, like bind); the destructor frees it without the barrier.
+  // Why the GPU side cannot be used any more (an abort here or on another rank, the host side's
+  // failure), or OK; OK where it was never set up. No synchronisation.
+  Status error() const;
+  // Fails the GPU side at once (every rank's calls give up and later ones are refused).
+  void abort(const std::string& why);
+  // Closes the GPU side: a collective, like bind (nvlink.h, NvlinkComm::close). Calls after it are
+  // refused; the destructor frees what is left.
   Status close();
 
  private:

@@ -121,6 +121,8 @@ Status usable(const r2cclComm& c, const char* what) {
   if (c.finalized.load())
     return {ErrorCode::kAborted,
             fmt::format("{}: the communicator was finalized or aborted", what)};
+  // A GPU side that failed (aborted here or on another rank) fails the whole communicator.
+  if (Status e = c.device.error(); !e) return e.with_context(what);
   return Status::ok();
 }
 
@@ -386,8 +388,11 @@ r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* 
 r2cclResult_t r2cclCommFinalize(r2cclComm_t comm) {
   return with_comm(comm, "r2cclCommFinalize", [&](const Held& c) {
     if (Status st = usable(*c, "r2cclCommFinalize"); !st) return fail(c.get(), st);
-    // Operations are blocking: nothing is left in flight once this thread is here.
+    // Host operations are blocking: nothing of them is left in flight. The GPU side's calls are
+    // waited for and its memory freed once every rank has unmapped it (a collective).
     c->finalized.store(true);
+    if (Status st = c->device.close(); !st)
+      return fail(c.get(), st.with_context("r2cclCommFinalize"));
     return r2cclSuccess;
   });
 }
@@ -405,8 +410,15 @@ r2cclResult_t release(r2cclComm_t comm, const char* what, bool abort) {
                               "made by r2ccl)",
                               what));
     c->finalized.store(true);
-    if (abort) c->comm->abort();
     if (t_group_comm == c) t_group_comm.reset();
+    if (abort) {
+      // The GPU side first: its kernels give up and every rank's later calls are refused.
+      c->device.abort(fmt::format("r2cclCommAbort on rank {}", c->comm->rank()));
+      c->comm->abort();
+      return r2cclSuccess;
+    }
+    // Destroy closes the GPU side collectively (as Finalize does, where it was not called).
+    if (Status st = c->device.close(); !st) return fail(nullptr, st.with_context(what));
     return r2cclSuccess;
   });
 }
@@ -424,7 +436,8 @@ r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError
   return with_comm(comm, "r2cclCommGetAsyncError", [&](const Held& c) {
     if (asyncError == nullptr)
       return fail(c.get(), r2cclInvalidArgument, "r2cclCommGetAsyncError: asyncError is NULL");
-    const Status st = c->comm->async_error();
+    Status st = c->comm->async_error();
+    if (st) st = c->device.error();
     *asyncError = to_result(st.code());
     if (!st) (void)fail(c.get(), st);
     return r2cclSuccess;

@@ -60,7 +60,10 @@ constexpr ConfigEntry kTable[] = {
      "a round trip after the last byte."},
     {"R2CCL_TIMEOUT", "30s",
      "Deadline of every operation: past it, unless data to the peer is still being confirmed "
-     "(slow is not dead), the operation fails with an error naming the peer and every rail tried."},
+     "(slow is not dead), the operation fails with an error naming the peer and every rail tried. "
+     "Collectives on GPU memory have none: like NCCL's, they wait for a late rank; they fail, on "
+     "every rank, when a rank's host side fails (its process ended) or the communicator is "
+     "aborted."},
     {"R2CCL_CONNECT_TIMEOUT", "10s", "How long establishing the rails to the peers may take."},
     {"R2CCL_PROBE_INTERVAL", "20ms",
      "Interval of the liveness and RTT probes sent on every rail, busy or idle, 1ms–10s."},
@@ -85,6 +88,9 @@ constexpr ConfigEntry kTable[] = {
      "Serve this job's rail metrics for Prometheus at `/metrics`; rank r listens on this port + r. "
      "A port in use gives a warning and the job runs on without metrics."},
     {"R2CCL_METRICS_ADDR", "127.0.0.1", "IPv4 address the metrics endpoint binds to."},
+    {"R2CCL_GPU_TUNE", "1",
+     "1: the GPU side of a communicator measures every all-reduce algorithm at every size when it "
+     "is set up (about a second) and keeps the fastest; 0: built-in size thresholds instead."},
     {"R2CCL_KV_VERIFY", "0",
      "`1`: the KV engine sends a checksum of every block with each notification and the receiver "
      "verifies the blocks on arrival."},
@@ -452,6 +458,11 @@ Result<Config> parse_config(const EnvLookup& env) {
     const std::string t = trim(*v);
     if (t != "0" && t != "1") return bad("R2CCL_INSECURE_NO_TOKEN", *v, "0 or 1");
     c.insecure_no_token = t == "1";
+  }
+  if (auto v = get("R2CCL_GPU_TUNE")) {
+    const std::string t = trim(*v);
+    if (t != "0" && t != "1") return bad("R2CCL_GPU_TUNE", *v, "0 or 1");
+    c.gpu_tune = t == "1";
   }
   if (auto v = get("R2CCL_KV_VERIFY")) {
     const std::string t = trim(*v);

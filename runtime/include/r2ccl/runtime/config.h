@@ -34,6 +34,7 @@ struct Config {
   std::optional<int> nranks;
   std::optional<HostPort> bootstrap;  // rank 0's listener
   Token bootstrap_token{};            // all zero unless R2CCL_BOOTSTRAP_TOKEN is set
+  bool gpu_tune = true;               // R2CCL_GPU_TUNE: measure the GPU algorithms at set-up
   bool insecure_no_token = false;     // R2CCL_INSECURE_NO_TOKEN: no token outside loopback
   std::chrono::milliseconds bootstrap_timeout{30000};
   std::string socket_ifname;      // control-path interface; empty: the one reaching rank 0

@@ -27,7 +27,24 @@ struct PointerInfo {
   int device = -1;  // the device the memory lives on, for kDevice and kManaged
 };
 // What memory `p` points into (cudaPointerGetAttributes). Memory the CUDA driver does not know,
-// null included, is kHost; so is every pointer on a machine without a driver.
+// null included, is kHost; so is every pointer on a machine without a driver, and every pointer
+// while the process has no CUDA context (device memory needs one, and the query would make one).
 PointerInfo pointer_info(const void* p);
+
+// Whether this process has a CUDA context: a primary context active on some device, or one
+// current on the calling thread. Asks the driver without making one.
+bool has_context();
+
+// Restores the calling thread's current device when it leaves scope.
+class CurrentDevice {
+ public:
+  CurrentDevice();
+  ~CurrentDevice();
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int saved_ = -1;
+};
 
 }  // namespace r2ccl::coll::gpu

@@ -26,15 +26,30 @@
 //
 // The staging area has two halves used in turn, so a rank never overwrites data a peer may still
 // be reading. NVLink multicast is never used.
+//
+// One order per communicator, as NCCL's: every collective waits for the communicator's previous
+// one, whatever the streams (an event chain; under CUDA graph capture the chain is kept within
+// the capture, and a graph's replays are ordered with eager calls by their streams only).
+//
+// Failure: a kernel waits for late peers as long as it takes, as NCCL's do. It gives up only when
+// the communicator is aborted (abort(), from any thread; the host's watchdog does it when the
+// host communicator reports an error, such as a rank whose process ended), or when another rank
+// declared it dead. Either way every rank's later calls are refused, and error() says why: a call
+// in flight then may have left wrong data in its output, and error() is how to know.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "r2ccl/coll/communicator.h"
@@ -45,7 +60,8 @@ namespace r2ccl::coll::gpu {
 
 namespace detail {
 struct NvlinkArgs;
-}
+struct NvlinkHostWords;
+}  // namespace detail
 
 inline constexpr int kMaxNvlinkRanks = 8;
 inline constexpr int kMaxNvlinkBlocks = 128;
@@ -89,7 +105,6 @@ class NvlinkComm {
   static Result<std::unique_ptr<NvlinkComm>> create(Communicator& host, int device) {
     return create(host, device, Options{});
   }
-  ~NvlinkComm();
   NvlinkComm(const NvlinkComm&) = delete;
   NvlinkComm& operator=(const NvlinkComm&) = delete;
 
@@ -132,19 +147,44 @@ class NvlinkComm {
   // The algorithm kAuto picks for a call of `bytes`.
   NvlinkAlgo choose(std::size_t bytes) const;
 
-  // Waits for the device, then says whether a kernel gave up on a peer that did not arrive at
-  // a barrier within R2CCL_TIMEOUT (its results are then wrong, and so are every later call's).
+  // Why the communicator cannot be used any more (aborted here, or killed by another rank or by
+  // the host side's failure), or OK. Reads host memory only: no synchronisation, any thread.
+  Status error() const;
+  // Waits for this communicator's last call, then error().
   Status check() const;
 
-  // Frees this rank's memory after the peers closed their mappings of it (a host barrier): a
-  // collective, like create. The destructor does the same without the barrier where it was not
-  // called.
+  // Fails the communicator at once, from any thread: spinning kernels give up, every rank's
+  // later calls are refused (this rank writes the dead word into every rank's memory). The
+  // memory stays allocated: peers may still write into it. Teardown follows in close() or the
+  // destructor.
+  void abort(const std::string& why);
+
+  // Collective, like create: waits for this communicator's calls, closes the peers' mappings,
+  // meets the peers at a host barrier, then frees this rank's memory (that the peers no longer
+  // map). After a failure, or where the barrier fails, the memory is left allocated rather than
+  // freed under a peer that may still map it. The caller's current device is left as it was.
   Status close();
+  // Where close() was not called: waits for the calls (at most 10 s), closes the mappings and
+  // leaves this rank's memory allocated (freeing it without the barrier could free it under a
+  // peer still writing into it).
+  ~NvlinkComm();
 
  private:
   NvlinkComm() = default;
   void unmap_peers();  // and NCCL's communicator
   void free_mine();
+  void free_host_side();  // events, stream, host words
+  void stop_watchdog();
+  // abort(), and the watchdog's failure (which marks only this rank's memory).
+  void fail(const std::string& why, bool tell_peers);
+  // Waits for the last call, at most `limit` (then false).
+  bool wait_idle(std::chrono::milliseconds limit) const;
+  // Teardown of a communicator that failed: nothing freed that a peer may map.
+  void teardown_failed();
+  // Every collective goes through here: refused once failed, ordered after the communicator's
+  // previous call (the event chain), then `enqueue`.
+  template <class F>
+  Status ordered(const char* what, cudaStream_t stream, F&& enqueue);
   Status usable(const char* what) const;
   Status device_buffer(const void* p, const char* what, const char* name) const;
   // send/recv's checks: a peer other than this rank, NCCL, device memory.
@@ -164,7 +204,27 @@ class NvlinkComm {
   std::uint32_t* counters_ = nullptr;
   void* nccl_ = nullptr;  // ncclComm_t, where NCCL is available on every rank
   Table table_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
+  bool exported_ = false;  // a peer may have mapped mine_ (freed only after close()'s barrier)
+  // Failure (abort(), the watchdog, a kernel that gave up): host words mapped into the device.
+  detail::NvlinkHostWords* words_ = nullptr;         // host address
+  detail::NvlinkHostWords* words_device_ = nullptr;  // the device's address of the same
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex failure_mutex_;
+  Status failure_ = Status::ok();  // why abort() was called
+  cudaStream_t side_ = nullptr;    // abort's writes of the dead words (never waits on calls)
+  // The order of calls: the event the last eager call recorded; under capture, the last
+  // captured call's event and its capture's id.
+  std::mutex order_mutex_;
+  cudaEvent_t last_ = nullptr;
+  cudaEvent_t last_captured_ = nullptr;
+  unsigned long long capture_id_ = 0;
+  bool captured_any_ = false;
+  // The watchdog: aborts when the host communicator reports an error.
+  std::thread watchdog_;
+  std::mutex watchdog_mutex_;
+  std::condition_variable watchdog_cv_;
+  bool watchdog_stop_ = false;
 };
 
 }  // namespace r2ccl::coll::gpu
