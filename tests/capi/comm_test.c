@@ -340,6 +340,30 @@ static void* rank_main(void* arg) {
   return NULL;
 }
 
+/* A destroyed handle is refused for good, even where a later communicator took its memory: one-rank
+ * communicators made and destroyed in turn, every earlier handle tried on each round. */
+static void stale_handles_are_refused(void) {
+  enum { kRounds = 16 };
+  r2cclComm_t gone[kRounds];
+  for (int round = 0; round < kRounds; ++round) {
+    r2cclUniqueId one;
+    r2cclComm_t comm = NULL;
+    if (r2cclGetUniqueId(&one) != r2cclSuccess ||
+        r2cclCommInitRank(&comm, 1, one, 0) != r2cclSuccess) {
+      failed(0, "a one-rank communicator", r2cclGetLastError(NULL));
+      return;
+    }
+    for (int k = 0; k < round; ++k) {
+      int rank = -1;
+      if (gone[k] == comm) failed(0, "a new communicator", "it has the handle of a destroyed one");
+      refused(0, NULL, "a destroyed communicator's handle", r2cclCommUserRank(gone[k], &rank),
+              r2cclInvalidArgument, "not a live communicator");
+    }
+    OK(0, comm, r2cclCommDestroy(comm));
+    gone[round] = comm;
+  }
+}
+
 int main(void) {
   int version = 0;
   if (r2cclGetVersion(&version) != r2cclSuccess || version != R2CCL_VERSION_CODE) {
@@ -365,6 +389,7 @@ int main(void) {
     }
   for (int r = 0; r < NRANKS; ++r)
     pthread_join(threads[r], NULL);
+  stale_handles_are_refused();
   if (failures == 0) printf("capi comm: every check passed (%d ranks)\n", NRANKS);
   return failures == 0 ? 0 : 1;
 }

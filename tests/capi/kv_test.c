@@ -268,6 +268,11 @@ int main(void) {
 
   OK(prefill, r2cclKvEngineDestroy(prefill));
   OK(decode, r2cclKvEngineDestroy(decode));
+  /* A destroyed engine's handle is refused, by every call, destroy included. */
+  refused(NULL, "a destroyed engine's handle", r2cclKvPoll(prefill, 8, &state),
+          r2cclInvalidArgument, "not a live KV engine");
+  refused(NULL, "destroying an engine twice", r2cclKvEngineDestroy(decode), r2cclInvalidArgument,
+          "not a live KV engine");
   free(src);
   free(dst);
   if (failures == 0) printf("capi kv: every check passed\n");

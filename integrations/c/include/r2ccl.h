@@ -248,6 +248,8 @@ typedef struct {
 /* An engine on an endpoint of its own (R2CCL_NICS, R2CCL_KV_VERIFY, ...); `name` labels this
  * side in the peer's messages (NULL: host:pid). */
 r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name);
+/* Frees it (NULL is accepted); calls still inside it on other threads finish first. A handle
+ * already freed is refused with r2cclInvalidArgument by every call, not used. */
 r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine);
 const char* r2cclKvGetLastError(r2cclKvEngine_t engine);
 /* Registers `nbuffers` buffers laid out as `layout` (remote-writable: peers that hold the

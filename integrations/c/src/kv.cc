@@ -22,7 +22,13 @@ using r2ccl::ErrorCode;
 using r2ccl::Status;
 namespace kv = r2ccl::kv;
 
+// The handle: a cell of the handle table, never reused (abi.h, HandleTable).
 struct r2cclKvEngine {
+  std::uint64_t serial;
+};
+
+namespace {
+struct KvState {
   // Declared in this order so that the engine goes before the endpoint it runs on.
   std::unique_ptr<r2ccl::Endpoint> endpoint;
   std::unique_ptr<kv::KvEngine> engine;
@@ -40,7 +46,7 @@ struct r2cclKvEngine {
   std::size_t taken_blocks = 0;
 };
 
-namespace {
+using Engines = r2ccl::capi::HandleTable<r2cclKvEngine, KvState>;
 
 // Bounds on what a caller's counts may ask for before anything is allocated.
 constexpr std::uint64_t kMaxPlaces = 1u << 20;  // layers x parts
@@ -51,27 +57,33 @@ static_assert(R2CCL_KV_MAX_PAYLOAD == kv::kMaxPayloadBytes);
 constexpr std::size_t kTakenKept = 1024;            // notifications kept for their blocks
 constexpr std::size_t kTakenBlocksKept = 1u << 20;  // block ids kept for them, all together
 
-r2ccl::capi::ErrorSlot* slot(r2cclKvEngine* e) {
+r2ccl::capi::ErrorSlot* slot(KvState* e) {
   return e != nullptr ? &e->errors : nullptr;
 }
 
-r2cclResult_t fail(r2cclKvEngine* e, r2cclResult_t result, std::string message) {
+r2cclResult_t fail(KvState* e, r2cclResult_t result, std::string message) {
   return r2ccl::capi::fail(slot(e), result, std::move(message));
 }
-r2cclResult_t fail(r2cclKvEngine* e, const Status& st) {
+r2cclResult_t fail(KvState* e, const Status& st) {
   return r2ccl::capi::fail(slot(e), st);
 }
-r2cclResult_t done(r2cclKvEngine* e, const Status& st) {
+r2cclResult_t done(KvState* e, const Status& st) {
   return st.is_ok() ? r2cclSuccess : fail(e, st);
 }
 
-// Every entry point: the guard, and the engine checked first.
+// Every entry point: the guard, and the engine looked up and held while `body` runs.
 template <typename F>
-r2cclResult_t entry(r2cclKvEngine* e, const char* what, F&& body) {
-  return r2ccl::capi::guarded(slot(e), what, [&]() -> r2cclResult_t {
-    if (e == nullptr)
+r2cclResult_t entry(const r2cclKvEngine* handle, const char* what, F&& body) {
+  return r2ccl::capi::guarded(nullptr, what, [&]() -> r2cclResult_t {
+    if (handle == nullptr)
       return fail(nullptr, r2cclInvalidArgument, fmt::format("{}: engine is NULL", what));
-    return body();
+    const std::shared_ptr<KvState> e = Engines::instance().find(handle);
+    if (!e)
+      return fail(nullptr, r2cclInvalidArgument,
+                  fmt::format("{}: engine is not a live KV engine (destroyed, or never made by "
+                              "r2ccl)",
+                              what));
+    return body(e.get());
   });
 }
 
@@ -155,7 +167,7 @@ r2cclKvState_t state_of(kv::RequestState s) {
 
 // A request's state as a result: DONE and CANCELLED succeed, FAILED is a remote error naming
 // why, PENDING and IN_FLIGHT are in progress.
-r2cclResult_t report(r2cclKvEngine* e, std::uint64_t id, const kv::RequestStatus& st,
+r2cclResult_t report(KvState* e, std::uint64_t id, const kv::RequestStatus& st,
                      r2cclKvState_t* state) {
   *state = state_of(st.state);
   switch (st.state) {
@@ -184,33 +196,39 @@ r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name) {
     if (!config) return fail(nullptr, config.status().with_context("r2cclKvEngineCreate"));
     r2ccl::EndpointOptions options;
     if (name != nullptr) options.name = name;
-    auto e = std::make_unique<r2cclKvEngine>();
+    auto e = std::make_shared<KvState>();
     auto endpoint = r2ccl::Endpoint::create(*config, options);
     if (!endpoint) return fail(nullptr, endpoint.status().with_context("r2cclKvEngineCreate"));
     e->endpoint = std::move(*endpoint);
     auto made = kv::KvEngine::create(*e->endpoint, kv::EngineOptions::from(*config));
     if (!made) return fail(nullptr, made.status().with_context("r2cclKvEngineCreate"));
     e->engine = std::move(*made);
-    *engine = e.release();
+    *engine = Engines::instance().add(std::move(e));
     return r2cclSuccess;
   });
 }
 
 r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine) {
   return r2ccl::capi::guarded(nullptr, "r2cclKvEngineDestroy", [&] {
-    std::unique_ptr<r2cclKvEngine> owned(engine);  // NULL: nothing to do
+    if (engine == nullptr) return r2cclSuccess;
+    // Gone from the table at once; freed with the last call still inside it.
+    if (!Engines::instance().remove(engine))
+      return fail(nullptr, r2cclInvalidArgument,
+                  "r2cclKvEngineDestroy: engine is not a live KV engine (destroyed, or never made "
+                  "by r2ccl)");
     return r2cclSuccess;
   });
 }
 
 const char* r2cclKvGetLastError(r2cclKvEngine_t engine) {
-  return r2ccl::capi::last_error(slot(engine));
+  const std::shared_ptr<KvState> e = engine != nullptr ? Engines::instance().find(engine) : nullptr;
+  return r2ccl::capi::last_error(slot(e.get()));
 }
 
-r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
+r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t handle, void* const* buffers,
                                   const size_t* lengths, int nbuffers, const r2cclKvLayout* layout,
                                   uint32_t* pool) {
-  return entry(engine, "r2cclKvRegisterPool", [&] {
+  return entry(handle, "r2cclKvRegisterPool", [&](KvState* engine) {
     const char* what = "r2cclKvRegisterPool";
     if (pool == nullptr)
       return fail(engine, r2cclInvalidArgument, "r2cclKvRegisterPool: pool is NULL");
@@ -236,13 +254,14 @@ r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
   });
 }
 
-r2cclResult_t r2cclKvUnregisterPool(r2cclKvEngine_t engine, uint32_t pool) {
-  return entry(engine, "r2cclKvUnregisterPool",
-               [&] { return done(engine, engine->engine->unregister_pool(pool)); });
+r2cclResult_t r2cclKvUnregisterPool(r2cclKvEngine_t handle, uint32_t pool) {
+  return entry(handle, "r2cclKvUnregisterPool", [&](KvState* engine) {
+    return done(engine, engine->engine->unregister_pool(pool));
+  });
 }
 
-r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t engine, void* buf, size_t* len) {
-  return entry(engine, "r2cclKvGetMetadata", [&] {
+r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t handle, void* buf, size_t* len) {
+  return entry(handle, "r2cclKvGetMetadata", [&](KvState* engine) {
     if (len == nullptr)
       return fail(engine, r2cclInvalidArgument, "r2cclKvGetMetadata: len is NULL");
     const r2ccl::Bytes md = engine->engine->metadata();
@@ -258,9 +277,9 @@ r2cclResult_t r2cclKvGetMetadata(r2cclKvEngine_t engine, void* buf, size_t* len)
   });
 }
 
-r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t engine, const void* metadata, size_t len,
+r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t handle, const void* metadata, size_t len,
                                 int* peer) {
-  return entry(engine, "r2cclKvLoadRemote", [&] {
+  return entry(handle, "r2cclKvLoadRemote", [&](KvState* engine) {
     if (peer == nullptr || metadata == nullptr)
       return fail(engine, r2cclInvalidArgument, "r2cclKvLoadRemote: metadata or peer is NULL");
     auto p = engine->engine->load_remote(
@@ -271,15 +290,15 @@ r2cclResult_t r2cclKvLoadRemote(r2cclKvEngine_t engine, const void* metadata, si
   });
 }
 
-r2cclResult_t r2cclKvDisconnect(r2cclKvEngine_t engine, int peer) {
-  return entry(engine, "r2cclKvDisconnect",
-               [&] { return done(engine, engine->engine->disconnect(peer)); });
+r2cclResult_t r2cclKvDisconnect(r2cclKvEngine_t handle, int peer) {
+  return entry(handle, "r2cclKvDisconnect",
+               [&](KvState* engine) { return done(engine, engine->engine->disconnect(peer)); });
 }
 
-r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t handle, uint64_t id, int peer, uint32_t localPool,
                             uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans,
                             const void* payload, size_t payloadBytes) {
-  return entry(engine, "r2cclKvSubmit", [&] {
+  return entry(handle, "r2cclKvSubmit", [&](KvState* engine) {
     auto s = spans_of(spans, nspans);
     if (!s) return fail(engine, s.status().with_context("r2cclKvSubmit"));
     auto p = payload_of(payload, payloadBytes);
@@ -289,17 +308,17 @@ r2cclResult_t r2cclKvSubmit(r2cclKvEngine_t engine, uint64_t id, int peer, uint3
   });
 }
 
-r2cclResult_t r2cclKvBegin(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+r2cclResult_t r2cclKvBegin(r2cclKvEngine_t handle, uint64_t id, int peer, uint32_t localPool,
                            uint32_t remotePool) {
-  return entry(engine, "r2cclKvBegin", [&] {
+  return entry(handle, "r2cclKvBegin", [&](KvState* engine) {
     return done(
         engine,
         engine->engine->begin(id, peer, localPool, remotePool).with_context("r2cclKvBegin"));
   });
 }
 
-r2cclResult_t r2cclKvAdd(r2cclKvEngine_t engine, uint64_t id, const r2cclKvSpan* span) {
-  return entry(engine, "r2cclKvAdd", [&] {
+r2cclResult_t r2cclKvAdd(r2cclKvEngine_t handle, uint64_t id, const r2cclKvSpan* span) {
+  return entry(handle, "r2cclKvAdd", [&](KvState* engine) {
     if (span == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvAdd: span is NULL");
     auto s = span_of(*span, 0);
     if (!s) return fail(engine, s.status().with_context("r2cclKvAdd"));
@@ -307,18 +326,18 @@ r2cclResult_t r2cclKvAdd(r2cclKvEngine_t engine, uint64_t id, const r2cclKvSpan*
   });
 }
 
-r2cclResult_t r2cclKvSeal(r2cclKvEngine_t engine, uint64_t id, const void* payload,
+r2cclResult_t r2cclKvSeal(r2cclKvEngine_t handle, uint64_t id, const void* payload,
                           size_t payloadBytes) {
-  return entry(engine, "r2cclKvSeal", [&] {
+  return entry(handle, "r2cclKvSeal", [&](KvState* engine) {
     auto p = payload_of(payload, payloadBytes);
     if (!p) return fail(engine, p.status().with_context("r2cclKvSeal"));
     return done(engine, engine->engine->seal(id, std::move(*p)).with_context("r2cclKvSeal"));
   });
 }
 
-r2cclResult_t r2cclKvPull(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_t localPool,
+r2cclResult_t r2cclKvPull(r2cclKvEngine_t handle, uint64_t id, int peer, uint32_t localPool,
                           uint32_t remotePool, const r2cclKvSpan* spans, size_t nspans) {
-  return entry(engine, "r2cclKvPull", [&] {
+  return entry(handle, "r2cclKvPull", [&](KvState* engine) {
     auto s = spans_of(spans, nspans);
     if (!s) return fail(engine, s.status().with_context("r2cclKvPull"));
     return done(
@@ -327,8 +346,8 @@ r2cclResult_t r2cclKvPull(r2cclKvEngine_t engine, uint64_t id, int peer, uint32_
   });
 }
 
-r2cclResult_t r2cclKvPoll(r2cclKvEngine_t engine, uint64_t id, r2cclKvState_t* state) {
-  return entry(engine, "r2cclKvPoll", [&] {
+r2cclResult_t r2cclKvPoll(r2cclKvEngine_t handle, uint64_t id, r2cclKvState_t* state) {
+  return entry(handle, "r2cclKvPoll", [&](KvState* engine) {
     if (state == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvPoll: state is NULL");
     auto st = engine->engine->status(id);
     if (!st) return fail(engine, st.status().with_context("r2cclKvPoll"));
@@ -336,9 +355,9 @@ r2cclResult_t r2cclKvPoll(r2cclKvEngine_t engine, uint64_t id, r2cclKvState_t* s
   });
 }
 
-r2cclResult_t r2cclKvWait(r2cclKvEngine_t engine, uint64_t id, int timeoutMs,
+r2cclResult_t r2cclKvWait(r2cclKvEngine_t handle, uint64_t id, int timeoutMs,
                           r2cclKvState_t* state) {
-  return entry(engine, "r2cclKvWait", [&] {
+  return entry(handle, "r2cclKvWait", [&](KvState* engine) {
     if (state == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvWait: state is NULL");
     if (timeoutMs < 0)
       return fail(engine, r2cclInvalidArgument,
@@ -352,15 +371,15 @@ r2cclResult_t r2cclKvWait(r2cclKvEngine_t engine, uint64_t id, int timeoutMs,
   });
 }
 
-r2cclResult_t r2cclKvCancel(r2cclKvEngine_t engine, uint64_t id) {
-  return entry(engine, "r2cclKvCancel", [&] {
+r2cclResult_t r2cclKvCancel(r2cclKvEngine_t handle, uint64_t id) {
+  return entry(handle, "r2cclKvCancel", [&](KvState* engine) {
     return done(engine, engine->engine->cancel(id).with_context("r2cclKvCancel"));
   });
 }
 
-r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification* note,
+r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t handle, r2cclKvNotification* note,
                                      void* payload, size_t payloadCapacity, int* got) {
-  return entry(engine, "r2cclKvGetNotification", [&] {
+  return entry(handle, "r2cclKvGetNotification", [&](KvState* engine) {
     if (note == nullptr || got == nullptr)
       return fail(engine, r2cclInvalidArgument, "r2cclKvGetNotification: note or got is NULL");
     if (payloadCapacity > 0 && payload == nullptr)
@@ -402,9 +421,9 @@ r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t engine, r2cclKvNotification
   });
 }
 
-r2cclResult_t r2cclKvGetInvalidBlocks(r2cclKvEngine_t engine, int peer, uint64_t request,
+r2cclResult_t r2cclKvGetInvalidBlocks(r2cclKvEngine_t handle, int peer, uint64_t request,
                                       uint32_t* blocks, size_t capacity, size_t* count) {
-  return entry(engine, "r2cclKvGetInvalidBlocks", [&] {
+  return entry(handle, "r2cclKvGetInvalidBlocks", [&](KvState* engine) {
     const char* what = "r2cclKvGetInvalidBlocks";
     if (count == nullptr)
       return fail(engine, r2cclInvalidArgument, fmt::format("{}: count is NULL", what));

@@ -32,7 +32,13 @@ using r2ccl::ErrorCode;
 using r2ccl::Status;
 namespace coll = r2ccl::coll;
 
+// The handle: a cell of the handle table, never reused (abi.h, HandleTable).
 struct r2cclComm {
+  std::uint64_t serial;
+};
+
+namespace {
+struct CommState {
   std::unique_ptr<coll::Communicator> comm;
 #if R2CCL_WITH_METRICS
   // R2CCL_METRICS_PORT: this rank's rail metrics for Prometheus (declared after `comm`, so that it
@@ -45,46 +51,15 @@ struct r2cclComm {
   r2ccl::capi::ErrorSlot errors;
 };
 
-namespace {
-
 using r2ccl::capi::to_result;
-using Held = std::shared_ptr<r2cclComm>;
+using Held = std::shared_ptr<CommState>;
 
-// Every live communicator, by the handle C callers hold. A call looks its handle up and holds a
-// reference for its duration, so that r2cclCommAbort or r2cclCommDestroy on another thread
-// frees the communicator only after the last call inside it returns, and a handle already
-// freed is refused rather than used.
-class Registry {
- public:
-  r2cclComm_t add(std::unique_ptr<r2cclComm> c) {
-    Held held(std::move(c));
-    r2cclComm* const handle = held.get();
-    std::lock_guard lock(mutex_);
-    live_.emplace(handle, std::move(held));
-    return handle;
-  }
-  Held find(const r2cclComm* c) {
-    std::lock_guard lock(mutex_);
-    const auto it = live_.find(c);
-    return it != live_.end() ? it->second : nullptr;
-  }
-  Held remove(const r2cclComm* c) {
-    std::lock_guard lock(mutex_);
-    const auto node = live_.extract(c);
-    return node.empty() ? nullptr : node.mapped();
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<const r2cclComm*, Held> live_;
-};
-
-// Never destroyed: communicators a program did not destroy are left to the process's exit, as
-// NCCL leaves them, rather than torn down by a static destructor while other threads run.
+// Every live communicator, by the handle C callers hold (abi.h): a handle already freed is
+// refused rather than used, even where a later communicator took its memory. Communicators a
+// program did not destroy are left to the process's exit, as NCCL leaves them.
+using Registry = r2ccl::capi::HandleTable<r2cclComm, CommState>;
 Registry& registry() {
-  alignas(Registry) static std::byte storage[sizeof(Registry)];
-  static Registry* const r = std::construct_at(reinterpret_cast<Registry*>(storage));
-  return *r;
+  return Registry::instance();
 }
 
 // r2cclGroupStart/End: per thread, over the one communicator used inside the group; whether the
@@ -93,12 +68,12 @@ thread_local int t_group_depth = 0;
 thread_local Held t_group_comm;
 thread_local bool t_group_device = false;
 
-r2cclResult_t fail(const r2cclComm* c, r2cclResult_t result, std::string message) {
-  return r2ccl::capi::fail(c != nullptr ? &const_cast<r2cclComm*>(c)->errors : nullptr, result,
+r2cclResult_t fail(const CommState* c, r2cclResult_t result, std::string message) {
+  return r2ccl::capi::fail(c != nullptr ? &const_cast<CommState*>(c)->errors : nullptr, result,
                            std::move(message));
 }
-r2cclResult_t fail(const r2cclComm* c, const Status& st) {
-  return r2ccl::capi::fail(c != nullptr ? &const_cast<r2cclComm*>(c)->errors : nullptr, st);
+r2cclResult_t fail(const CommState* c, const Status& st) {
+  return r2ccl::capi::fail(c != nullptr ? &const_cast<CommState*>(c)->errors : nullptr, st);
 }
 
 // An entry point on a communicator: the guard, the handle looked up and held while `body` runs.
@@ -117,7 +92,7 @@ r2cclResult_t with_comm(const r2cclComm* handle, const char* what, F&& body) noe
   });
 }
 
-Status usable(const r2cclComm& c, const char* what) {
+Status usable(const CommState& c, const char* what) {
   if (c.finalized.load())
     return {ErrorCode::kAborted,
             fmt::format("{}: the communicator was finalized or aborted", what)};
@@ -213,7 +188,7 @@ r2ccl::Result<std::string> listener_address(const r2ccl::Config& config) {
 
 // A made communicator, registered: the handle C callers get.
 r2cclComm_t adopt(std::unique_ptr<coll::Communicator> made) {
-  auto c = std::make_unique<r2cclComm>();
+  auto c = std::make_shared<CommState>();
   c->comm = std::move(made);
 #if R2CCL_WITH_METRICS
   c->metrics = r2ccl::mon::JobMetrics::start(c->comm->config(), c->comm->fabric());
@@ -239,7 +214,7 @@ r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
 
 // Where a call runs: -1 on host memory, else on the device of its buffers, with the
 // communicator's GPU side set up (the first such call does it on every rank).
-r2ccl::Result<int> placed(r2cclComm& c, std::initializer_list<const void*> buffers,
+r2ccl::Result<int> placed(CommState& c, std::initializer_list<const void*> buffers,
                           r2cclStream_t stream, const char* what) {
   R2CCL_ASSIGN_OR_RETURN(const int device, r2ccl::capi::buffers_device(buffers, stream, what));
   if (device >= 0) R2CCL_RETURN_IF_ERROR(c.device.bind(*c.comm, device, stream, what));
