@@ -352,3 +352,51 @@ def test_without_torch_r2ccl_imports_and_a_tensor_call_says_how_to_install_it(tm
     assert p.stdout.count("but PyTorch (torch) is not installed") == 2, p.stdout
     assert p.stdout.count("install it with `pip install torch`") == 2, p.stdout
     assert f"version {r2ccl.__version__}" in p.stdout, p.stdout
+
+
+def test_a_successful_call_does_not_fetch_the_error_text():
+    """The library's last-error text (a lock and a copy) is read only for a failed call."""
+    cs = comms(2)
+    lib = r2ccl._lib.library()
+    real, asked = lib.r2cclGetLastError, []
+
+    def counted(handle):
+        asked.append(handle)
+        return real(handle)
+
+    lib.r2cclGetLastError = counted
+    try:
+        each(cs, lambda r, c: c.all_reduce(torch.ones(16), torch.empty(16)))
+        assert asked == []
+    finally:
+        lib.r2cclGetLastError = real
+    close_all(cs)
+
+
+def test_the_library_is_loaded_once_whatever_the_threads(monkeypatch):
+    from r2ccl import _lib
+
+    made = []
+    real = _lib.Library
+
+    def slow_library():
+        time.sleep(0.05)  # widens the window two first calls share
+        lib = real()
+        made.append(lib)
+        return lib
+
+    monkeypatch.setattr(_lib, "_library", None)
+    monkeypatch.setattr(_lib, "Library", slow_library)
+    start = threading.Barrier(8)
+    got = []
+
+    def first_use():
+        start.wait(timeout=30)
+        got.append(_lib.library())
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(made) == 1 and len(got) == 8 and all(g is made[0] for g in got)

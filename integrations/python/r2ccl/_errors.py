@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from . import _lib
 
 
@@ -15,9 +17,10 @@ class R2cclError(RuntimeError):
         self.code_name = _lib.RESULT_NAMES.get(code, "") if code is not None else ""
 
 
-def raise_for(result: int, what: str, last_error: bytes | None) -> None:
+def raise_for(result: int, what: str, last_error: Callable[[], bytes | None]) -> None:
+    """Raises for a failed result; `last_error` (the library's text) is asked only then."""
     if result == _lib.SUCCESS:
         return
-    text = (last_error or b"").decode(errors="replace") or "no detail"
+    text = (last_error() or b"").decode(errors="replace") or "no detail"
     name = _lib.RESULT_NAMES.get(result, f"result {result}")
     raise R2cclError(f"r2ccl: {what} failed ({name}): {text}", result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import threading
 
 # The ABI these bindings follow: R2CCL_MAJOR.R2CCL_MINOR of r2ccl.h (the SONAME's version).
 ABI = (0, 1)
@@ -207,11 +208,15 @@ class Library:
 
 
 _library: Library | None = None
+_library_lock = threading.Lock()
 
 
 def library() -> Library:
-    """The loaded library (loaded on first use, so that importing r2ccl stays cheap)."""
+    """The loaded library (loaded on first use, so that importing r2ccl stays cheap; once, whatever
+    the threads)."""
     global _library
     if _library is None:
-        _library = Library()
+        with _library_lock:
+            if _library is None:
+                _library = Library()
     return _library

@@ -26,7 +26,7 @@ def get_unique_id() -> bytes:
     hand to every rank (r2cclGetUniqueId)."""
     lib = _lib.library()
     uid = _lib.UniqueId()
-    raise_for(lib.r2cclGetUniqueId(ctypes.byref(uid)), "get_unique_id", lib.r2cclGetLastError(None))
+    raise_for(lib.r2cclGetUniqueId(ctypes.byref(uid)), "get_unique_id", lambda: lib.r2cclGetLastError(None))
     return bytes(bytearray(uid.internal))
 
 
@@ -142,7 +142,7 @@ class Communicator:
     # ---- plumbing
 
     def _call(self, result: int, what: str, handle: int | None) -> None:
-        raise_for(result, what, self._lib.r2cclGetLastError(handle))
+        raise_for(result, what, lambda: self._lib.r2cclGetLastError(handle))
 
     def _live(self) -> int:
         if self._handle is None:

@@ -73,7 +73,7 @@ class KvEngine:
         raise_for(
             self._lib.r2cclKvEngineCreate(ctypes.byref(handle), name.encode() if name else None),
             "KvEngineCreate",
-            self._lib.r2cclKvGetLastError(None),
+            lambda: self._lib.r2cclKvGetLastError(None),
         )
         self._handle = handle.value
 
@@ -84,7 +84,7 @@ class KvEngine:
 
     def _call(self, what: str, fn, *args) -> None:
         handle = self._live()
-        raise_for(fn(handle, *args), what, self._lib.r2cclKvGetLastError(handle))
+        raise_for(fn(handle, *args), what, lambda: self._lib.r2cclKvGetLastError(handle))
 
     def register_pool(
         self,
@@ -185,7 +185,7 @@ class KvEngine:
         handle = self._live()
         result = self._lib.r2cclKvPoll(handle, request, ctypes.byref(state))
         if result != _lib.IN_PROGRESS:
-            raise_for(result, "KvPoll", self._lib.r2cclKvGetLastError(handle))
+            raise_for(result, "KvPoll", lambda: self._lib.r2cclKvGetLastError(handle))
         return _lib.KV_STATES[state.value]
 
     def wait(self, request: int, timeout: float = 60.0) -> str:
@@ -240,7 +240,7 @@ class KvEngine:
     def close(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
-            raise_for(self._lib.r2cclKvEngineDestroy(handle), "KvEngineDestroy", self._lib.r2cclKvGetLastError(None))
+            raise_for(self._lib.r2cclKvEngineDestroy(handle), "KvEngineDestroy", lambda: self._lib.r2cclKvGetLastError(None))
         self._pools.clear()
 
     def __enter__(self) -> KvEngine:
