@@ -186,6 +186,83 @@ TEST(Bootstrap, UnauthenticatedConnectionsAreBoundedAndDropped) {
   ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
 }
 
+// A raw TCP connection to rank 0's listener from `source` (an address of this host, 127.0.0.x on
+// loopback), retried while it starts; -1 if it never answers.
+int connect_from(const char* source, std::uint16_t port) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < until) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    inet_pton(AF_INET, source, &from.sin_addr);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof from) == 0 &&
+        ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0)
+      return fd;
+    ::close(fd);
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return -1;
+}
+
+// Whether rank 0 sent this connection its challenge (it holds the connection, waiting for the
+// hello) rather than closing it unanswered; waits up to 5 s for either.
+bool challenged(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  char buf[64];
+  return ::poll(&p, 1, 5000) > 0 && ::recv(fd, buf, sizeof buf, 0) > 0;
+}
+
+// One host cannot keep the ranks out of the rendezvous: it holds at most 16 connections that have
+// not said hello (the next ones are closed at once, unanswered), and a rank from another address
+// joins meanwhile, long before the 10 s hello deadline would free anything.
+TEST(Bootstrap, OneSourceHoldsAtMostSixteenSilentConnectionsAndARankStillJoins) {
+  const auto port = test::free_port();
+  auto f0 = join_async(options(0, 2, port, milliseconds(15000)));
+  std::vector<int> silent;
+  std::size_t held = 0;
+  for (int i = 0; i < 64; ++i) {
+    const int fd = connect_from("127.0.70.1", port);
+    ASSERT_GE(fd, 0);
+    silent.push_back(fd);
+    if (challenged(fd)) ++held;
+  }
+  EXPECT_EQ(held, 16u);
+  auto b1 = Bootstrap::join(options(1, 2, port, milliseconds(5000)), info_of(1));
+  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
+  auto b0 = f0.get();
+  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+  for (int fd : silent)
+    ::close(fd);
+}
+
+// Several hosts together hold at most 64 such connections: the next one, a rank's, sheds the
+// oldest instead of being turned away.
+TEST(Bootstrap, PastSixtyFourSilentConnectionsTheOldestIsShedAndARankJoins) {
+  const auto port = test::free_port();
+  auto f0 = join_async(options(0, 2, port, milliseconds(15000)));
+  std::vector<int> silent;
+  for (int source = 1; source <= 4; ++source) {
+    const std::string from = "127.0.71." + std::to_string(source);
+    for (int i = 0; i < 16; ++i) {
+      const int fd = connect_from(from.c_str(), port);
+      ASSERT_GE(fd, 0);
+      silent.push_back(fd);
+      ASSERT_TRUE(challenged(fd)) << from;
+    }
+  }
+  auto b1 = Bootstrap::join(options(1, 2, port, milliseconds(5000)), info_of(1));
+  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
+  auto b0 = f0.get();
+  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+  EXPECT_TRUE(closed_within(silent.front(), milliseconds(3000)));  // the oldest was shed
+  for (int fd : silent)
+    ::close(fd);
+}
+
 // A job on an address outside loopback does not start without a token, unless told to by name.
 TEST(Bootstrap, NoTokenOutsideLoopbackIsRefusedUnlessTheUserOptsOut) {
   std::map<std::string, std::string> vars{

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "bootstrap/frames.h"
+#include "common/pending_hellos.h"
 #include "core/crypto.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
@@ -35,6 +36,13 @@ std::span<const std::uint8_t> u8span(std::string_view s) {
 }
 std::span<const std::uint8_t> u8span(std::span<const std::byte> b) {
   return {reinterpret_cast<const std::uint8_t*>(b.data()), b.size()};
+}
+
+// The peer's IP address, without the port ("?" when unknown).
+std::string source_address(const tcp::socket& s) {
+  boost::system::error_code ec;
+  auto ep = s.remote_endpoint(ec);
+  return ec ? std::string("?") : ep.address().to_string();
 }
 
 std::string endpoint_text(const tcp::socket& s) {
@@ -91,11 +99,14 @@ class BootstrapRoot {
   const HostPort& address() const { return bound_; }
 
  private:
-  // Before its hello is accepted, a connection may send at most this much, must say hello within
-  // kHelloDeadline, and at most kMaxUnauthenticated such connections are kept.
+  // Before its hello is accepted, a connection may send at most this much and must say hello
+  // within kHelloDeadline. At most kMaxUnauthenticated such connections are kept, of them at most
+  // kMaxUnauthenticatedPerSource from one source address (the next one from there is refused at
+  // once, so one host cannot keep the ranks out); past kMaxUnauthenticated the oldest is shed.
   static constexpr std::size_t kMaxHelloFrame = 4096;
   static constexpr milliseconds kHelloDeadline{10000};
   static constexpr std::size_t kMaxUnauthenticated = 64;
+  static constexpr std::size_t kMaxUnauthenticatedPerSource = 16;
 
   struct Session {
     explicit Session(asio::io_context& io) : socket(io), hello_timer(io) {}
@@ -156,16 +167,17 @@ class BootstrapRoot {
       boost::system::error_code nd;
       session->socket.set_option(tcp::no_delay(true), nd);
       session->peer = endpoint_text(session->socket);
-      const auto unauthenticated = std::count_if(sessions_.begin(), sessions_.end(),
-                                                 [](const SessionPtr& s) { return s->rank < 0; });
-      if (static_cast<std::size_t>(unauthenticated) >= kMaxUnauthenticated) {
-        R2CCL_WARN_LIMITED(
-            "bootstrap root: dropped a connection from {}: {} connections have not said "
-            "hello yet",
-            session->peer, unauthenticated);
+      auto admitted = pending_.admit(session, source_address(session->socket));
+      if (!admitted) {
+        R2CCL_WARN_LIMITED("bootstrap root: dropped a connection from {}: {}", session->peer,
+                           admitted.status().message());
         boost::system::error_code e;
         session->socket.close(e);
         return accept();
+      }
+      if (const SessionPtr& shed = *admitted) {
+        R2CCL_WARN_LIMITED("bootstrap root: dropped {}: {}", shed->peer, pending_.shed_reason());
+        drop(shed);
       }
       sessions_.push_back(session);
       session->hello_timer.expires_after(kHelloDeadline);
@@ -243,6 +255,7 @@ class BootstrapRoot {
   }
   void drop(const SessionPtr& s) {
     boost::system::error_code ec;
+    pending_.settle(s.get());
     s->hello_timer.cancel();
     s->socket.close(ec);
     std::erase(sessions_, s);
@@ -313,6 +326,7 @@ class BootstrapRoot {
       return;
     }
     s->rank = rank;
+    pending_.settle(s.get());
     s->hello_timer.cancel();
     slot = s;
     info_.resize(static_cast<std::size_t>(nranks_));
@@ -375,6 +389,10 @@ class BootstrapRoot {
     if (!s->socket.is_open()) return;
     boost::system::error_code ec;
     s->socket.close(ec);
+    // Its hello timer would otherwise hold the root's thread (and so rank 0's shutdown) until it
+    // expires: the destructor cancels only the sessions still listed.
+    s->hello_timer.cancel();
+    pending_.settle(s.get());
     std::erase(sessions_, s);
     if (s->rank < 0) return;
     auto& slot = by_rank_[static_cast<std::size_t>(s->rank)];
@@ -423,6 +441,8 @@ class BootstrapRoot {
   int nranks_;
   milliseconds timeout_;
   std::vector<SessionPtr> sessions_;
+  // The sessions that have not said a valid hello yet, bounded per source and in all.
+  PendingHellos<Session> pending_{kMaxUnauthenticatedPerSource, kMaxUnauthenticated};
   std::vector<SessionPtr> by_rank_;
   std::vector<Bytes> info_;
   int joined_ = 0;
