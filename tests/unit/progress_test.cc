@@ -104,6 +104,27 @@ TEST(Progress, CallRunsInlineInsideTheLoopAndFromOutside) {
   EXPECT_TRUE(refused);
 }
 
+TEST(Progress, CallAfterOrDuringStopRunsOnTheCallerInsteadOfHanging) {
+  ProgressEngine e;
+  std::atomic<int> ran{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t)
+    callers.emplace_back([&] {
+      while (!go.load())
+        std::this_thread::yield();
+      for (int i = 0; i < 200; ++i)
+        if (e.call([&] { return e.in_loop(); })) ran.fetch_add(1);
+    });
+  go.store(true);
+  std::this_thread::sleep_for(2ms);
+  e.stop();
+  for (auto& t : callers)
+    t.join();
+  EXPECT_EQ(ran.load(), 800);  // every call ran once, as if on the loop
+  EXPECT_EQ(e.call([] { return 7; }), 7);
+}
+
 TEST(Progress, OneThreadRunsTheLoopAtATimeAmongManyWaiters) {
   ProgressEngine e;
   constexpr int kThreads = 4;

@@ -44,6 +44,8 @@ void guarded(F&& f) {
     f();
   } catch (const std::exception& e) {
     R2CCL_ERROR("progress engine: handler threw: {}", e.what());
+  } catch (...) {
+    R2CCL_ERROR("progress engine: handler threw something that is not a std::exception");
   }
 }
 }  // namespace
@@ -180,6 +182,12 @@ void ProgressEngine::wait_for(const std::function<bool()>& done) {
     if (!drive_until(done, Clock::now() + std::chrono::milliseconds(100)))
       std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+}
+
+void ProgressEngine::run_stopped(const std::function<void()>& fn) {
+  std::lock_guard loop(loop_mutex_);
+  RunningHere here(this);
+  guarded(fn);
 }
 
 void ProgressEngine::stop() {

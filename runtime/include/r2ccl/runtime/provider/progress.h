@@ -62,18 +62,38 @@ class ProgressEngine {
   // about to block: for work worth batching with whatever the next handlers produce. Only from
   // the loop.
   void when_idle(std::function<void()> fn) { idle_.push_back(std::move(fn)); }
-  // Runs f on the loop and waits for its result (runs inline when already there).
+  // Runs f on the loop and waits for its result (runs inline when already there). Once the
+  // engine has stopped, nothing runs the loop any more: f then runs on the calling thread, holding
+  // the loop as a handler would (so a call racing stop() neither hangs nor runs f twice).
   template <typename F>
   auto call(F&& f) -> decltype(f()) {
+    using R = decltype(f());
     if (in_loop()) return f();
-    std::packaged_task<decltype(f())()> task(std::forward<F>(f));
-    auto fut = task.get_future();
-    std::atomic<bool> ran{false};
-    boost::asio::post(io_, [&task, &ran] {
-      task();
-      ran.store(true, std::memory_order_release);
-    });
-    wait_for([&] { return ran.load(std::memory_order_acquire); });
+    struct Call {
+      explicit Call(F&& fn) : task(std::forward<F>(fn)) {}
+      std::packaged_task<R()> task;
+      std::atomic<bool> claimed{false};  // whoever sets it runs the task
+      std::atomic<bool> ran{false};
+    };
+    auto c = std::make_shared<Call>(std::forward<F>(f));
+    auto fut = c->task.get_future();
+    if (!stopping_.load()) {
+      boost::asio::post(io_, [c] {
+        if (c->claimed.exchange(true)) return;
+        c->task();
+        c->ran.store(true, std::memory_order_release);
+      });
+      wait_for([&] { return c->ran.load(std::memory_order_acquire); });
+    }
+    if (!c->ran.load(std::memory_order_acquire)) {
+      if (!c->claimed.exchange(true)) {
+        run_stopped([&] { c->task(); });
+      } else {
+        // The loop's last handler is running it now: it finishes.
+        while (!c->ran.load(std::memory_order_acquire))
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
     return fut.get();
   }
   // Runs the loop on the calling thread until done() holds or `until` passes, unless another
@@ -88,6 +108,8 @@ class ProgressEngine {
   // and no submitted work is queued; false (nothing run) otherwise.
   bool run_here_if_free(void (*fn)(void*), void* arg);
 
+  // call()'s work once the engine stopped: on the calling thread, with the loop held.
+  void run_stopped(const std::function<void()>& fn);
   // Drives the loop until done(), or sleeps a little while another caller drives it.
   void wait_for(const std::function<bool()>& done);
   void thread_main();
