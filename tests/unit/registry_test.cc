@@ -36,6 +36,28 @@ TEST(Registry, RegistersOnEveryRailWithDistinctKeys) {
   EXPECT_EQ(twice.message(), "no registered region with id " + std::to_string((*ra)->id));
 }
 
+TEST(Registry, ADeviceThatFailsDoesNotKeepTheOthersRegistered) {
+  ProgressEngine engine;
+  auto p = make_tcp_provider(
+      engine, {{"127.0.0.44", "127.0.0.44", -1, "", ""}, {"127.0.0.45", "127.0.0.45", -1, "", ""}},
+      {});
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  MemoryRegistry reg(**p);
+  std::vector<std::byte> a(4096);
+  auto r = reg.register_region(a.data(), a.size(), MemoryAccess::kRemoteWrite);
+  ASSERT_TRUE(r.is_ok());
+  const auto keys = (*r)->keys;
+  // The first device no longer knows its key: deregistering the region fails there...
+  ASSERT_TRUE((*p)->deregister_memory(0, keys[0]).is_ok());
+  const Status st = reg.deregister_region((*r)->id);
+  EXPECT_EQ(st.code(), ErrorCode::kNotFound);
+  EXPECT_NE(st.message().find("is not registered on 127.0.0.44"), std::string::npos)
+      << st.message();
+  // ...and the second device's key is gone all the same.
+  EXPECT_EQ((*p)->deregister_memory(1, keys[1]).code(), ErrorCode::kNotFound);
+  EXPECT_EQ(reg.size(), 0u);
+}
+
 TEST(Registry, RefusesANullBuffer) {
   ProgressEngine engine;
   auto p = make_tcp_provider(engine, {{"127.0.0.43", "127.0.0.43", -1, "", ""}}, {});

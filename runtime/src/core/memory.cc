@@ -73,9 +73,13 @@ Status MemoryRegistry::deregister_region(std::uint64_t id) {
     region = it->second;
     regions_.erase(it);
   }
+  // Every device, whatever one of them says: a key left registered would keep the memory
+  // remote-writable after the caller frees it. The first failure is the one reported.
+  Status first = Status::ok();
   for (std::size_t d = 0; d < region->keys.size(); ++d)
-    R2CCL_RETURN_IF_ERROR(provider_.deregister_memory(d, region->keys[d]));
-  return Status::ok();
+    if (Status st = provider_.deregister_memory(d, region->keys[d]); !st && first.is_ok())
+      first = st;
+  return first;
 }
 
 std::size_t MemoryRegistry::size() const {
