@@ -406,6 +406,11 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
       d.in_place = b.send && b.send == b.recv;
       break;
   }
+  // R2CCL_CHECK first: ranks that disagree on the call may also disagree on whether degraded
+  // mode's agreement runs, and then its exchange would fail without saying why. The header
+  // carries the algorithm each rank was asked for; the one it then picks follows from the call
+  // and the agreed network alike on every rank.
+  if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d, requested_algo_));
   Algo algo = Algo::kAuto;
   const bool agreed = agrees(d);
   if (agreed) {
@@ -414,7 +419,6 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   } else {
     algo = auto_algo(d);
   }
-  if (config().check) R2CCL_RETURN_IF_ERROR(check_agreement(d, algo));
   if (d.count == 0 && d.op != CollOp::kBarrier) return Status::ok();
   const auto same_net = [](const Network& x, const Network& y) {
     return x.bandwidth == y.bandwidth && x.rails_up == y.rails_up && x.latency_s == y.latency_s;

@@ -224,6 +224,23 @@ TEST(Communicator, CheckFailsEveryRankOnAMismatchAndStaysUsable) {
   });
 }
 
+TEST(Communicator, CheckNamesAMismatchAcrossTheDegradedModeThreshold) {
+  // Ranks 0 and 1 reach degraded mode's agreement (4000 bytes), rank 2 not (400): the check's
+  // diagnosis, not a failed agreement exchange.
+  auto comms = test::make_comms(3, {{"R2CCL_CHECK", "1"}, {"R2CCL_DEGRADED_MIN_BYTES", "1K"}});
+  ASSERT_EQ(comms.size(), 3u);
+  test::on_all(comms, [](int r, Communicator& c) {
+    std::vector<float> a(1000, 1.0f), b(1000, 0.0f);
+    Status st = c.all_reduce(a.data(), b.data(), r == 2 ? 100 : 1000, DataType::kF32, RedOp::kSum);
+    EXPECT_EQ(st.message(),
+              "mismatched collective (R2CCL_CHECK=1): rank 0 called allreduce(count 1000, float, "
+              "sum) but rank 2 called allreduce(count 100, float, sum)");
+    ASSERT_TRUE(c.all_reduce(a.data(), b.data(), 1000, DataType::kF32, RedOp::kSum).is_ok());
+    for (float x : b)
+      EXPECT_EQ(x, 3.0f);
+  });
+}
+
 TEST(Communicator, WithoutCheckASizeMismatchFailsInsteadOfHanging) {
   auto comms = test::make_comms(2, {{"R2CCL_TIMEOUT", "3s"}, {"R2CCL_ALGO", "ring"}});
   ASSERT_EQ(comms.size(), 2u);
