@@ -1,6 +1,7 @@
 // The bootstrap's parsers, each fed the input: the frame header, and every frame payload the root
 // reads from a connection (hello, all-gather, send) or a rank reads from the root (welcome,
-// all-gather result, relayed message, peer-left notice, error), and the unique id.
+// all-gather result, relayed message, peer-left notice, error), the direct path's messages (from
+// a rank over the rails), and the unique id.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -45,9 +46,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (void)coll_result_seq(in);
       break;
     }
-    case 6:
-      (void)parse_relayed(in);
+    case 6: {
+      // A relayed message's sequence number and body; the direct path's messages.
+      if (auto m = parse_relayed(in)) {
+        auto q = parse_sequenced(m->message);
+        if (q && (q->seq == 0 || q->message.size() + 8 != m->message.size())) __builtin_trap();
+      }
+      auto d = parse_direct(in);
+      if (d && (d->seq == 0 || d->body.size() + 9 != in.size())) __builtin_trap();
       break;
+    }
     case 7: {
       auto p = parse_peer_left(in);
       if (p && p->why.size() > 4096) __builtin_trap();

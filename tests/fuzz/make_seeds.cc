@@ -57,7 +57,10 @@ void bootstrap() {
   seed("fuzz_bootstrap", "welcome", with_selector(24, welcome.take()));
   seed("fuzz_bootstrap", "coll_result",
        with_selector(25, ByteWriter().u64(1).u32(2).blob(text("a")).blob(text("b")).take()));
-  seed("fuzz_bootstrap", "deliver", with_selector(6, ByteWriter().u32(1).blob(text("m")).take()));
+  seed("fuzz_bootstrap", "deliver",
+       with_selector(6, ByteWriter().u32(1).blob(encode_sequenced(1, text("m"))).take()));
+  seed("fuzz_bootstrap", "direct",
+       with_selector(6, encode_direct(DirectKind::kContribution, 2, text("blob"))));
   seed("fuzz_bootstrap", "peer_left",
        with_selector(7, ByteWriter().u32(1).str("rank 1 left").take()));
   seed("fuzz_bootstrap", "error", with_selector(8, ByteWriter().str("refused").take()));

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "bootstrap/frames.h"
+#include "bootstrap/inbox.h"
 #include "common/pending_hellos.h"
 #include "core/crypto.h"
 #include "progress/asio.h"
@@ -636,15 +637,37 @@ struct Bootstrap::Reader {
   std::thread thread;
   std::mutex mutex;  // guards the fields below
   std::condition_variable cv;
-  std::map<std::uint64_t, Bytes> results;  // all-gather results by sequence number
+  std::map<std::uint64_t, Bytes> results;  // rank 0's answers to unfinished all-gathers
   std::map<int, std::string> left;         // ranks that left the control path, and why
   std::string failure;                     // the connection to rank 0 is gone
+  // All-gathers by sequence number: those this rank started and has not finished, the last
+  // kKeepFinished it finished (a rank that went direct late still gets this rank's blob), and
+  // the next one, when a rank's blob for it came on the direct path before this rank started it
+  // (no rank can be further ahead: it would need this rank's blob for the one before).
+  struct Gather {
+    bool started = false;
+    bool finished = false;
+    bool went_direct = false;
+    Bytes mine;
+    std::vector<std::optional<Bytes>> direct;  // every rank's blob that came on the direct path
+    std::vector<bool> sent;                    // the ranks this rank's blob went to directly
+  };
+  std::map<std::uint64_t, Gather> gathers;
+  static constexpr std::size_t kKeepFinished = 4;
+  // The last all-gather went direct (or a rank sent its blob directly): the next ones go direct
+  // at once. Any answer from rank 0, even a late one, clears it.
+  bool direct_mode = false;
   std::mutex write_mutex;
-  std::mutex handler_mutex;  // held while a handler runs
+  std::mutex handler_mutex;  // held while a handler runs; guards `early` and `inboxes`
   MessageHandler on_message;
   PeerLeftHandler on_peer_left;
   std::deque<std::pair<int, Bytes>> early;  // messages before a handler was set
   static constexpr std::size_t kMaxEarlyMessages = 65536;
+  std::vector<bootstrap_wire::InOrderInbox> inboxes;  // control messages, by source rank
+  std::mutex send_mutex;               // orders send_to's sequence numbers and copies
+  std::vector<std::uint64_t> sent_to;  // the last sequence number sent, by destination
+  std::mutex direct_mutex;             // held while the direct path is called
+  DirectPath direct;
 };
 
 Bootstrap::Bootstrap() = default;
@@ -702,6 +725,8 @@ void Bootstrap::start_reader() {
   conn_->socket.non_blocking(false, ec);
   conn_->socket.native_non_blocking(false, ec);
   reader_ = std::make_unique<Reader>();
+  reader_->inboxes.resize(static_cast<std::size_t>(nranks_));
+  reader_->sent_to.assign(static_cast<std::size_t>(nranks_), 0);
   reader_->thread = std::thread([this] {
     try {
       reader_loop();
@@ -746,7 +771,11 @@ void Bootstrap::reader_loop() {
           return fail("rank 0 sent the result of an all-gather this rank never started");
         {
           std::lock_guard lock(rd.mutex);
-          rd.results[*seq] = std::move(payload);
+          rd.direct_mode = false;  // rank 0 answers again
+          // A late answer to one that completed on the direct path is dropped.
+          auto g = rd.gathers.find(*seq);
+          if (g != rd.gathers.end() && g->second.started && !g->second.finished)
+            rd.results[*seq] = std::move(payload);
         }
         rd.cv.notify_all();
         break;
@@ -754,16 +783,21 @@ void Bootstrap::reader_loop() {
       case FrameType::kDeliver: {
         auto d = parse_relayed(payload);
         if (!d) return fail(d.status().message());
+        if (d->rank >= static_cast<std::uint32_t>(nranks_))
+          return fail(
+              fmt::format("rank 0 relayed a control message from rank {} of {}", d->rank, nranks_));
+        auto m = parse_sequenced(d->message);
+        if (!m) return fail(m.status().message());
+        const int src = static_cast<int>(d->rank);
         std::lock_guard hl(rd.handler_mutex);
-        if (rd.on_message) {
-          rd.on_message(static_cast<int>(d->rank), std::move(d->message));
-        } else {
-          if (rd.early.size() >= Reader::kMaxEarlyMessages)
-            return fail(
-                fmt::format("more than {} control messages arrived before this rank set a handler",
-                            Reader::kMaxEarlyMessages));
-          rd.early.emplace_back(static_cast<int>(d->rank), std::move(d->message));
-        }
+        bool kept = true;
+        rd.inboxes[d->rank].accept(m->seq, std::move(m->message), [&](Bytes msg) {
+          kept = dispatch(src, std::move(msg)) && kept;
+        });
+        if (!kept)
+          return fail(
+              fmt::format("more than {} control messages arrived before this rank set a handler",
+                          Reader::kMaxEarlyMessages));
         break;
       }
       case FrameType::kPeerLeft: {
@@ -810,17 +844,130 @@ void Bootstrap::set_handlers(MessageHandler on_message, PeerLeftHandler on_peer_
       rd.on_peer_left(who, why);
 }
 
+bool Bootstrap::dispatch(int src, Bytes message) {
+  Reader& rd = *reader_;
+  if (rd.on_message) {
+    rd.on_message(src, std::move(message));
+    return true;
+  }
+  if (rd.early.size() >= Reader::kMaxEarlyMessages) return false;
+  rd.early.emplace_back(src, std::move(message));
+  return true;
+}
+
+void Bootstrap::set_direct_path(DirectPath send) {
+  std::lock_guard lock(reader_->direct_mutex);
+  reader_->direct = std::move(send);
+}
+
+bool Bootstrap::has_direct_path() {
+  std::lock_guard lock(reader_->direct_mutex);
+  return static_cast<bool>(reader_->direct);
+}
+
+Status Bootstrap::send_direct(int rank, Bytes message) {
+  std::lock_guard lock(reader_->direct_mutex);
+  if (!reader_->direct) return {ErrorCode::kUnavailable, "no direct control path"};
+  Status st;
+  try {
+    st = reader_->direct(rank, std::move(message));
+  } catch (const std::exception& e) {
+    st = Status(ErrorCode::kInternal, e.what());
+  }
+  if (!st)
+    R2CCL_WARN_LIMITED("bootstrap: a control message to rank {} did not take the direct path: {}",
+                       rank, st.message());
+  return st;
+}
+
 Status Bootstrap::send_to(int rank, std::span<const std::byte> message) {
   if (rank < 0 || rank >= nranks_)
     return {ErrorCode::kInvalidArgument,
             fmt::format("control message to rank {} of {}", rank, nranks_)};
-  Bytes f = frame(FrameType::kSend,
-                  ByteWriter().u32(static_cast<std::uint32_t>(rank)).blob(message).take());
-  std::lock_guard lock(reader_->write_mutex);
-  if (!write_all(conn_->socket.native_handle(), f.data(), f.size()))
+  Reader& rd = *reader_;
+  std::lock_guard order(rd.send_mutex);
+  const auto seq = rd.sent_to[static_cast<std::size_t>(rank)] + 1;
+  // The direct copy first: it does not wait for anything.
+  const bool direct = rank != rank_ && has_direct_path() &&
+                      send_direct(rank, encode_direct(DirectKind::kMessage, seq, message)).is_ok();
+  Bytes f = frame(FrameType::kSend, ByteWriter()
+                                        .u32(static_cast<std::uint32_t>(rank))
+                                        .blob(encode_sequenced(seq, message))
+                                        .take());
+  bool relayed = false;
+  {
+    std::lock_guard lock(rd.write_mutex);
+    relayed = write_all(conn_->socket.native_handle(), f.data(), f.size());
+  }
+  // A number neither path took is used again, so that the receiver never waits for it.
+  if (!direct && !relayed)
     return {ErrorCode::kNetwork,
-            "lost the control connection to rank 0 (closed, or it took nothing for 10s)"};
+            "lost the control connection to rank 0 (closed, or it took nothing for 10s), and no "
+            "direct path took the message"};
+  rd.sent_to[static_cast<std::size_t>(rank)] = seq;
   return Status::ok();
+}
+
+void Bootstrap::on_direct_message(int src, std::span<const std::byte> message) {
+  Reader& rd = *reader_;
+  if (src < 0 || src >= nranks_ || src == rank_) {
+    R2CCL_WARN_LIMITED("bootstrap: a direct control message from rank {} (of {}, this is {})", src,
+                       nranks_, rank_);
+    return;
+  }
+  auto d = parse_direct(message);
+  if (!d) {
+    R2CCL_WARN_LIMITED("bootstrap: rank {} sent a malformed direct control message: {}", src,
+                       d.status().message());
+    return;
+  }
+  if (d->kind == DirectKind::kMessage) {
+    std::lock_guard hl(rd.handler_mutex);
+    const auto seq = d->seq;
+    const auto outcome =
+        rd.inboxes[static_cast<std::size_t>(src)].accept(seq, std::move(d->body), [&](Bytes msg) {
+          if (!dispatch(src, std::move(msg)))
+            R2CCL_WARN_LIMITED(
+                "bootstrap: dropped a control message from rank {}: more than {} wait for a "
+                "handler",
+                src, Reader::kMaxEarlyMessages);
+        });
+    if (outcome == InOrderInbox::Outcome::kDropped)
+      R2CCL_DEBUG("bootstrap: control message #{} from rank {} waits for its copy through rank 0",
+                  seq, src);
+    return;
+  }
+  Bytes reply;
+  {
+    std::lock_guard lock(rd.mutex);
+    const auto started = coll_seq_.load();
+    if (d->seq > started + 1) {
+      R2CCL_WARN_LIMITED(
+          "bootstrap: rank {} sent its blob for all-gather #{}, but this rank started only #{}: "
+          "dropped",
+          src, d->seq, started);
+      return;
+    }
+    auto it = rd.gathers.find(d->seq);
+    if (it == rd.gathers.end()) {
+      if (d->seq <= started) return;  // finished long ago
+      it = rd.gathers.emplace(d->seq, Reader::Gather{}).first;
+    }
+    Reader::Gather& g = it->second;
+    if (g.direct.empty()) {
+      g.direct.resize(static_cast<std::size_t>(nranks_));
+      g.sent.assign(static_cast<std::size_t>(nranks_), false);
+    }
+    auto& slot = g.direct[static_cast<std::size_t>(src)];
+    if (!slot) slot = std::move(d->body);
+    rd.direct_mode = true;  // that rank does not hear rank 0 in time
+    if (g.started && !g.sent[static_cast<std::size_t>(src)]) {
+      g.sent[static_cast<std::size_t>(src)] = true;
+      reply = encode_direct(DirectKind::kContribution, d->seq, g.mine);
+    }
+  }
+  rd.cv.notify_all();
+  if (!reply.empty()) (void)send_direct(src, std::move(reply));
 }
 
 Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
@@ -951,39 +1098,126 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
 
 Result<std::vector<Bytes>> Bootstrap::allgather(std::span<const std::byte> mine,
                                                 std::chrono::milliseconds timeout) {
-  const auto seq = ++coll_seq_;
+  Reader& rd = *reader_;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  std::uint64_t seq = 0;
+  bool direct_now = false;
+  {
+    std::lock_guard lock(rd.mutex);
+    seq = ++coll_seq_;
+    Reader::Gather& g = rd.gathers[seq];
+    if (g.direct.empty()) {
+      g.direct.resize(static_cast<std::size_t>(nranks_));
+      g.sent.assign(static_cast<std::size_t>(nranks_), false);
+    }
+    g.started = true;
+    g.mine.assign(mine.begin(), mine.end());
+    g.direct[static_cast<std::size_t>(rank_)] = g.mine;
+    // Direct at once when the last one needed it, or when a rank already sent its blob directly.
+    direct_now = rd.direct_mode;
+  }
+  const bool can_go_direct = nranks_ > 1 && has_direct_path();
+  // Whatever happens, this all-gather ends finished; the oldest finished ones are forgotten.
+  auto finish = [&] {
+    std::lock_guard lock(rd.mutex);
+    rd.results.erase(seq);
+    rd.gathers[seq].finished = true;
+    std::size_t done = 0;
+    for (auto it = rd.gathers.rbegin(); it != rd.gathers.rend(); ++it)
+      done += it->second.finished ? 1 : 0;
+    for (auto it = rd.gathers.begin(); it != rd.gathers.end() && done > Reader::kKeepFinished;) {
+      if (it->second.finished) {
+        it = rd.gathers.erase(it);
+        --done;
+      } else {
+        ++it;
+      }
+    }
+  };
   Bytes f = frame(FrameType::kColl, ByteWriter().u64(seq).blob(mine).take());
+  bool relayed = false;
   {
     std::lock_guard lock(reader_->write_mutex);
-    if (!write_all(conn_->socket.native_handle(), f.data(), f.size()))
-      return Status(ErrorCode::kNetwork, "lost the control connection to rank 0");
+    relayed = write_all(conn_->socket.native_handle(), f.data(), f.size());
   }
-  Reader& rd = *reader_;
+  if (!relayed && !can_go_direct) {
+    finish();
+    return Status(ErrorCode::kNetwork, "lost the control connection to rank 0");
+  }
+  const auto direct_at = direct_now || !relayed ? start : start + kDirectAfter;
   std::unique_lock lock(rd.mutex);
-  const bool ready = rd.cv.wait_for(lock, timeout, [&] {
-    return rd.results.count(seq) != 0 || !rd.failure.empty() || !rd.left.empty();
-  });
-  auto it = rd.results.find(seq);
-  if (it == rd.results.end()) {
-    if (!rd.failure.empty()) return Status(ErrorCode::kNetwork, rd.failure);
-    if (!rd.left.empty())
-      return Status(ErrorCode::kAborted,
-                    fmt::format("control-path all-gather #{} cannot complete: {}", seq,
-                                rd.left.begin()->second));
-    (void)ready;
-    return Status(
-        ErrorCode::kTimeout,
-        fmt::format(
-            "timed out after {}ms waiting for the other ranks in control-path all-gather #{}",
-            timeout.count(), seq));
+  Result<std::vector<Bytes>> out = Status(ErrorCode::kInternal, "no result");
+  while (true) {
+    Reader::Gather& g = rd.gathers[seq];
+    if (auto it = rd.results.find(seq); it != rd.results.end()) {
+      out = parse_coll_result(it->second, nranks_);
+      if (!out)
+        out = Status(ErrorCode::kProtocol,
+                     fmt::format("control-path all-gather #{}: {}", seq, out.status().message()));
+      break;
+    }
+    const auto now = Clock::now();
+    const bool root_gone = !rd.failure.empty();
+    // A rank that sent its blob directly waits for this rank's there too.
+    bool asked = false;
+    for (int r = 0; r < nranks_; ++r)
+      asked = asked || (r != rank_ && g.direct[static_cast<std::size_t>(r)].has_value());
+    if (can_go_direct && !g.went_direct && (now >= direct_at || root_gone || asked)) {
+      // Rank 0 is silent: this rank's blob goes to every rank that has not had it directly.
+      g.went_direct = true;
+      rd.direct_mode = true;
+      std::vector<int> to;
+      for (int r = 0; r < nranks_; ++r)
+        if (r != rank_ && !g.sent[static_cast<std::size_t>(r)]) {
+          g.sent[static_cast<std::size_t>(r)] = true;
+          to.push_back(r);
+        }
+      const Bytes blob = encode_direct(DirectKind::kContribution, seq, g.mine);
+      R2CCL_DEBUG("bootstrap: all-gather #{} goes direct to {} rank(s)", seq, to.size());
+      lock.unlock();
+      for (int r : to)
+        (void)send_direct(r, blob);
+      lock.lock();
+      continue;
+    }
+    if (std::all_of(g.direct.begin(), g.direct.end(),
+                    [](const auto& b) { return b.has_value(); })) {
+      std::vector<Bytes> all;
+      all.reserve(g.direct.size());
+      for (const auto& b : g.direct)
+        all.push_back(*b);
+      out = std::move(all);
+      break;
+    }
+    if (!rd.left.empty()) {
+      out =
+          Status(ErrorCode::kAborted, fmt::format("control-path all-gather #{} cannot complete: {}",
+                                                  seq, rd.left.begin()->second));
+      break;
+    }
+    if (root_gone && !can_go_direct) {
+      out = Status(ErrorCode::kNetwork, rd.failure);
+      break;
+    }
+    if (now >= deadline) {
+      out = Status(
+          ErrorCode::kTimeout,
+          fmt::format(
+              "timed out after {}ms waiting for the other ranks in control-path all-gather "
+              "#{} ({}; its blob came directly from {} of {} ranks)",
+              timeout.count(), seq,
+              g.went_direct ? "rank 0 did not answer, and it went direct" : "rank 0 did not answer",
+              std::count_if(g.direct.begin(), g.direct.end(),
+                            [](const auto& b) { return b.has_value(); }),
+              nranks_));
+      break;
+    }
+    rd.cv.wait_until(lock,
+                     can_go_direct && !g.went_direct ? std::min(deadline, direct_at) : deadline);
   }
-  Bytes payload = std::move(it->second);
-  rd.results.erase(it);
   lock.unlock();
-  auto out = parse_coll_result(payload, nranks_);
-  if (!out)
-    return Status(ErrorCode::kProtocol,
-                  fmt::format("control-path all-gather #{}: {}", seq, out.status().message()));
+  finish();
   return out;
 }
 

@@ -93,6 +93,48 @@ Result<Relayed> parse_relayed(std::span<const std::byte> payload) {
   return m;
 }
 
+Result<Sequenced> parse_sequenced(std::span<const std::byte> payload) {
+  ByteReader r(payload);
+  Sequenced m;
+  m.seq = r.u64();
+  if (!r.ok() || m.seq == 0)
+    return Status(ErrorCode::kProtocol,
+                  "malformed control message: no sequence number (or sequence number 0)");
+  m.message.assign(payload.begin() + 8, payload.end());
+  return m;
+}
+
+Bytes encode_sequenced(std::uint64_t seq, std::span<const std::byte> message) {
+  return ByteWriter(8 + message.size()).u64(seq).raw(message.data(), message.size()).take();
+}
+
+Result<Direct> parse_direct(std::span<const std::byte> payload) {
+  ByteReader r(payload);
+  Direct d;
+  const auto kind = r.u8();
+  d.seq = r.u64();
+  if (!r.ok())
+    return Status(ErrorCode::kProtocol,
+                  fmt::format("direct control message of {} bytes is too short", payload.size()));
+  if (kind != static_cast<std::uint8_t>(DirectKind::kContribution) &&
+      kind != static_cast<std::uint8_t>(DirectKind::kMessage))
+    return Status(ErrorCode::kProtocol,
+                  fmt::format("direct control message of unknown kind {}", kind));
+  if (d.seq == 0)
+    return Status(ErrorCode::kProtocol, "direct control message with sequence number 0");
+  d.kind = static_cast<DirectKind>(kind);
+  d.body.assign(payload.begin() + 9, payload.end());
+  return d;
+}
+
+Bytes encode_direct(DirectKind kind, std::uint64_t seq, std::span<const std::byte> body) {
+  return ByteWriter(9 + body.size())
+      .u8(static_cast<std::uint8_t>(kind))
+      .u64(seq)
+      .raw(body.data(), body.size())
+      .take();
+}
+
 Result<Welcome> parse_welcome(std::span<const std::byte> payload, int nranks) {
   ByteReader r(payload);
   Welcome w;

@@ -16,7 +16,8 @@
 namespace r2ccl::bootstrap_wire {
 
 inline constexpr std::uint32_t kMagic = 0x53423252;  // "R2BS"
-inline constexpr std::uint16_t kVersion = 2;
+// 3: relayed control messages carry a sequence number; the direct path (below) exists.
+inline constexpr std::uint16_t kVersion = 3;
 inline constexpr std::size_t kHeaderSize = 12;
 inline constexpr std::uint32_t kMaxFrame = 64u << 20;
 inline constexpr int kMaxRanks = 65536;
@@ -99,6 +100,30 @@ struct PeerLeft {
 Result<PeerLeft> parse_peer_left(std::span<const std::byte> payload);
 // kError: the reason, a string.
 Result<std::string> parse_error(std::span<const std::byte> payload);
+
+// The message inside kSend / kDeliver: u64 seq | the message (the rest). seq counts the sender's
+// control messages to that destination from 1, so that the receiver takes each once and in order
+// whichever path (rank 0's relay or the direct path) brings it first.
+struct Sequenced {
+  std::uint64_t seq = 0;
+  Bytes message;
+};
+Result<Sequenced> parse_sequenced(std::span<const std::byte> payload);
+Bytes encode_sequenced(std::uint64_t seq, std::span<const std::byte> message);
+
+// The direct path: a world's data rails (authenticated by the job's token; the sender is the
+// rail's peer, never a field) carry copies of what would go through rank 0:
+//   u8 kind | u64 seq | body (the rest)
+//   kind 1: this rank's contribution to all-gather #seq
+//   kind 2: control message #seq from this rank to the receiver (as in Sequenced)
+enum class DirectKind : std::uint8_t { kContribution = 1, kMessage = 2 };
+struct Direct {
+  DirectKind kind = DirectKind::kContribution;
+  std::uint64_t seq = 0;
+  Bytes body;
+};
+Result<Direct> parse_direct(std::span<const std::byte> payload);
+Bytes encode_direct(DirectKind kind, std::uint64_t seq, std::span<const std::byte> body);
 
 // A unique id: magic, root host and port, token.
 Status decode_id(std::span<const std::byte> id, HostPort* at, Token* token);

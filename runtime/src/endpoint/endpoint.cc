@@ -868,7 +868,8 @@ Status Endpoint::send_message(int peer, std::uint8_t service, Bytes payload) {
                           "(at most {}); try again",
                           c->label(), queued, kMaxControlUnconfirmed)};
   }
-  if (payload.size() > 64 * 1024)
+  const std::size_t limit = 64 * 1024 + (service == kWorldControl ? 64 : 0);
+  if (payload.size() > limit)
     return {ErrorCode::kInvalidArgument,
             fmt::format("message of {} bytes exceeds 64 KiB", payload.size())};
   if (service >= kServices)

@@ -189,6 +189,9 @@ Fabric::~Fabric() {
       if (self_) self_->shutdown();
     });
   }
+  // The bootstrap's direct path uses the endpoint: gone first (its handler on the endpoint calls
+  // the bootstrap, which outlives the endpoint).
+  if (bootstrap_) bootstrap_->set_direct_path(nullptr);
   endpoint_.reset();
   out_of_band_.reset();  // after the channels' shutdown: nothing posts to it any more
   bootstrap_.reset();
@@ -243,17 +246,32 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   // The ranks share the job's token already: the blob they exchange leaves it out.
   R2CCL_ASSIGN_OR_RETURN(f->bootstrap_,
                          Bootstrap::join(boot, f->endpoint_->info().encode(/*with_token=*/false)));
+  // The bootstrap's direct path: what ranks send it on the rails goes to the bootstrap (set
+  // before any rail is up, so that nothing sent on it is dropped for want of a handler).
+  f->endpoint_->set_message_handler(Endpoint::kWorldControl, [self](int peer, Bytes message) {
+    self->bootstrap_->on_direct_message(peer, message);
+  });
   f->out_of_band_ = std::make_unique<OutOfBandSender>(*f->bootstrap_);
   f->endpoint_->set_out_of_band([oob = f->out_of_band_.get()](int peer, Bytes message) {
     return oob->post(peer, std::move(message));
   });
   f->self_ = std::make_unique<SelfChannel>();
   R2CCL_RETURN_IF_ERROR(f->connect_all(f->bootstrap_->rank_info()));
+  // Every rank has rails to every other: control messages and all-gathers also take them, so
+  // that a silent management network does not stop the job.
+  f->bootstrap_->set_direct_path([self](int rank, Bytes message) {
+    return self->endpoint_->send_message(rank, Endpoint::kWorldControl, std::move(message));
+  });
 
   // Control path: fence notices from peers, and peers leaving.
   f->bootstrap_->set_handlers(
       [self](int src, Bytes msg) {
         if (!msg.empty() && std::to_integer<std::uint8_t>(msg[0]) == kUserOnControlPath) {
+          if (msg.size() < 2 || std::to_integer<std::size_t>(msg[1]) >= kServices) {
+            R2CCL_WARN_LIMITED("rank {} sent a control-path message for no user service: dropped",
+                               src);
+            return;
+          }
           self->endpoint_->engine().post([self, src, msg = std::move(msg)] {
             self->endpoint_->deliver_message(src, std::span<const std::byte>(msg).subspan(1));
           });
@@ -397,14 +415,14 @@ Status Fabric::send_message(int peer, Service service, Bytes payload, bool contr
   if (peer < 0 || peer >= nranks() || peer == rank())
     return {ErrorCode::kInvalidArgument,
             fmt::format("message: peer {} is out of range or this rank", peer)};
+  if (static_cast<std::size_t>(service) >= kServices)
+    return {ErrorCode::kInvalidArgument,
+            fmt::format("message: unknown service {}", static_cast<int>(service))};
   if (!control_path)
     return endpoint_->send_message(peer, static_cast<std::uint8_t>(service), std::move(payload));
   if (payload.size() > 64 * 1024)
     return {ErrorCode::kInvalidArgument,
             fmt::format("message of {} bytes exceeds 64 KiB", payload.size())};
-  if (static_cast<std::size_t>(service) >= kServices)
-    return {ErrorCode::kInvalidArgument,
-            fmt::format("message: unknown service {}", static_cast<int>(service))};
   ByteWriter w(2 + payload.size());
   w.u8(kUserOnControlPath)
       .u8(static_cast<std::uint8_t>(service))

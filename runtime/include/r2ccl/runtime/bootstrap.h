@@ -2,7 +2,11 @@
 // endpoint information, and later small all-gathers and barriers on the same control path.
 //
 // The control path uses the interface that reaches rank 0 (or R2CCL_SOCKET_IFNAME), never a
-// rail, so it outlives any rail failure. Every wait has a deadline.
+// rail, so it outlives any rail failure. Every wait has a deadline. A world whose rails are up
+// gives the bootstrap a second, direct path over them (set_direct_path): control messages go both
+// ways and are taken once each, in order; an all-gather that rank 0 has not answered within
+// kDirectAfter is completed over the direct path, so the management network is no single point
+// of failure.
 #pragma once
 
 #include <array>
@@ -68,13 +72,30 @@ class Bootstrap {
   const std::string& control_address() const { return control_address_; }
 
   // All-gather of small blobs on the control path; every rank must call it in the same order.
-  // Fails at once when a rank has left the control path.
+  // Fails at once when a rank has left the control path. Without rank 0's answer within
+  // kDirectAfter (or at once, when the last all-gather needed it or the connection to rank 0 is
+  // gone), each rank also sends its blob over the direct path to every other rank; the
+  // all-gather completes from whichever arrives first, rank 0's answer or every rank's blob (the
+  // same bytes). Until rank 0 answers an all-gather again, the next ones go direct at once too.
+  static constexpr std::chrono::milliseconds kDirectAfter{1000};
   Result<std::vector<Bytes>> allgather(std::span<const std::byte> mine,
                                        std::chrono::milliseconds timeout);
   Status barrier(std::chrono::milliseconds timeout);
 
-  // Point-to-point control messages (relayed by rank 0), for rail failure notices and the like.
+  // Point-to-point control messages (relayed by rank 0, and a copy on the direct path when there
+  // is one), for rail failure notices and the like. Each carries the sender's sequence number
+  // for that destination: the receiver hands each to its handler once, in the order sent. OK
+  // when at least one path took it.
   Status send_to(int rank, std::span<const std::byte> message);
+  // The direct path: sends one message (at most 64 KiB and a few bytes) to a rank without a
+  // relay; must not block; an error when it could not take it. What a rank sent this way is
+  // handed in with on_direct_message. Empty: none (then everything goes through rank 0). Once
+  // this returns, no call of the previous one is running.
+  using DirectPath = std::function<Status(int rank, Bytes message)>;
+  void set_direct_path(DirectPath send);
+  // A message that `src` sent on the direct path; the path has authenticated `src`. Anything
+  // malformed is logged and dropped. Does not block (it may send a reply on the direct path).
+  void on_direct_message(int src, std::span<const std::byte> message);
   using MessageHandler = std::function<void(int src, Bytes message)>;
   // A rank left the control path (its process ended or lost its connection); rank 0 leaving,
   // or losing the connection to it, reports rank 0.
@@ -90,6 +111,11 @@ class Bootstrap {
   Bootstrap();
   void start_reader();
   void reader_loop();
+  Status send_direct(int rank, Bytes message);
+  bool has_direct_path();
+  // Hands a control message to the handler (or keeps it until one is set); false when too many
+  // wait for a handler. Called with the reader's handler_mutex held.
+  bool dispatch(int src, Bytes message);
   int rank_ = -1;
   int nranks_ = 0;
   std::atomic<std::uint64_t> coll_seq_{0};

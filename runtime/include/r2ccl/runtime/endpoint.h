@@ -173,7 +173,11 @@ class Endpoint {
   // Small messages (at most 64 KiB) by service: see Fabric::send_message.
   Status send_message(int peer, std::uint8_t service, Bytes payload);
   using MessageHandler = std::function<void(int peer, Bytes payload)>;
-  static constexpr std::size_t kServices = 2;
+  // Services 0 and 1 are Fabric::Service's; kWorldControl carries a world's bootstrap control
+  // path over the rails (Bootstrap::set_direct_path), whose messages may be a few bytes over
+  // 64 KiB.
+  static constexpr std::size_t kServices = 3;
+  static constexpr std::uint8_t kWorldControl = 2;
   void set_message_handler(std::uint8_t service, MessageHandler handler);
   // Waits until at least one of `ops` completed (OK; the caller looks which), or fails with a
   // timeout once every one of them is past its deadline and grace.

@@ -84,14 +84,15 @@ class Fabric {
   // A small message (at most 64 KiB) to the peer's message handler: reliable, delivered once, in
   // order with everything else this rank sends on the control messages to that peer, and after
   // every iwrite to that peer that completed before it was sent.
-  // With `control_path`, it goes through rank 0's relay instead of the rails: it arrives even
-  // when no rail to the peer is left (but not in order with the rail traffic).
+  // With `control_path`, it goes through rank 0's relay, and a copy on the rails (the receiver
+  // takes one, in the order sent): it arrives even when no rail to the peer is left, or while
+  // the management network is silent (but not in order with the rail traffic).
   //
   // Messages are demultiplexed by service, each with its own handler, so that the KV engine and
   // the application (or the collectives) share the channels without taking each other's
   // messages. The service travels in the message's first byte.
   enum class Service : std::uint8_t { kApplication = 0, kKvTransfer = 1 };
-  static constexpr std::size_t kServices = Endpoint::kServices;
+  static constexpr std::size_t kServices = 2;  // the endpoint's other service is the world's
   Status send_message(int peer, Service service, Bytes payload, bool control_path = false);
   Status send_message(int peer, Bytes payload, bool control_path = false) {
     return send_message(peer, Service::kApplication, std::move(payload), control_path);
