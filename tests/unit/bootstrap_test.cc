@@ -10,6 +10,7 @@
 #include <map>
 #include <thread>
 
+#include "bootstrap/frames.h"
 #include "r2ccl/runtime/bootstrap.h"
 #include "test_util.h"
 
@@ -171,8 +172,9 @@ TEST(Bootstrap, UnauthenticatedConnectionsAreBoundedAndDropped) {
   auto f0 = join_async(options(0, 2, port, milliseconds(15000)));
   const int big = connect_raw(port);
   ASSERT_GE(big, 0);
-  // Header: magic "R2BS", type 1 (hello), version 2, length 1 GiB.
-  Bytes h = ByteWriter().u32(0x53423252).u16(1).u16(2).u32(1u << 30).take();
+  // Header: magic "R2BS", type 1 (hello), this build's version, length 1 GiB: refused for its
+  // size, not its version.
+  Bytes h = ByteWriter().u32(0x53423252).u16(1).u16(bootstrap_wire::kVersion).u32(1u << 30).take();
   ASSERT_EQ(::send(big, h.data(), h.size(), MSG_NOSIGNAL), static_cast<ssize_t>(h.size()));
   EXPECT_TRUE(closed_within(big, milliseconds(3000)));
   ::close(big);
