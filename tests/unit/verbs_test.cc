@@ -320,9 +320,20 @@ std::pair<std::string, std::uint16_t> parse_endpoint(const Bytes& ep) {
   return {host, r.u16()};
 }
 
-int tcp_connect(const Bytes& endpoint) {
+// A raw connection to `endpoint`, from `source` (an address of this host) where given; -1 if it
+// cannot connect.
+int tcp_connect(const Bytes& endpoint, const char* source = nullptr) {
   auto [host, port] = parse_endpoint(endpoint);
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (source != nullptr) {
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    inet_pton(AF_INET, source, &from.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0) {
+      ::close(fd);
+      return -1;
+    }
+  }
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(port);
@@ -367,6 +378,34 @@ TEST_F(VerbsProviderTest, APeerThatSendsABadQpnIsRefusedWithTheReason) {
   EXPECT_NE(why.find("the peer sent an invalid QPN 0x0"), std::string::npos) << why;
   EXPECT_EQ(b_->counters().dropped_connections, 1u);
   EXPECT_TRUE(accepted_.empty());
+}
+
+// Whoever reaches a rail port cannot pin its file descriptors (review N-M6), as with tcp: one
+// source holds at most 16 connections that have not sent their hello; the next is closed at once,
+// without a challenge, and a peer from another address still connects meanwhile.
+TEST_F(VerbsProviderTest, ASourceHoldsABoundedNumberOfConnectionsBeforeTheirHello) {
+  constexpr std::size_t kAllowed = 16;
+  std::vector<int> idle;
+  for (std::size_t i = 0; i < kAllowed; ++i) {
+    idle.push_back(tcp_connect(b_->endpoint(0), "127.0.70.1"));
+    ASSERT_GE(idle.back(), 0);
+    // Its challenge arrived: the acceptor holds it, waiting for the hello.
+    ASSERT_EQ(read_frame(idle.back()).size(), kChallengeSize);
+  }
+  EXPECT_EQ(b_->counters().dropped_connections, 0u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    const int extra = tcp_connect(b_->endpoint(0), "127.0.70.1");
+    ASSERT_GE(extra, 0);
+    EXPECT_TRUE(read_frame(extra).empty());  // closed, no challenge
+    ::close(extra);
+  }
+  EXPECT_EQ(b_->counters().dropped_connections, 4u);
+  // a_ connects from its own NIC's address, another source: its rail is accepted.
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  for (int fd : idle)
+    ::close(fd);
 }
 
 // A fake acceptor that answers every handshake with `qpn` (then stays silent).

@@ -48,6 +48,7 @@
 #include <unordered_map>
 
 #include "common/handshake.h"
+#include "common/pending_hellos.h"
 #include "progress/asio.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
@@ -881,6 +882,9 @@ class VerbsProvider final : public Provider {
     crypto::Nonce challenge{};
     crypto::Nonce client{};
     bool done = false;
+    // An accepted connection's: whence and on which NIC.
+    std::string from;
+    std::string nic;
   };
 
   Result<DevicePtr> open_device(ibv_device* device, const std::string& name, const Topology& topo) {
@@ -1129,22 +1133,38 @@ class VerbsProvider final : public Provider {
     });
   }
 
+  // Closes an accepted connection whose handshake has not ended (a handshake that ended, or that
+  // ~VerbsProvider ended, is not touched: its callbacks check `done` before they call this).
+  void drop_incoming(const std::shared_ptr<Handshake>& hs, const std::string& why) {
+    hs->done = true;
+    pending_.settle(hs.get());
+    counters_.dropped_connections.fetch_add(1);
+    R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic, why);
+    error_code e;
+    hs->timer.cancel();
+    hs->socket.close(e);
+    if (hs->rail) hs->rail->fence();
+  }
+
   void on_incoming(std::size_t device, tcp::socket s) {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
-    remember(hs);
     error_code ec;
     auto remote = hs->socket.remote_endpoint(ec);
-    const std::string from = fmt::format("{}:{}", remote.address().to_string(), remote.port());
-    const std::string nic = state_[device]->dev->name;
-    auto drop = [this, hs, from, nic](const std::string& why) {
-      if (hs->done) return;
-      hs->done = true;
+    const std::string source = remote.address().to_string();
+    hs->from = fmt::format("{}:{}", source, remote.port());
+    hs->nic = state_[device]->dev->name;
+    auto admitted = pending_.admit(hs, source);
+    if (!admitted) {
       counters_.dropped_connections.fetch_add(1);
-      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", from, nic, why);
-      error_code e;
-      hs->timer.cancel();
-      hs->socket.close(e);
-      if (hs->rail) hs->rail->fence();
+      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic,
+                         admitted.status().message());
+      hs->socket.close(ec);
+      return;
+    }
+    if (*admitted) drop_incoming(*admitted, pending_.shed_reason());
+    remember(hs);
+    auto drop = [this, hs](const std::string& why) {
+      if (!hs->done) drop_incoming(hs, why);
     };
     hs->timer.expires_after(kHandshakeTimeout);
     hs->timer.async_wait([drop](error_code e) {
@@ -1164,6 +1184,8 @@ class VerbsProvider final : public Provider {
       if (!ok) return drop(fmt::format("malformed or truncated handshake ({})", e.message()));
       auto accepted = accept_hello(hs->body, token_, hs->challenge);
       if (!accepted) return drop(accepted.status().message());
+      // The peer proved the token: its connection no longer counts against the bound.
+      pending_.settle(hs.get());
       const RailHello hello = accepted->hello;
       ByteReader r(std::span<const std::byte>(hs->body).subspan(accepted->size));
       const QpInfo peer = QpInfo::decode(r);
@@ -1213,6 +1235,8 @@ class VerbsProvider final : public Provider {
   std::vector<RailNic> devices_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   std::vector<std::weak_ptr<Handshake>> handshakes_;  // loop thread
+  // Accepted connections waiting for their hello (common/pending_hellos.h), bounded as for tcp.
+  PendingHellos<Handshake> pending_{kMaxPendingHellosPerSource, kMaxPendingHellos};  // loop thread
   AcceptHandler accept_handler_;
 };
 
