@@ -2,13 +2,19 @@
 // disconnect, restart as a new incarnation, connect at the same time as each other.
 #include "r2ccl/runtime/endpoint.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <array>
 #include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "test_util.h"
@@ -19,7 +25,8 @@ namespace {
 using std::chrono::milliseconds;
 
 std::unique_ptr<Endpoint> make_endpoint(int host, const std::string& name,
-                                        std::map<std::string, std::string> vars = {}) {
+                                        std::map<std::string, std::string> vars = {},
+                                        std::optional<Token> token = std::nullopt) {
   vars["R2CCL_NICS"] = fmt::format("127.0.{0}.1,127.0.{0}.2,127.0.{0}.3,127.0.{0}.4", 20 + host);
   vars["R2CCL_CHUNK_SIZE"] = "64K";
   vars["R2CCL_TIMEOUT"] = "10s";
@@ -27,6 +34,7 @@ std::unique_ptr<Endpoint> make_endpoint(int host, const std::string& name,
   EXPECT_TRUE(cfg.is_ok()) << cfg.status().to_string();
   EndpointOptions o;
   o.name = name;
+  o.token = token;
   auto e = Endpoint::create(*cfg, o);
   EXPECT_TRUE(e.is_ok()) << e.status().to_string();
   return e.is_ok() ? std::move(*e) : nullptr;
@@ -198,6 +206,64 @@ TEST(Endpoint, ABlobWithAnotherTokenDoesNotConnect) {
   EXPECT_NE(id.status().message().find("wrong token"), std::string::npos) << id.status().message();
   EXPECT_GE(a->provider_counters().dropped_connections, 1u);
   EXPECT_TRUE(a->peers().empty());
+}
+
+// Whether every rail of `e` to `peer` has a round-trip time (its probes were answered), waited for
+// at most 10 s.
+bool probes_answered(Endpoint& e, int peer) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < until) {
+    std::size_t rails = 0, answered = 0;
+    for (const auto& r : e.rail_snapshot())
+      if (r.peer == peer) {
+        ++rails;
+        answered += r.rtt_ns > 0;
+      }
+    if (rails > 0 && answered == rails) return true;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return false;
+}
+
+// Probes go where the rails' connections go, never to the address a peer's description names for
+// them (review N-m20: a peer could make the endpoint probe any host, 50 times a second per rail).
+// A's blob is altered to name decoy addresses, at the probe ports A really uses: B connects, both
+// sides' probes are answered at the real NICs, and not one probe reaches a decoy.
+TEST(Endpoint, ProbesGoWhereTheRailsConnectNeverWhereThePeerSaysTheyShould) {
+  PeerLog log;  // outlives the endpoints: their handlers write to it
+  // One token for both, as in a world: a probe's tag is its sender's token's.
+  Token token{};
+  token.fill(0x5a);
+  auto a = make_endpoint(0, "A", {}, token);
+  auto b = make_endpoint(1, "B", {}, token);
+  ASSERT_TRUE(a && b);
+  log.attach(*a);
+  auto info = EndpointInfo::decode(a->blob());
+  ASSERT_TRUE(info.is_ok());
+  std::vector<int> decoys;
+  for (std::size_t i = 0; i < info->rails.size(); ++i) {
+    const std::string decoy = fmt::format("127.0.30.{}", i + 1);
+    const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(info->rails[i].probe_port);
+    inet_pton(AF_INET, decoy.c_str(), &sa.sin_addr);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0) << decoy;
+    decoys.push_back(fd);
+    info->rails[i].address = decoy;
+  }
+  auto id = b->connect(info->encode(true));
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  auto joined = log.wait(Endpoint::PeerEvent::Kind::kJoined);
+  ASSERT_TRUE(joined);
+  EXPECT_TRUE(probes_answered(*b, *id));
+  EXPECT_TRUE(probes_answered(*a, joined->peer));
+  for (std::size_t i = 0; i < decoys.size(); ++i) {
+    std::array<std::byte, 256> buf{};
+    EXPECT_LT(::recv(decoys[i], buf.data(), buf.size(), MSG_DONTWAIT), 0)
+        << "a probe reached decoy " << info->rails[i].address;
+    ::close(decoys[i]);
+  }
 }
 
 TEST(Endpoint, ConnectsFromTheCompactHandle) {

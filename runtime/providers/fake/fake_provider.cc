@@ -96,8 +96,13 @@ bool FakeNetwork::refused(std::uint32_t rail) const {
 // Rail
 
 FakeRail::FakeRail(FakeNetwork& net, std::shared_ptr<FakeNetwork::Link> link, int side,
-                   FakeProvider& owner, RailHello hello)
-    : net_(net), link_(std::move(link)), side_(side), owner_(owner), hello_(hello) {
+                   FakeProvider& owner, RailHello hello, std::string remote_address)
+    : net_(net),
+      link_(std::move(link)),
+      side_(side),
+      owner_(owner),
+      hello_(hello),
+      remote_address_(std::move(remote_address)) {
   link_->ends[side_] = this;
 }
 
@@ -243,8 +248,10 @@ void FakeProvider::connect(std::size_t device, const Bytes& remote_endpoint, con
       return;
     }
     auto link = net_.open_link(rail);
-    auto local = std::make_shared<FakeRail>(net_, link, 0, *this, hello);
-    auto accepted = std::make_shared<FakeRail>(net_, link, 1, *remote, hello);
+    auto local =
+        std::make_shared<FakeRail>(net_, link, 0, *this, hello, remote->devices()[device].address);
+    auto accepted =
+        std::make_shared<FakeRail>(net_, link, 1, *remote, hello, devices_[device].address);
     if (!remote->accept(accepted)) {
       handler(
           Status(ErrorCode::kNetwork, fmt::format("fake{}: the peer refused the rail", device)));

@@ -83,8 +83,9 @@ struct FakeNetwork::Link {
 
 class FakeRail final : public Rail {
  public:
+  // `remote_address`: the other end's NIC address.
   FakeRail(FakeNetwork& net, std::shared_ptr<FakeNetwork::Link> link, int side, FakeProvider& owner,
-           RailHello hello);
+           RailHello hello, std::string remote_address);
   ~FakeRail() override;
   void start(RailEvents* events) override;
   Status post_write(const WriteRequest& write) override;
@@ -92,6 +93,7 @@ class FakeRail final : public Rail {
   void fence() override;
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override;
+  std::string remote_address() const override { return remote_address_; }
 
   // Internal.
   RailEvents* events() const { return events_; }
@@ -107,6 +109,7 @@ class FakeRail final : public Rail {
   int side_;
   FakeProvider& owner_;
   RailHello hello_;
+  std::string remote_address_;
   RailEvents* events_ = nullptr;
   bool failed_ = false;
 };

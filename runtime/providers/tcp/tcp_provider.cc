@@ -178,6 +178,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     auto r = socket_.remote_endpoint(ec);
     description_ = fmt::format("{} {}:{} -> {}:{}", nic_.name, l.address().to_string(), l.port(),
                                r.address().to_string(), r.port());
+    if (!ec) remote_address_ = r.address().to_string();
   }
 
   void start(RailEvents* events) override {
@@ -250,6 +251,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override { return description_; }
+  std::string remote_address() const override { return remote_address_; }
 
   // TCP_INFO's age of the last ACK the kernel received on this connection (millisecond
   // resolution). Only while the rail is open: a closed socket's descriptor may be reused.
@@ -731,6 +733,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   std::shared_ptr<AtomicProviderCounters> counters_;
   RailHello hello_;
   std::string description_;
+  std::string remote_address_;  // the peer's IPv4 address on this connection
   RailEvents* events_ = nullptr;
   bool closed_ = false;
 

@@ -422,6 +422,9 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
 
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override { return describe_; }
+  std::string remote_address() const override { return remote_address_; }
+  // The peer's address of the handshake connection (loop thread, before the rail is handed out).
+  void set_remote_address(std::string address) { remote_address_ = std::move(address); }
   const DevicePtr& device() const { return dev_; }
   std::uint32_t qpn() const { return qp_ ? qp_->qp_num : 0; }
 
@@ -699,6 +702,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   unsigned unacked_ = 0;
   QpInfo local_;
   std::string describe_;
+  std::string remote_address_;
   RailEvents* events_ = nullptr;
   bool fenced_ = false;
   Bytes partial_;
@@ -882,7 +886,8 @@ class VerbsProvider final : public Provider {
     crypto::Nonce challenge{};
     crypto::Nonce client{};
     bool done = false;
-    // An accepted connection's: whence and on which NIC.
+    // An accepted connection's: whence (the address, and with the port) and on which NIC.
+    std::string source;
     std::string from;
     std::string nic;
   };
@@ -1049,6 +1054,7 @@ class VerbsProvider final : public Provider {
                                          dev->nic.address, ep.address().to_string(), ep.port());
     auto finish = std::make_shared<ConnectHandler>(std::move(handler));
     auto rail = std::make_shared<VerbsRail>(engine_, dev, cfg_, hello);
+    rail->set_remote_address(ep.address().to_string());
     if (Status st = rail->create(); !st)
       return (*finish)(st.with_context(fmt::format("cannot open {}", what)));
     auto hs = std::make_shared<Handshake>(engine_.io(), tcp::socket(engine_.io()));
@@ -1150,10 +1156,10 @@ class VerbsProvider final : public Provider {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     error_code ec;
     auto remote = hs->socket.remote_endpoint(ec);
-    const std::string source = remote.address().to_string();
-    hs->from = fmt::format("{}:{}", source, remote.port());
+    hs->source = remote.address().to_string();
+    hs->from = fmt::format("{}:{}", hs->source, remote.port());
     hs->nic = state_[device]->dev->name;
-    auto admitted = pending_.admit(hs, source);
+    auto admitted = pending_.admit(hs, hs->source);
     if (!admitted) {
       counters_.dropped_connections.fetch_add(1);
       R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic,
@@ -1202,6 +1208,7 @@ class VerbsProvider final : public Provider {
       };
       if (Status st = peer.validate(); !st) return refuse(st.message());
       auto rail = std::make_shared<VerbsRail>(engine_, state_[device]->dev, cfg_, hello);
+      rail->set_remote_address(hs->source);
       hs->rail = rail;
       if (Status st = rail->create(); !st) return refuse(st.message());
       if (Status st = rail->connect_qp(peer); !st) return refuse(st.message());

@@ -45,6 +45,9 @@ struct ChannelContext {
   // The peer left (on_peer_left ran): called once, from inside the channel, so it must only
   // post work for later.
   std::function<void(int peer, const std::string& why)> on_gone;
+  // A connection of the peer's rail `rail` is in place (attach()); `address` is the peer's end
+  // of it (Rail::remote_address()). Null: nobody is told.
+  std::function<void(int peer, std::uint32_t rail, const std::string& address)> on_rail_attached;
   // The epoch this endpoint's program is in (Endpoint::set_epoch); null: always 0.
   const std::atomic<std::uint64_t>* epoch = nullptr;
 };

@@ -52,6 +52,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   s.backpressured = false;
   s.rail = std::move(rail);
   s.rail->start(&s.sink);
+  if (ctx_.on_rail_attached) ctx_.on_rail_attached(peer_, index, s.rail->remote_address());
   const auto now = Clock::now();
   s.health->on_connected(now);
   s.last_progress = now;

@@ -436,6 +436,18 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   ctx.on_gone = [this](int peer, const std::string& why) {
     engine_->post([this, peer, why] { retire(peer, why); });
   };
+  // Probes go only where the rails' connections go (review N-m20), never to the address the
+  // peer's description names for them (it could name any host): to the peer's end of each rail's
+  // connection once there is one; before that, where a connector dials the rail (so that a rail
+  // that could not connect joins once it answers); an acceptor waits for the connection.
+  std::vector<std::uint16_t> probe_ports;
+  for (const auto& rail : info.rails)
+    probe_ports.push_back(rail.probe_port);
+  ctx.on_rail_attached = [this, incarnation = info.incarnation, probe_ports](
+                             int peer, std::uint32_t rail, const std::string& address) {
+    if (rail < probe_ports.size())
+      prober_->add_target(peer, incarnation, rail, address, probe_ports[rail]);
+  };
   Channel::PeerIdentity identity;
   identity.id = id;
   identity.label = options.label.empty() ? info.label() : options.label;
@@ -444,8 +456,10 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   identity.gone_on_close = options.gone_on_close;
   auto peer = std::make_unique<Peer>();
   peer->channel = std::make_unique<Channel>(std::move(ctx), identity, local, remote);
-  for (std::uint32_t i = 0; i < n; ++i)
-    prober_->add_target(id, info.incarnation, i, info.rails[i].address, info.rails[i].probe_port);
+  for (std::uint32_t i = 0; i < n && options.connector; ++i)
+    if (auto dialled = decode_endpoint(info.rails[i].endpoint, info.provider))
+      prober_->add_target(id, info.incarnation, i, dialled->address().to_string(),
+                          info.rails[i].probe_port);
   peer->info = std::move(info);
   std::lock_guard lock(peers_mutex_);
   if (peers_.size() <= static_cast<std::size_t>(id))

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/crypto.h"
@@ -78,8 +79,15 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       R2CCL_WARN("prober: bad probe target for peer {} rail {}: '{}'", peer, rail, address);
       return;
     }
-    targets_.push_back(
-        Target{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port)});
+    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port)};
+    auto same = std::find_if(targets_.begin(), targets_.end(),
+                             [&](const Target& o) { return o.peer == t.peer && o.rail == t.rail; });
+    if (same == targets_.end()) {
+      targets_.push_back(t);
+    } else {
+      same->incarnation = t.incarnation;
+      same->to = t.to;
+    }
   }
 
   void remove_targets(int peer) override {

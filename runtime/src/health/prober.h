@@ -37,7 +37,8 @@ class Prober {
   // The UDP port of NIC `device`'s probe socket (published to the peers).
   virtual std::uint16_t port(std::size_t device) const = 0;
   // Probe the NIC (address:port) of the endpoint `incarnation`, which the caller calls `peer`,
-  // from local device `rail` every interval. Loop thread.
+  // from local device `rail` every interval, instead of where that peer's rail was probed until
+  // now. Loop thread.
   virtual void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
                           const std::string& address, std::uint16_t port) = 0;
   // Stops probing `peer`. Loop thread.

@@ -29,7 +29,7 @@ namespace r2ccl {
 class ProgressEngine;
 
 // The version of this interface; a provider reports the one it was built for.
-inline constexpr std::uint32_t kProviderApiVersion = 4;
+inline constexpr std::uint32_t kProviderApiVersion = 5;
 
 // What a registration allows. kLocal: the memory is only read (sent from) or written by this
 // process; a peer's write naming its key is refused. kRemoteWrite: peers that hold the key may
@@ -122,6 +122,10 @@ class Rail {
   }
   // "eth1 198.18.1.1:40122 -> 198.18.1.2:38111"
   virtual std::string describe() const = 0;
+  // The peer's IPv4 address on this rail as the connection itself has it: where an accepted
+  // connection came from, or where a connection this side opened arrived. The endpoint probes
+  // this address, never one the peer describes itself (a peer could name any host).
+  virtual std::string remote_address() const = 0;
 };
 
 struct ProviderCounters {
