@@ -10,7 +10,11 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <vector>
 
 #include "health/prober.h"
 #include "r2ccl/runtime/probe_protocol.h"
@@ -235,6 +239,98 @@ TEST(Prober, AProbeCarriesATagDerivedFromTheTokenAndNoByteRunOfIt) {
                                  token.begin() + static_cast<std::ptrdiff_t>(i) + 3);
     EXPECT_EQ(at, got.begin() + n) << "token bytes " << i << ".." << i + 2 << " in the probe";
   }
+}
+
+// A UDP socket of the test on `address` (port chosen by the kernel).
+int udp_socket(const char* address, sockaddr_in* bound) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, address, &sa.sin_addr);
+  socklen_t len = sizeof sa;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0)
+    return -1;
+  *bound = sa;
+  return fd;
+}
+
+// The next probe request to `fd` for `peer`, waited for at most 10 s.
+std::optional<ProbePacket> next_request(int fd, std::uint32_t peer) {
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  std::array<std::uint8_t, 512> buf{};
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, 100) != 1) continue;
+    const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
+    if (n <= 0) continue;
+    auto p = ProbePacket::decode(buf.data(), static_cast<std::size_t>(n));
+    if (p && p->type == ProbePacket::Type::kRequest && p->peer == peer) return p;
+  }
+  return std::nullopt;
+}
+
+void send_packet(int fd, const ProbePacket& p, const sockaddr_in& to) {
+  const auto bytes = p.encode();
+  ASSERT_EQ(::sendto(fd, bytes.data(), bytes.size(), 0, reinterpret_cast<const sockaddr*>(&to),
+                     sizeof to),
+            static_cast<ssize_t>(bytes.size()));
+}
+
+// Review m6: the probe tag is the same for every probe of the job, so a reply counts only if it
+// answers a probe that was sent and not answered yet, from where that probe went. Replies from
+// another address, with a sequence never sent, and a second copy of an answered one are ignored;
+// the genuine one counts once. A genuine reply for another peer, sent last on the same socket,
+// marks the end (datagrams on one socket are handled in order).
+TEST(Prober, OnlyAReplyToAnUnansweredProbeFromWhereItWentCounts) {
+  sockaddr_in responder_at{}, elsewhere_at{};
+  const int responder = udp_socket("127.0.0.1", &responder_at);
+  const int elsewhere = udp_socket("127.0.0.2", &elsewhere_at);
+  ASSERT_GE(responder, 0);
+  ASSERT_GE(elsewhere, 0);
+  Token token{};
+  token.fill(0x33);
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<int> replies;  // the peer of each reply that counted
+  ProgressEngine engine;
+  auto prober = Prober::open(engine, {RailNic{"lo", "127.0.0.1", -1, "", ""}}, token, 42,
+                             std::chrono::milliseconds(10), [&](int peer, std::uint32_t, auto) {
+                               std::lock_guard lock(m);
+                               replies.push_back(peer);
+                               cv.notify_all();
+                             });
+  ASSERT_TRUE(prober.is_ok()) << prober.status().to_string();
+  sockaddr_in prober_at{};
+  prober_at.sin_family = AF_INET;
+  prober_at.sin_port = htons((*prober)->port(0));
+  inet_pton(AF_INET, "127.0.0.1", &prober_at.sin_addr);
+  engine.call([&] {
+    (*prober)->add_target(3, 99, 0, "127.0.0.1", ntohs(responder_at.sin_port));
+    (*prober)->add_target(4, 100, 0, "127.0.0.1", ntohs(responder_at.sin_port));
+  });
+
+  auto request = next_request(responder, 3);
+  ASSERT_TRUE(request.has_value()) << "no probe within 10 s";
+  const ProbePacket reply = request->reply();
+  send_packet(elsewhere, reply, prober_at);  // from another address
+  ProbePacket never_sent = reply;
+  never_sent.sequence += 1000;
+  send_packet(responder, never_sent, prober_at);
+  send_packet(responder, reply, prober_at);  // the genuine one
+  send_packet(responder, reply, prober_at);  // again
+  auto marker = next_request(responder, 4);
+  ASSERT_TRUE(marker.has_value()) << "no probe within 10 s";
+  send_packet(responder, marker->reply(), prober_at);
+  {
+    std::unique_lock lock(m);
+    ASSERT_TRUE(cv.wait_for(
+        lock, 10s, [&] { return std::find(replies.begin(), replies.end(), 4) != replies.end(); }));
+    EXPECT_EQ(std::count(replies.begin(), replies.end(), 3), 1);
+  }
+  (*prober)->stop();
+  ::close(responder);
+  ::close(elsewhere);
 }
 
 }  // namespace

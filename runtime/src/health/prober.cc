@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "core/crypto.h"
@@ -86,7 +87,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       targets_.push_back(t);
     } else {
       same->incarnation = t.incarnation;
-      same->to = t.to;
+      same->to = t.to;  // replies to the probes sent to the old address no longer count
     }
   }
 
@@ -113,12 +114,20 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     std::array<std::uint8_t, 128> buffer{};
     udp::endpoint from;
   };
+  // A probe sent and not answered yet: sequence `seq` (0: none), sent at `time_ns`.
+  struct InFlight {
+    std::uint64_t seq = 0;
+    std::uint64_t time_ns = 0;
+  };
+  // Probes remembered per target: a reply later than this many probe intervals is ignored.
+  static constexpr std::size_t kInFlight = 64;
   struct Target {
     std::uint32_t peer;
     std::uint64_t incarnation;
     std::uint32_t rail;
     udp::endpoint to;
     std::uint64_t seq = 0;
+    std::array<InFlight, kInFlight> in_flight{};  // sequence s in slot s % kInFlight
   };
 
   void arm_timer() {
@@ -141,6 +150,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       p.rail = t.rail;
       p.sequence = ++t.seq;
       p.send_time_ns = now_ns();
+      t.in_flight[p.sequence % kInFlight] = InFlight{p.sequence, p.send_time_ns};
       send(t.rail, p, t.to);
     }
   }
@@ -174,11 +184,24 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       send(device, p->reply(), s.from);
       return;
     }
-    if (p->type == ProbePacket::Type::kReply && p->src == me_) {
-      const auto rtt =
-          std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - p->send_time_ns));
-      handler_(static_cast<int>(p->peer), p->rail, rtt);
-    }
+    if (p->type == ProbePacket::Type::kReply && p->src == me_) on_reply(device, *p, s.from);
+  }
+
+  // A reply counts only if it answers a probe this prober sent and that is not answered yet, and
+  // comes from where that probe went, on the rail's own socket (review m6): the tag is the same
+  // for every probe of the job, so a copied or made-up reply must not keep a dead rail alive.
+  // The round trip is measured from the send time kept here, not the one the packet carries.
+  void on_reply(std::size_t device, const ProbePacket& p, const udp::endpoint& from) {
+    auto t = std::find_if(targets_.begin(), targets_.end(),
+                          [&](const Target& o) { return o.peer == p.peer && o.rail == p.rail; });
+    if (t == targets_.end() || t->rail != device || from != t->to || p.dst != t->incarnation ||
+        p.sequence == 0)
+      return;
+    auto& sent = t->in_flight[p.sequence % kInFlight];
+    if (sent.seq != p.sequence) return;  // never sent, too old, or answered already
+    sent.seq = 0;
+    const auto rtt = std::chrono::nanoseconds(static_cast<std::int64_t>(now_ns() - sent.time_ns));
+    handler_(static_cast<int>(p.peer), p.rail, rtt);
   }
 
   ProgressEngine& engine_;
