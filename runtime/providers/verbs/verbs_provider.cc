@@ -1057,7 +1057,18 @@ class VerbsProvider final : public Provider {
     rail->set_remote_address(ep.address().to_string());
     if (Status st = rail->create(); !st)
       return (*finish)(st.with_context(fmt::format("cannot open {}", what)));
-    auto hs = std::make_shared<Handshake>(engine_.io(), tcp::socket(engine_.io()));
+    // From the NIC's address, as tcp's rails: the acceptor probes the address the handshake
+    // came from (Rail::remote_address), which must be this NIC's, where its probes are answered.
+    tcp::socket s(engine_.io());
+    error_code bound;
+    const auto local = asio::ip::make_address_v4(dev->nic.address, bound);
+    if (!bound) s.open(tcp::v4(), bound);
+    if (!bound) s.bind(tcp::endpoint(local, 0), bound);
+    if (bound)
+      return (*finish)(
+          Status(ErrorCode::kNetwork, fmt::format("cannot open {}: binding to {}: {}", what,
+                                                  dev->nic.address, bound.message())));
+    auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     remember(hs);
     hs->rail = rail;
     auto fail = [hs, finish, what](const std::string& why) {
