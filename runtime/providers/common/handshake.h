@@ -8,8 +8,10 @@
 #include <optional>
 #include <string>
 
+#include "common/pending_hellos.h"
 #include "core/crypto.h"
 #include "progress/asio.h"
+#include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/wire.h"
 
@@ -71,5 +73,34 @@ struct AtomicProviderCounters {
   std::atomic<std::uint64_t> dropped_connections{0};
   ProviderCounters snapshot() const { return {refused_writes.load(), dropped_connections.load()}; }
 };
+
+// The rail acceptors' handshakes (tcp, verbs: a state with `done`, `from`, `nic`, `timer` and
+// `socket`). An accepted connection's handshake ends: closed, counted and logged as dropped.
+template <class Handshake>
+void drop_accepted(PendingHellos<Handshake>& pending, AtomicProviderCounters& counters,
+                   Handshake& hs, const std::string& why) {
+  hs.done = true;
+  pending.settle(&hs);
+  counters.dropped_connections.fetch_add(1);
+  R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs.from, hs.nic, why);
+  boost::system::error_code e;
+  hs.timer.cancel();
+  hs.socket.close(e);
+}
+
+// Counts a connection accepted from `source` among those waiting for their hello: false where
+// its source holds its share already (it is dropped at once); past the total the oldest one is
+// dropped (kMaxPendingHellosPerSource, kMaxPendingHellos).
+template <class Handshake>
+bool admit_accepted(PendingHellos<Handshake>& pending, AtomicProviderCounters& counters,
+                    const std::shared_ptr<Handshake>& hs, const std::string& source) {
+  auto admitted = pending.admit(hs, source);
+  if (!admitted) {
+    drop_accepted(pending, counters, *hs, admitted.status().message());
+    return false;
+  }
+  if (*admitted) drop_accepted(pending, counters, **admitted, pending.shed_reason());
+  return true;
+}
 
 }  // namespace r2ccl

@@ -1011,18 +1011,6 @@ class TcpProvider final : public Provider {
   // handshakes' callbacks, which may run after the provider is gone.
   using Pending = PendingHellos<Handshake>;
 
-  static void drop_incoming(Pending& pending, AtomicProviderCounters& counters,
-                            const std::shared_ptr<Handshake>& hs, const std::string& why) {
-    if (hs->done) return;
-    hs->done = true;
-    pending.settle(hs.get());
-    counters.dropped_connections.fetch_add(1);
-    R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic, why);
-    error_code e;
-    hs->timer.cancel();
-    hs->socket.close(e);
-  }
-
   void on_incoming(std::size_t device, tcp::socket s) {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     error_code ec;
@@ -1030,17 +1018,9 @@ class TcpProvider final : public Provider {
     const std::string source = remote.address().to_string();
     hs->from = fmt::format("{}:{}", source, remote.port());
     hs->nic = devices_[device].name;
-    auto admitted = pending_->admit(hs, source);
-    if (!admitted) {
-      counters_->dropped_connections.fetch_add(1);
-      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic,
-                         admitted.status().message());
-      hs->socket.close(ec);
-      return;
-    }
-    if (*admitted) drop_incoming(*pending_, *counters_, *admitted, pending_->shed_reason());
+    if (!admit_accepted(*pending_, *counters_, hs, source)) return;
     auto drop = [pending = pending_, counters = counters_, hs](const std::string& why) {
-      drop_incoming(*pending, *counters, hs, why);
+      if (!hs->done) drop_accepted(*pending, *counters, *hs, why);
     };
     hs->timer.expires_after(kHelloTimeout);
     hs->timer.async_wait([drop](error_code e) {

@@ -1150,19 +1150,6 @@ class VerbsProvider final : public Provider {
     });
   }
 
-  // Closes an accepted connection whose handshake has not ended (a handshake that ended, or that
-  // ~VerbsProvider ended, is not touched: its callbacks check `done` before they call this).
-  void drop_incoming(const std::shared_ptr<Handshake>& hs, const std::string& why) {
-    hs->done = true;
-    pending_.settle(hs.get());
-    counters_.dropped_connections.fetch_add(1);
-    R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic, why);
-    error_code e;
-    hs->timer.cancel();
-    hs->socket.close(e);
-    if (hs->rail) hs->rail->fence();
-  }
-
   void on_incoming(std::size_t device, tcp::socket s) {
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
     error_code ec;
@@ -1170,18 +1157,13 @@ class VerbsProvider final : public Provider {
     hs->source = remote.address().to_string();
     hs->from = fmt::format("{}:{}", hs->source, remote.port());
     hs->nic = state_[device]->dev->name;
-    auto admitted = pending_.admit(hs, hs->source);
-    if (!admitted) {
-      counters_.dropped_connections.fetch_add(1);
-      R2CCL_WARN_LIMITED("dropped a rail connection from {} on {}: {}", hs->from, hs->nic,
-                         admitted.status().message());
-      hs->socket.close(ec);
-      return;
-    }
-    if (*admitted) drop_incoming(*admitted, pending_.shed_reason());
+    if (!admit_accepted(pending_, counters_, hs, hs->source)) return;
     remember(hs);
+    // A handshake that ended, or that ~VerbsProvider ended, is not touched: `done` says so.
     auto drop = [this, hs](const std::string& why) {
-      if (!hs->done) drop_incoming(hs, why);
+      if (hs->done) return;
+      drop_accepted(pending_, counters_, *hs, why);
+      if (hs->rail) hs->rail->fence();
     };
     hs->timer.expires_after(kHandshakeTimeout);
     hs->timer.async_wait([drop](error_code e) {
