@@ -115,12 +115,21 @@ class HoldingProxy {
     }
     if (stop_) return;
     in_ = ::accept(listen_, nullptr, nullptr);
-    out_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (in_ < 0) return;
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(to_);
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (in_ < 0 || ::connect(out_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return;
+    // Rank 0's listener may not be up yet when rank 1 arrives: retried for up to 10 s.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (;;) {
+      out_ = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (::connect(out_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) break;
+      ::close(out_);
+      out_ = -1;
+      if (stop_ || std::chrono::steady_clock::now() >= until) return;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
     char buf[65536];
     while (!stop_) {
       if (hold_) {
