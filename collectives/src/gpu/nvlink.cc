@@ -259,10 +259,9 @@ void NvlinkComm::free_host_side() {
   if (last_) (void)cudaEventDestroy(last_);
   if (last_captured_) (void)cudaEventDestroy(last_captured_);
   if (side_) (void)cudaStreamDestroy(side_);
-  if (words_) (void)cudaFreeHost(words_);
   last_ = last_captured_ = nullptr;
   side_ = nullptr;
-  words_ = words_device_ = nullptr;
+  words_idle_ = true;  // no kernel reads them any more; error() may, until the destructor
 }
 
 void NvlinkComm::stop_watchdog() {
@@ -334,18 +333,21 @@ void NvlinkComm::teardown_failed() {
 
 NvlinkComm::~NvlinkComm() {
   stop_watchdog();
-  if (closed_) return;
   const CurrentDevice keep;
-  (void)cudaSetDevice(device_);
-  if (!error().is_ok() || !wait_idle(std::chrono::seconds(10))) {
-    fail("nvlink: the communicator was destroyed with calls still running", false);
-    teardown_failed();
-    return;
+  if (!closed_) {
+    (void)cudaSetDevice(device_);
+    if (!error().is_ok() || !wait_idle(std::chrono::seconds(10))) {
+      fail("nvlink: the communicator was destroyed with calls still running", false);
+      teardown_failed();
+    } else {
+      unmap_peers();
+      free_host_side();
+      // Without close()'s barrier a peer may still map this rank's memory: it stays allocated.
+      if (!exported_) free_mine();
+    }
   }
-  unmap_peers();
-  free_host_side();
-  // Without close()'s barrier a peer may still map this rank's memory: it stays allocated.
-  if (!exported_) free_mine();
+  // The host words last: another thread's error() may read them until the object goes.
+  if (words_ != nullptr && words_idle_) (void)cudaFreeHost(words_);
 }
 
 Status NvlinkComm::close() {

@@ -173,7 +173,7 @@ class NvlinkComm {
   NvlinkComm() = default;
   void unmap_peers();  // and NCCL's communicator
   void free_mine();
-  void free_host_side();  // events, stream, host words
+  void free_host_side();  // events and stream (the host words go with the object)
   void stop_watchdog();
   // abort(), and the watchdog's failure (which marks only this rank's memory).
   void fail(const std::string& why, bool tell_peers);
@@ -209,6 +209,7 @@ class NvlinkComm {
   // Failure (abort(), the watchdog, a kernel that gave up): host words mapped into the device.
   detail::NvlinkHostWords* words_ = nullptr;         // host address
   detail::NvlinkHostWords* words_device_ = nullptr;  // the device's address of the same
+  bool words_idle_ = false;                          // no kernel can read them any more
   std::atomic<bool> aborted_{false};
   mutable std::mutex failure_mutex_;
   Status failure_ = Status::ok();  // why abort() was called
