@@ -621,10 +621,13 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       if (stopping) return;
       expire_pulls(Clock::now());
       if (inbox.empty()) {
-        if (pull_deadlines.empty())
+        if (pull_deadlines.empty()) {
           inbox_cv.wait(lock);
-        else
-          inbox_cv.wait_until(lock, pull_deadlines.begin()->first);
+        } else {
+          // A copy: the deadline's entry may be erased while this thread waits.
+          const Clock::time_point until = pull_deadlines.begin()->first;
+          inbox_cv.wait_until(lock, until);
+        }
         continue;
       }
       Received rec = std::move(inbox.front());
