@@ -11,6 +11,7 @@ namespace {
 std::atomic<int> g_level{static_cast<int>(LogLevel::kWarn)};
 std::atomic<int> g_rank{-1};
 std::mutex g_write_mutex;
+std::atomic<LogSink> g_sink{nullptr};
 }  // namespace
 
 std::string_view log_level_name(LogLevel level) {
@@ -39,7 +40,15 @@ void set_log_rank(int rank) {
   g_rank.store(rank);
 }
 
+void set_log_sink(LogSink sink) {
+  g_sink.store(sink);
+}
+
 void log_write(LogLevel level, std::string_view message) {
+  if (const LogSink sink = g_sink.load()) {
+    sink(level, message);
+    return;
+  }
   using namespace std::chrono;
   const double t = duration<double>(steady_clock::now().time_since_epoch()).count();
   const int rank = g_rank.load();

@@ -19,6 +19,10 @@ LogLevel log_level();
 // Shown in every line ("r2ccl[rank 3]"); -1 before the rank is known.
 void set_log_rank(int rank);
 void log_write(LogLevel level, std::string_view message);
+// Where lines go instead of stderr (a host's logger, e.g. NCCL's for the network plugin); the
+// sink gets the level and the message alone. Null: stderr again. The sink must not log itself.
+using LogSink = void (*)(LogLevel level, std::string_view message);
+void set_log_sink(LogSink sink);
 
 inline bool log_enabled(LogLevel level) {
   return static_cast<int>(level) <= static_cast<int>(log_level());
