@@ -42,6 +42,9 @@ constexpr RailState kStates[] = {RailState::kUp, RailState::kSuspect, RailState:
 
 }  // namespace
 
+RailCollector::RailCollector(const Fabric& fabric)
+    : endpoint_(fabric.endpoint()), rank_(std::to_string(fabric.rank())) {}
+
 std::vector<MetricFamily> RailCollector::Collect() const {
   auto up =
       family("r2ccl_rail_up", "1 while the rail carries traffic (state up or degraded), else 0.",
@@ -80,8 +83,8 @@ std::vector<MetricFamily> RailCollector::Collect() const {
              "How long the rail must be stable before re-admission after its next failure.",
              MetricType::Gauge);
 
-  const std::string rank = std::to_string(fabric_.rank());
-  for (const auto& v : fabric_.rail_telemetry()) {
+  const std::string& rank = rank_;
+  for (const auto& v : endpoint_.rail_telemetry()) {
     const auto& t = *v.telemetry;
     const std::vector<ClientMetric::Label> labels = {{"rank", rank},
                                                      {"peer", std::to_string(v.peer)},
@@ -116,7 +119,7 @@ std::vector<MetricFamily> RailCollector::Collect() const {
              "How long rail failures took to detect (from the last sign of life, or the event).",
              MetricType::Histogram);
   {
-    const auto& h = fabric_.failover_detection();
+    const auto& h = endpoint_.failover_detection();
     ClientMetric m;
     m.label = {{"rank", rank}};
     const auto cum = h.cumulative();
@@ -136,7 +139,7 @@ std::vector<MetricFamily> RailCollector::Collect() const {
     published.push_back(family(name.c_str(), help.c_str(), type));
     return published.back();
   };
-  fabric_.metrics().for_each(
+  endpoint_.metrics().for_each(
       [&](const MetricRegistry::Counter& c) {
         std::vector<ClientMetric::Label> l;
         for (const auto& [k, v] : c.labels)
@@ -170,15 +173,20 @@ std::vector<MetricFamily> RailCollector::Collect() const {
 }
 
 std::unique_ptr<JobMetrics> JobMetrics::start(const Config& config, const Fabric& fabric) {
+  return start(config, fabric.endpoint(), fabric.rank(), std::to_string(fabric.rank()));
+}
+
+std::unique_ptr<JobMetrics> JobMetrics::start(const Config& config, const Endpoint& endpoint,
+                                              int port_offset, std::string rank) {
   if (!config.metrics_port) return nullptr;
-  const int port = *config.metrics_port + fabric.rank();
+  const int port = *config.metrics_port + port_offset;
   if (port > 65535) {
-    R2CCL_WARN("metrics: R2CCL_METRICS_PORT {} + rank {} is past 65535; running without metrics",
-               *config.metrics_port, fabric.rank());
+    R2CCL_WARN("metrics: R2CCL_METRICS_PORT {} + {} is past 65535; running without metrics",
+               *config.metrics_port, port_offset);
     return nullptr;
   }
   std::unique_ptr<JobMetrics> m(new JobMetrics());
-  m->collector_ = std::make_shared<RailCollector>(fabric);
+  m->collector_ = std::make_shared<RailCollector>(endpoint, std::move(rank));
   const HostPort at{config.metrics_addr, static_cast<std::uint16_t>(port)};
   auto http = HttpExporter::start(at, m->collector_);
   if (!http) {

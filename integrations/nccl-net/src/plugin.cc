@@ -27,6 +27,9 @@
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/telemetry.h"
 #include "r2ccl/runtime/wire.h"
+#ifdef R2CCL_WITH_METRICS
+#include "r2ccl/monitor/job_metrics.h"
+#endif
 
 namespace r2ccl::ncclnet {
 namespace {
@@ -272,6 +275,10 @@ class State {
   bool stopping_ = false;
   std::thread connector_;
   std::unique_ptr<int> context_token_ = std::make_unique<int>(0);
+  LogLimiter drop_limiter_;
+#ifdef R2CCL_WITH_METRICS
+  std::unique_ptr<mon::JobMetrics> metrics_;  // before endpoint_ in destruction: declared after
+#endif
 };
 
 State& state() {
@@ -334,6 +341,19 @@ ncclResult_t State::init(ncclDebugLogger_t logger, void** ctx) {
   pci_path_ = pci;
   speed_mbps_ = speed;
   endpoint_ = std::move(ep);
+#ifdef R2CCL_WITH_METRICS
+  // One plugin per GPU process: LOCAL_RANK (torchrun's) spreads them over consecutive ports.
+  {
+    const auto local = env("LOCAL_RANK");
+    const auto rank = env("RANK");
+    const int offset = local ? std::atoi(local->c_str()) : 0;
+    metrics_ = mon::JobMetrics::start(config_, *endpoint_, std::clamp(offset, 0, 4096),
+                                      rank ? *rank : endpoint_->name());
+  }
+#else
+  if (config_.metrics_port)
+    R2CCL_WARN("R2CCL_METRICS_PORT is set, but this plugin was built without metrics");
+#endif
   stopping_ = false;
   connector_ = std::thread([this] { connector_loop(); });
   ++contexts_;
@@ -359,6 +379,9 @@ void State::shut_down() {
   if (connector_.joinable()) connector_.join();
   set_log_sink(nullptr);
   g_logger.store(nullptr);
+#ifdef R2CCL_WITH_METRICS
+  metrics_.reset();
+#endif
   endpoint_.reset();
 }
 
@@ -863,9 +886,8 @@ ncclResult_t State::test(void* request, int* done, int* sizes) {
 void State::on_message(int peer, Bytes payload) {
   ByteReader r(payload);
   const auto type = static_cast<Msg>(r.u8());
-  static LogLimiter limiter;
   auto drop = [&](std::string why) {
-    log_limited(limiter, LogLevel::kWarn,
+    log_limited(drop_limiter_, LogLevel::kWarn,
                 fmt::format("net plugin: dropped a message from peer {}: {}", peer, why));
   };
   if (type == Msg::kConnect) {

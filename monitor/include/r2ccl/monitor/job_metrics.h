@@ -21,11 +21,15 @@ class HttpExporter;
 // histogram and r2ccl_build_info.
 class RailCollector final : public prometheus::Collectable {
  public:
-  explicit RailCollector(const Fabric& fabric) : fabric_(fabric) {}
+  explicit RailCollector(const Fabric& fabric);
+  // An endpoint outside a world (the NCCL network plugin's): `rank` is the label's value.
+  RailCollector(const Endpoint& endpoint, std::string rank)
+      : endpoint_(endpoint), rank_(std::move(rank)) {}
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
-  const Fabric& fabric_;
+  const Endpoint& endpoint_;
+  std::string rank_;
 };
 
 class JobMetrics {
@@ -33,6 +37,10 @@ class JobMetrics {
   // nullptr when R2CCL_METRICS_PORT is not set, or — with a warning naming the address and the
   // reason — when the endpoint cannot start (port in use, foreign address): the job runs on.
   static std::unique_ptr<JobMetrics> start(const Config& config, const Fabric& fabric);
+  // The same for an endpoint outside a world: served on R2CCL_METRICS_PORT + `port_offset`,
+  // its series labelled rank=`rank`.
+  static std::unique_ptr<JobMetrics> start(const Config& config, const Endpoint& endpoint,
+                                           int port_offset, std::string rank);
   ~JobMetrics();
   std::uint16_t port() const;
 

@@ -53,6 +53,7 @@ class Fabric {
   Bootstrap& bootstrap() { return *bootstrap_; }
   // This rank's endpoint (peer id = rank).
   Endpoint& endpoint() { return *endpoint_; }
+  const Endpoint& endpoint() const { return *endpoint_; }
   const Config& config() const { return config_; }
   // This rank's rails (local NICs), in rail order.
   const std::vector<RailNic>& nics() const;
