@@ -31,7 +31,7 @@
 #        this script where there is no GPU)
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 2
 gpus=${1:-2}
 rate=${2:-2gbit}
 out=${OUT:-/tmp/nccl-net-out}
