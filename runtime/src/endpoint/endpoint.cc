@@ -445,6 +445,9 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
     probe_ports.push_back(rail.probe_port);
   ctx.on_rail_attached = [this, incarnation = info.incarnation, probe_ports](
                              int peer, std::uint32_t rail, const std::string& address) {
+    // No address: the connection closed before it was attached (the peer gave up its side of
+    // two crossing connects); it fails on its first read, and its successor sets the target.
+    if (address.empty()) return;
     if (rail < probe_ports.size())
       prober_->add_target(peer, incarnation, rail, address, probe_ports[rail]);
   };
