@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what runs on the GPU machines (device tool) into build-gpu/: the GPU tests,
-# r2ccl-gpu-perf and libr2ccl.so (for the Python package), the default build type
+# r2ccl-gpu-perf, libr2ccl.so (for the Python package) and the NCCL network plugin, the default build type
 # (ccache then shares the objects of build/), Hopper code (sm_90), debug information stripped;
 # then copies the shared libraries the binaries need that the GPU machines' image lacks
 # into build-gpu/carry-lib (glibc, libstdc++ and libgcc stay: the image's are newer; so does
@@ -10,12 +10,16 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=$root/build-gpu
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(gpu_reduce_test r2ccl-gpu-perf r2ccl)
+[[ ${#targets[@]} -gt 0 ]] || targets=(gpu_reduce_test r2ccl-gpu-perf r2ccl nccl-net-r2ccl)
 cmake -S "$root" -B "$build" -G Ninja -DR2CCL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 cmake --build "$build" --target "${targets[@]}"
 files=()
 for t in "${targets[@]}"; do
-  if [[ $t == r2ccl ]]; then files+=("$build/lib/libr2ccl.so.0.1"); else files+=("$build/bin/$t"); fi
+  case $t in
+    r2ccl) files+=("$build/lib/libr2ccl.so.0.1") ;;
+    nccl-net-r2ccl) files+=("$build/lib/libnccl-net-r2ccl.so") ;;  # NCCL_NET_PLUGIN
+    *) files+=("$build/bin/$t") ;;
+  esac
 done
 for f in "${files[@]}"; do
   objcopy --strip-debug "$(readlink -f "$f")"
