@@ -469,6 +469,7 @@ def do_bw(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
             deadline = time.monotonic() + 30
             while not os.path.exists(a.fault_file) and time.monotonic() < deadline:
                 time.sleep(0.05)
+            time.sleep(2.0)  # the steady state with the NIC down (the loops time the failover)
             dog.beat()
         dog.arm(a.stall, "barrier after the fault")
         dist.barrier()
