@@ -333,5 +333,51 @@ TEST(Prober, OnlyAReplyToAnUnansweredProbeFromWhereItWentCounts) {
   ::close(elsewhere);
 }
 
+
+// Standalone endpoints have tokens of their own: a channel's probes carry the tag of the token
+// that authenticated it (the endpoint that was dialled), and the dialling side answers that tag
+// once it accepted it. Without accept_tag a probe with another endpoint's tag is not answered.
+TEST(Prober, EndpointsWithTheirOwnTokensAnswerTheChannelsTag) {
+  Token token_a{}, token_b{};
+  token_a.fill(0x11);
+  token_b.fill(0x22);
+  const std::uint64_t channel_tag = Prober::tag_of(token_b);  // A dialled B
+  ASSERT_NE(channel_tag, Prober::tag_of(token_a));
+  std::mutex m;
+  std::condition_variable cv;
+  int a_heard = 0, b_heard = 0;
+  auto counter = [&](int& n) {
+    return [&](int, std::uint32_t, auto) {
+      std::lock_guard lock(m);
+      ++n;
+      cv.notify_all();
+    };
+  };
+  ProgressEngine engine;
+  const RailNic lo{"lo", "127.0.0.1", -1, "", ""};
+  auto a = Prober::open(engine, {lo}, token_a, 1, std::chrono::milliseconds(10), counter(a_heard));
+  auto b = Prober::open(engine, {lo}, token_b, 2, std::chrono::milliseconds(10), counter(b_heard));
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  engine.call([&] {
+    (*a)->add_target(7, 2, 0, "127.0.0.1", (*b)->port(0), channel_tag);
+    (*b)->add_target(8, 1, 0, "127.0.0.1", (*a)->port(0), channel_tag);
+  });
+  {
+    std::unique_lock lock(m);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return a_heard >= 3; })) << "B never answered A";
+    // A has not accepted B's tag yet: B's probes (thirty of them meanwhile) go unanswered.
+    cv.wait_for(lock, 300ms, [&] { return b_heard > 0; });
+    EXPECT_EQ(b_heard, 0);
+  }
+  engine.call([&] { (*a)->accept_tag(channel_tag); });
+  {
+    std::unique_lock lock(m);
+    EXPECT_TRUE(cv.wait_for(lock, 10s, [&] { return b_heard >= 3; })) << "A never answered B";
+  }
+  (*a)->stop();
+  (*b)->stop();
+}
+
 }  // namespace
 }  // namespace r2ccl

@@ -419,6 +419,11 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
       options_.self_label.empty() ? fmt::format("'{}'", info_.name) : options_.self_label;
   // A connector shows the token of the endpoint it connects to.
   ctx.token = info.token.value_or(*info_.token);
+  // Probes on this channel carry its token's tag: the peer's when this side dialled it (the
+  // peer answers its own), this endpoint's when the peer dialled it. Standalone endpoints have
+  // tokens of their own; in a world every rank has the job's.
+  const std::uint64_t probe_tag = Prober::tag_of(ctx.token);
+  prober_->accept_tag(probe_tag);
   ctx.provider = provider_.get();
   if (out_of_band_) ctx.out_of_band = out_of_band_;
   ctx.events = &events_;
@@ -443,13 +448,13 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   std::vector<std::uint16_t> probe_ports;
   for (const auto& rail : info.rails)
     probe_ports.push_back(rail.probe_port);
-  ctx.on_rail_attached = [this, incarnation = info.incarnation, probe_ports](
+  ctx.on_rail_attached = [this, incarnation = info.incarnation, probe_ports, probe_tag](
                              int peer, std::uint32_t rail, const std::string& address) {
     // No address: the connection closed before it was attached (the peer gave up its side of
     // two crossing connects); it fails on its first read, and its successor sets the target.
     if (address.empty()) return;
     if (rail < probe_ports.size())
-      prober_->add_target(peer, incarnation, rail, address, probe_ports[rail]);
+      prober_->add_target(peer, incarnation, rail, address, probe_ports[rail], probe_tag);
   };
   Channel::PeerIdentity identity;
   identity.id = id;
@@ -462,7 +467,7 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   for (std::uint32_t i = 0; i < n && options.connector; ++i)
     if (auto dialled = decode_endpoint(info.rails[i].endpoint, info.provider))
       prober_->add_target(id, info.incarnation, i, dialled->address().to_string(),
-                          info.rails[i].probe_port);
+                          info.rails[i].probe_port, probe_tag);
   peer->info = std::move(info);
   std::lock_guard lock(peers_mutex_);
   if (peers_.size() <= static_cast<std::size_t>(id))

@@ -36,12 +36,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
         interval_(interval),
         timer_(engine.io()),
         handler_(std::move(handler)) {
-    // The tag is derived from the token (an HMAC), never a part of it: probes go out in the clear.
-    static constexpr std::string_view kLabel = "r2ccl probe tag";
-    if (auto mac = crypto::hmac(
-            token, {std::span<const std::uint8_t>(
-                       reinterpret_cast<const std::uint8_t*>(kLabel.data()), kLabel.size())}))
-      std::memcpy(&tag_, mac->data(), sizeof tag_);
+    tag_ = Prober::tag_of(token);
   }
 
   Status open(const std::vector<RailNic>& nics) {
@@ -72,15 +67,23 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
 
   std::uint16_t port(std::size_t device) const override { return sockets_[device]->port; }
 
+  void accept_tag(std::uint64_t tag) override {
+    if (tag == tag_ || std::find(tags_.begin(), tags_.end(), tag) != tags_.end()) return;
+    if (tags_.size() >= kMaxTags) tags_.erase(tags_.begin());
+    tags_.push_back(tag);
+  }
+
   void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
-                  const std::string& address, std::uint16_t port) override {
+                  const std::string& address, std::uint16_t port, std::uint64_t tag) override {
+    if (tag == 0) tag = tag_;
     boost::system::error_code ec;
     auto a = asio::ip::make_address_v4(address, ec);
     if (ec || rail >= sockets_.size()) {
       R2CCL_WARN("prober: bad probe target for peer {} rail {}: '{}'", peer, rail, address);
       return;
     }
-    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port)};
+    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port),
+                   tag};
     auto same = std::find_if(targets_.begin(), targets_.end(),
                              [&](const Target& o) { return o.peer == t.peer && o.rail == t.rail; });
     if (same == targets_.end()) {
@@ -88,6 +91,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     } else {
       same->incarnation = t.incarnation;
       same->to = t.to;  // replies to the probes sent to the old address no longer count
+      same->tag = t.tag;
     }
   }
 
@@ -126,6 +130,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     std::uint64_t incarnation;
     std::uint32_t rail;
     udp::endpoint to;
+    std::uint64_t tag = 0;  // what its probes carry: the channel's token's
     std::uint64_t seq = 0;
     std::array<InFlight, kInFlight> in_flight{};  // sequence s in slot s % kInFlight
   };
@@ -143,7 +148,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     for (auto& t : targets_) {
       ProbePacket p;
       p.type = ProbePacket::Type::kRequest;
-      p.tag = tag_;
+      p.tag = t.tag;
       p.src = me_;
       p.dst = t.incarnation;
       p.peer = t.peer;
@@ -179,8 +184,9 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   void on_packet(std::size_t device, std::size_t n) {
     auto& s = *sockets_[device];
     const auto p = ProbePacket::decode(s.buffer.data(), n);
-    if (!p || p->tag != tag_) return;
-    if (p->type == ProbePacket::Type::kRequest && p->dst == me_) {
+    if (!p) return;
+    if (p->type == ProbePacket::Type::kRequest && p->dst == me_ &&
+        (p->tag == tag_ || std::find(tags_.begin(), tags_.end(), p->tag) != tags_.end())) {
       send(device, p->reply(), s.from);
       return;
     }
@@ -195,7 +201,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     auto t = std::find_if(targets_.begin(), targets_.end(),
                           [&](const Target& o) { return o.peer == p.peer && o.rail == p.rail; });
     if (t == targets_.end() || t->rail != device || from != t->to || p.dst != t->incarnation ||
-        p.sequence == 0)
+        p.tag != t->tag || p.sequence == 0)
       return;
     auto& sent = t->in_flight[p.sequence % kInFlight];
     if (sent.seq != p.sequence) return;  // never sent, too old, or answered already
@@ -210,12 +216,24 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   asio::steady_timer timer_;
   ReplyHandler handler_;
   std::uint64_t tag_ = 0;
+  std::vector<std::uint64_t> tags_;  // tags of peers' tokens also answered (accept_tag)
   std::vector<std::unique_ptr<Socket>> sockets_;
   std::vector<Target> targets_;
   bool stopped_ = false;
 };
 
 }  // namespace
+
+std::uint64_t Prober::tag_of(const Token& token) {
+  // Derived from the token (an HMAC), never a part of it: probes go out in the clear.
+  static constexpr std::string_view kLabel = "r2ccl probe tag";
+  std::uint64_t tag = 0;
+  if (auto mac = crypto::hmac(
+          token, {std::span<const std::uint8_t>(
+                     reinterpret_cast<const std::uint8_t*>(kLabel.data()), kLabel.size())}))
+    std::memcpy(&tag, mac->data(), sizeof tag);
+  return tag;
+}
 
 Result<std::unique_ptr<Prober>> Prober::open(ProgressEngine& engine,
                                              const std::vector<RailNic>& nics, const Token& token,
@@ -230,9 +248,10 @@ Result<std::unique_ptr<Prober>> Prober::open(ProgressEngine& engine,
     std::shared_ptr<UdpProber> impl;
     std::uint16_t port(std::size_t d) const override { return impl->port(d); }
     void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail, const std::string& a,
-                    std::uint16_t port) override {
-      impl->add_target(peer, incarnation, rail, a, port);
+                    std::uint16_t port, std::uint64_t tag) override {
+      impl->add_target(peer, incarnation, rail, a, port, tag);
     }
+    void accept_tag(std::uint64_t tag) override { impl->accept_tag(tag); }
     void remove_targets(int peer) override { impl->remove_targets(peer); }
     void stop() override { impl->stop(); }
     ~Handle() override { impl->stop(); }

@@ -3,8 +3,8 @@
 // One UDP socket per local NIC, bound to its address (and to the device where permitted), so a
 // probe takes exactly the path of the rail's data but not its TCP queues: a probe's round trip
 // is the network's, and a black-holed NIC stops answering even while its link stays up. Every
-// prober also answers the probes it receives. Packets carry a tag of the job's token; others are
-// ignored.
+// prober also answers the probes it receives. Packets carry a tag of the token that
+// authenticated the rail's channel (the job's, in a world); others are ignored.
 #pragma once
 
 #include <chrono>
@@ -36,11 +36,19 @@ class Prober {
   virtual ~Prober() = default;
   // The UDP port of NIC `device`'s probe socket (published to the peers).
   virtual std::uint16_t port(std::size_t device) const = 0;
+  // The tag that probes authenticated by `token` carry (an HMAC of it: probes go in the clear).
+  static std::uint64_t tag_of(const Token& token);
   // Probe the NIC (address:port) of the endpoint `incarnation`, which the caller calls `peer`,
   // from local device `rail` every interval, instead of where that peer's rail was probed until
-  // now. Loop thread.
+  // now. `tag`: the tag of the token that authenticates the channel to that peer (the token of
+  // the endpoint it was dialled at); 0: this prober's own. Loop thread.
   virtual void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
-                          const std::string& address, std::uint16_t port) = 0;
+                          const std::string& address, std::uint16_t port,
+                          std::uint64_t tag = 0) = 0;
+  // Also answers probes that carry `tag` (that of a peer's token this endpoint dialled with).
+  // At most kMaxTags are kept (the oldest go). Loop thread.
+  static constexpr std::size_t kMaxTags = 4096;
+  virtual void accept_tag(std::uint64_t tag) = 0;
   // Stops probing `peer`. Loop thread.
   virtual void remove_targets(int peer) = 0;
   virtual void stop() = 0;
