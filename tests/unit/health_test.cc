@@ -333,7 +333,6 @@ TEST(Prober, OnlyAReplyToAnUnansweredProbeFromWhereItWentCounts) {
   ::close(elsewhere);
 }
 
-
 // Standalone endpoints have tokens of their own: a channel's probes carry the tag of the token
 // that authenticated it (the endpoint that was dialled), and the dialling side answers that tag
 // once it accepted it. Without accept_tag a probe with another endpoint's tag is not answered.

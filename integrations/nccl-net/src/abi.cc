@@ -143,9 +143,9 @@ ncclResult_t devices(int* ndev) {
 
 extern "C" {
 
-#define R2CCL_NET_COMMON(props, init, listen, connect, isend, irecv)                              \
-  "r2ccl", init, devices, props, listen, connect, accept_any, net::reg_mr, net::reg_mr_dmabuf,  \
-      net::dereg_mr, isend, irecv, iflush, net::test, net::close_send, net::close_recv,          \
+#define R2CCL_NET_COMMON(props, init, listen, connect, isend, irecv)                           \
+  "r2ccl", init, devices, props, listen, connect, accept_any, net::reg_mr, net::reg_mr_dmabuf, \
+      net::dereg_mr, isend, irecv, iflush, net::test, net::close_send, net::close_recv,        \
       net::close_listen, nullptr /* getDeviceMr */, nullptr /* irecvConsumed */
 
 ncclNet_v12_t ncclNetPlugin_v12 = {

@@ -198,7 +198,7 @@ struct Comm {
   std::string peer_label;
   std::uint64_t remote_id = 0;  // the receive comm's id (a send comm, from its clear-to-sends)
   std::mutex mutex;
-  Status failed;                         // under mutex
+  Status failed;                          // under mutex
   std::deque<ClearToSend> clear_to_send;  // a send comm's, under mutex
   std::uint64_t next_seq = 0;             // a receive comm's (NCCL's thread)
   std::array<Request, kMaxRequests> requests;
@@ -387,9 +387,11 @@ void State::shut_down() {
 
 ncclResult_t State::properties(int dev, DeviceProperties* props) {
   std::lock_guard lock(mutex_);
-  if (!endpoint_) return fail(ncclInvalidUsage, "r2ccl getProperties: the plugin is not initialised");
+  if (!endpoint_)
+    return fail(ncclInvalidUsage, "r2ccl getProperties: the plugin is not initialised");
   if (dev != 0 || props == nullptr)
-    return fail(ncclInvalidArgument, fmt::format("r2ccl getProperties: no device {} (one: 0)", dev));
+    return fail(ncclInvalidArgument,
+                fmt::format("r2ccl getProperties: no device {} (one: 0)", dev));
   props->name = device_name_.c_str();
   props->pci_path = pci_path_.empty() ? nullptr : pci_path_.c_str();
   props->guid = endpoint_->incarnation();
@@ -418,7 +420,8 @@ ncclResult_t State::listen(int dev, void* handle, void** out) {
   auto l = std::make_shared<Listen>();
   {
     std::lock_guard lock(mutex_);
-    do l->id = static_cast<std::uint32_t>(random_u64());
+    do
+      l->id = static_cast<std::uint32_t>(random_u64());
     while (l->id == 0 || listen_ids_.contains(l->id));
     listen_ids_[l->id] = l;
     listens_[l.get()] = l;
@@ -474,7 +477,8 @@ ncclResult_t State::connect(int dev, void* handle, void** out) {
     auto a = std::make_shared<Attempt>();
     a->endpoint_handle = std::move(endpoint_handle);
     a->listen_id = listen_id;
-    do stage = random_u64();
+    do
+      stage = random_u64();
     while (attempts_.contains(stage));
     attempts_[stage] = a;
     connect_queue_.push_back(stage);
@@ -496,7 +500,8 @@ ncclResult_t State::connect(int dev, void* handle, void** out) {
   c->kind = Comm::Kind::kSend;
   c->id = next_id_++;
   c->peer = *a->peer;
-  for (auto& req : c->requests) req.comm = c.get();
+  for (auto& req : c->requests)
+    req.comm = c.get();
   lock.unlock();
   c->peer_label = ep->peer_label(c->peer).value_or(fmt::format("peer {}", c->peer));
   ByteWriter w(16);
@@ -558,7 +563,8 @@ ncclResult_t State::accept(void* listen_comm, void** out) {
   c->peer = next.first;
   c->remote_id = next.second;
   c->peer_label = ep->peer_label(c->peer).value_or(fmt::format("peer {}", c->peer));
-  for (auto& req : c->requests) req.comm = c.get();
+  for (auto& req : c->requests)
+    req.comm = c.get();
   {
     std::lock_guard lock(mutex_);
     c->id = next_id_++;
@@ -579,8 +585,7 @@ std::shared_ptr<Comm> State::find_comm(const void* p, Comm::Kind kind) {
 std::shared_ptr<Comm> State::route(std::uint64_t id, int peer, Comm::Kind kind) {
   std::lock_guard lock(mutex_);
   auto it = comm_ids_.find(id);
-  if (it == comm_ids_.end() || it->second->peer != peer || it->second->kind != kind)
-    return nullptr;
+  if (it == comm_ids_.end() || it->second->peer != peer || it->second->kind != kind) return nullptr;
   return it->second;
 }
 
@@ -620,8 +625,7 @@ ncclResult_t State::dereg_mr(void* comm, void* mhandle) {
     mh = std::move(it->second);
     mrs_.erase(it);
   }
-  if (Status st = endpoint()->deregister_memory(mh->region); !st)
-    return fail(st, "r2ccl deregMr");
+  if (Status st = endpoint()->deregister_memory(mh->region); !st) return fail(st, "r2ccl deregMr");
   return ncclSuccess;
 }
 
@@ -652,9 +656,10 @@ Status State::health(Comm& c) {
   if (!c.no_rail_since) c.no_rail_since = now;
   if (now - *c.no_rail_since < config_.timeout) return Status::ok();
   Status st(ErrorCode::kUnavailable,
-            fmt::format("no rail to {} has worked for {} ms (R2CCL_TIMEOUT): {}", c.peer_label,
-                        std::chrono::duration_cast<milliseconds>(now - *c.no_rail_since).count(),
-                        seen.empty() ? std::string("no rails") : fmt::format("{}", fmt::join(seen, ", "))));
+            fmt::format(
+                "no rail to {} has worked for {} ms (R2CCL_TIMEOUT): {}", c.peer_label,
+                std::chrono::duration_cast<milliseconds>(now - *c.no_rail_since).count(),
+                seen.empty() ? std::string("no rails") : fmt::format("{}", fmt::join(seen, ", "))));
   std::lock_guard lock(c.mutex);
   if (c.failed) c.failed = st;
   return c.failed;
@@ -730,7 +735,8 @@ ncclResult_t State::isend(void* comm, void* data, std::size_t size, int tag, voi
     const std::byte* base = mh ? mh->region->base : nullptr;
     const auto* p = static_cast<const std::byte*>(data);
     if (mh == nullptr)
-      st = Status(ErrorCode::kInvalidArgument, "the send buffer has no memory handle of this plugin");
+      st = Status(ErrorCode::kInvalidArgument,
+                  "the send buffer has no memory handle of this plugin");
     else if (p < base || static_cast<std::size_t>(p - base) + size > mh->region->length)
       st = Status(ErrorCode::kInvalidArgument, "the send buffer lies outside its memory handle");
     else {
@@ -752,8 +758,8 @@ ncclResult_t State::isend(void* comm, void* data, std::size_t size, int tag, voi
   return ncclSuccess;
 }
 
-ncclResult_t State::irecv(void* comm, int n, void** data, const std::size_t* sizes,
-                          const int* tags, void** mhandles, void** request) {
+ncclResult_t State::irecv(void* comm, int n, void** data, const std::size_t* sizes, const int* tags,
+                          void** mhandles, void** request) {
   if (request == nullptr) return fail(ncclInvalidArgument, "r2ccl irecv: request is NULL");
   *request = nullptr;
   auto c = find_comm(comm, Comm::Kind::kRecv);
@@ -959,9 +965,9 @@ void State::on_message(int peer, Bytes payload) {
     c->remote_id = recv_id;
     if (c->clear_to_send.size() >= kMaxClearToSend) {
       if (c->failed)
-        c->failed = Status(ErrorCode::kProtocol,
-                           fmt::format("{} posted more than {} receives at once", c->peer_label,
-                                       kMaxClearToSend));
+        c->failed = Status(
+            ErrorCode::kProtocol,
+            fmt::format("{} posted more than {} receives at once", c->peer_label, kMaxClearToSend));
       return;
     }
     c->clear_to_send.push_back(cts);
@@ -1007,11 +1013,13 @@ void State::on_peer_event(const Endpoint::PeerEvent& e) {
     std::lock_guard lock(mutex_);
     for (auto& [p, c] : comms_)
       if (c->peer == e.peer) hit.push_back(c);
-    for (auto& [p, l] : listens_) listens.push_back(l);
+    for (auto& [p, l] : listens_)
+      listens.push_back(l);
   }
   for (auto& c : hit) {
     std::lock_guard lock(c->mutex);
-    if (c->failed) c->failed = Status(ErrorCode::kClosed, fmt::format("{} left: {}", e.label, e.why));
+    if (c->failed)
+      c->failed = Status(ErrorCode::kClosed, fmt::format("{} left: {}", e.label, e.why));
   }
   for (auto& l : listens) {
     std::lock_guard lock(l->mutex);
@@ -1109,9 +1117,8 @@ ncclResult_t isend(void* send_comm, void* data, std::size_t size, int tag, void*
 }
 ncclResult_t irecv(void* recv_comm, int n, void** data, const std::size_t* sizes, const int* tags,
                    void** mhandles, void** request) {
-  return guarded("irecv", [&] {
-    return state().irecv(recv_comm, n, data, sizes, tags, mhandles, request);
-  });
+  return guarded("irecv",
+                 [&] { return state().irecv(recv_comm, n, data, sizes, tags, mhandles, request); });
 }
 ncclResult_t iflush(void*, int, void**, const int*, void**, void** request) {
   // Host memory only: what a receive completed is in memory the CPU wrote, nothing to flush.
