@@ -497,6 +497,51 @@ def test_perf_with_nic_failed_midway(perf, op):
 # ----------------------------------------------------------------------------- bad input
 
 
+def test_nccl_net_plugin_over_verbs(perf, tmp_path):
+    """NCCL's network plugin over the verbs provider, driven through NCCL's ABI by
+    r2ccl-test-nccl-net (tests/system/nccl_net_harness.cc): two processes, each on its host's
+    first two rxe NICs, stream tagged and grouped messages both ways for a few seconds; every
+    byte is checked by the harness, and both rails' wires carried the stream."""
+    need_nics(2)
+    harness = perf.parent / "r2ccl-test-nccl-net"
+    plugin = perf.parent.parent / "lib" / "libnccl-net-r2ccl.so"
+    for f in (harness, plugin):
+        if not f.exists():
+            pytest.fail(f"{f} does not exist (build the targets r2ccl-test-nccl-net nccl-net-r2ccl)")
+    handles = [str(tmp_path / f"handle{i}") for i in (0, 1)]
+    before = [wire_bytes(netdev(0, n)) for n in (0, 1)]
+    procs = []
+    for i in (0, 1):
+        env = dict(os.environ)
+        env.update(VM_ENV)
+        env["R2CCL_NICS"] = rank_nics(i, 2)
+        argv = [str(harness), "--plugin", str(plugin), "--id", str(i), "--handle-out", handles[i],
+                "--handle-in", handles[1 - i], "--size", "131072", "--seconds", "4",
+                "--deadline", "150"]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=150 + SLACK_S)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    after = [wire_bytes(netdev(0, n)) for n in (0, 1)]
+    text = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o}" for i, (p, o) in
+                     enumerate(zip(procs, outs)))
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, text
+        assert re.search(r"^ok \d+ \d+ received", out, re.M), text
+    assert re.search(rf"name=r2ccl\[{rank_nics(0, 2).replace(',', '[+]')}\]", outs[0]), text
+    for n in (0, 1):
+        assert after[n] - before[n] >= 1 << 20, (f"rail {n} (h0n{n}) carried "
+                                                 f"{after[n] - before[n]} bytes\n" + text)
+
+
 def verbs_only():
     if PROVIDER != "verbs":
         pytest.skip("verbs-only (R2CCL_TEST_RDMA_PROVIDER is not verbs)")
