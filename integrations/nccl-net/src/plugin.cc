@@ -69,12 +69,10 @@ void nccl_log_sink(LogLevel level, std::string_view message) {
   logger(l, NCCL_NET, "r2ccl", 0, "NET/r2ccl: %s", text.c_str());
 }
 
-// Logs `why` as a WARN (through NCCL's logger once init gave one) and returns NCCL's code.
+// Logs `why` as a WARN (log_write reaches NCCL's logger once init set the sink) and returns
+// NCCL's code.
 ncclResult_t fail(ncclResult_t code, const std::string& why) {
-  if (g_logger.load() != nullptr)
-    nccl_log_sink(LogLevel::kWarn, why);
-  else
-    log_write(LogLevel::kWarn, why);
+  log_write(LogLevel::kWarn, why);
   return code;
 }
 
@@ -232,6 +230,7 @@ class State {
   ncclResult_t init(ncclDebugLogger_t logger, void** ctx);
   ncclResult_t finalize(void* ctx);
   ncclResult_t properties(int dev, DeviceProperties* props);
+  ncclResult_t check_open(const char* what, int dev, void* handle, void** out);
   ncclResult_t listen(int dev, void* handle, void** out);
   ncclResult_t connect(int dev, void* handle, void** out);
   ncclResult_t accept(void* listen_comm, void** out);
@@ -403,13 +402,21 @@ ncclResult_t State::properties(int dev, DeviceProperties* props) {
   return ncclSuccess;
 }
 
-ncclResult_t State::listen(int dev, void* handle, void** out) {
+// The checks listen and connect share: the handle and out pointers, the device, init done.
+ncclResult_t State::check_open(const char* what, int dev, void* handle, void** out) {
   if (out == nullptr || handle == nullptr)
-    return fail(ncclInvalidArgument, "r2ccl listen: handle or listenComm is NULL");
+    return fail(ncclInvalidArgument, fmt::format("r2ccl {}: handle or comm is NULL", what));
   *out = nullptr;
-  if (dev != 0) return fail(ncclInvalidArgument, fmt::format("r2ccl listen: no device {}", dev));
+  if (dev != 0)
+    return fail(ncclInvalidArgument, fmt::format("r2ccl {}: no device {} (one: 0)", what, dev));
+  if (endpoint() == nullptr)
+    return fail(ncclInvalidUsage, fmt::format("r2ccl {}: the plugin is not initialised", what));
+  return ncclSuccess;
+}
+
+ncclResult_t State::listen(int dev, void* handle, void** out) {
+  if (const ncclResult_t r = check_open("listen", dev, handle, out); r != ncclSuccess) return r;
   Endpoint* ep = endpoint();
-  if (ep == nullptr) return fail(ncclInvalidUsage, "r2ccl listen: the plugin is not initialised");
   auto h = ep->handle();
   if (!h) return fail(h.status(), "r2ccl listen");
   if (h->size() > kMaxEndpointHandle)
@@ -437,12 +444,8 @@ ncclResult_t State::listen(int dev, void* handle, void** out) {
 }
 
 ncclResult_t State::connect(int dev, void* handle, void** out) {
-  if (out == nullptr || handle == nullptr)
-    return fail(ncclInvalidArgument, "r2ccl connect: handle or sendComm is NULL");
-  *out = nullptr;
-  if (dev != 0) return fail(ncclInvalidArgument, fmt::format("r2ccl connect: no device {}", dev));
+  if (const ncclResult_t r = check_open("connect", dev, handle, out); r != ncclSuccess) return r;
   Endpoint* ep = endpoint();
-  if (ep == nullptr) return fail(ncclInvalidUsage, "r2ccl connect: the plugin is not initialised");
   auto* bytes = static_cast<std::byte*>(handle);
   ByteReader r(std::span<const std::byte>(bytes, kStageOffset));
   const auto magic = r.u32();
@@ -952,9 +955,8 @@ void State::on_message(int peer, Bytes payload) {
         e.offset = r.u64();
         if (r.ok() && (e.offset > e.region.length || e.size > e.region.length - e.offset))
           return drop("a clear-to-send names bytes outside its region");
-      } else if (e.size > kInlineMax) {
-        // Only inline sends can reach it: larger ones fail at the sender, naming it.
       }
+      // Without a region only inline sends can reach it: larger ones fail at the sender.
     }
     if (!r.finish("clear-to-send").is_ok()) return drop("malformed clear-to-send");
     auto c = route(send_id, peer, Comm::Kind::kSend);
