@@ -214,39 +214,45 @@ def test_failover_between_two_ranks_completes_while_rank_0_is_stopped(perf, tmp_
     # rank 1 sends to rank 2. Their failover needs nothing from rank 0 (the
     # bootstrap root): it completes while rank 0 is stopped, and every byte is verified.
     needs_real_time_speed()
-    ev = str(tmp_path / "ev")
-    args = ["sendrecv", "-b", "384M", "-e", "384M", "-w", "0", "-c", "1", "--duration", "1",
-            "--events", ev]
-    times = {}
+    args_base = ["sendrecv", "-b", "384M", "-e", "384M", "-w", "0", "-c", "1", "--duration", "1"]
+    # The fault must land while rank 0 is stopped and data crosses eth2; on a loaded machine the
+    # ring can start late, so a trial whose fault missed that window (a fact of the harness, not
+    # of r2ccl) is run again, at most three times. Every trial's results are asserted.
+    for trial in range(3):
+        ev = str(tmp_path / f"ev{trial}")
+        args = args_base + ["--events", ev]
+        times = {}
 
-    def signal_rank0(sig, key):
-        pids = netns_pids_of(tb.ns(0), PERF)
-        times[key] = time.time_ns()
-        times[key + "_pids"] = pids
-        for pid in pids:
-            os.kill(pid, sig)
+        def signal_rank0(sig, key, times=times):
+            pids = netns_pids_of(tb.ns(0), PERF)
+            times[key] = time.time_ns()
+            times[key + "_pids"] = pids
+            for pid in pids:
+                os.kill(pid, sig)
 
-    with Testbed(hosts=4, nics=4, rate="100mbit") as tb:
-        ns1 = tb.ns(1)
-        down = BusyTrigger(ns1, "eth2", ["ip", "-n", ns1, "link", "set", "eth2", "down"], delay=7.0,
-                           max_wait=2.5).start()
-        stop = threading.Timer(6.0, signal_rank0, (signal.SIGSTOP, "stopped"))
-        cont = threading.Timer(10.5, signal_rank0, (signal.SIGCONT, "continued"))
-        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
-        stop.start()
-        cont.start()
-        try:
-            res = launch_ranks(perf_ranks(4, boot, args, hosts=[0, 1, 2, 3]), testbed=tb,
-                               timeout=25 + SLACK_S + 30)
-        finally:
-            stop.cancel()
-            cont.cancel()
-            down.finish()
-            for pid in netns_pids_of(tb.ns(0), PERF):
-                os.kill(pid, signal.SIGCONT)
-    assert len(times.get("stopped_pids", [])) == 1, (times, describe(res))
-    assert [r.returncode for r in res] == [0] * 4, describe(res)
-    assert CHECK_LINE in res[0].stdout, describe(res)
+        with Testbed(hosts=4, nics=4, rate="100mbit") as tb:
+            ns1 = tb.ns(1)
+            down = BusyTrigger(ns1, "eth2", ["ip", "-n", ns1, "link", "set", "eth2", "down"],
+                               delay=7.0, max_wait=2.5).start()
+            stop = threading.Timer(6.0, signal_rank0, (signal.SIGSTOP, "stopped"))
+            cont = threading.Timer(10.5, signal_rank0, (signal.SIGCONT, "continued"))
+            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+            stop.start()
+            cont.start()
+            try:
+                res = launch_ranks(perf_ranks(4, boot, args, hosts=[0, 1, 2, 3]), testbed=tb,
+                                   timeout=25 + SLACK_S + 30)
+            finally:
+                stop.cancel()
+                cont.cancel()
+                down.finish()
+                for pid in netns_pids_of(tb.ns(0), PERF):
+                    os.kill(pid, signal.SIGCONT)
+        assert len(times.get("stopped_pids", [])) == 1, (times, describe(res))
+        assert [r.returncode for r in res] == [0] * 4, describe(res)
+        assert CHECK_LINE in res[0].stdout, describe(res)
+        if down.busy and times["stopped"] < down.wall_ns < times["continued"]:
+            break
     assert down.busy and times["stopped"] < down.wall_ns < times["continued"], (times, down.wall_ns)
     started = []
     for rank in (1, 2):
