@@ -383,14 +383,22 @@ nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc& input, const nixl_mem_t& 
   });
 }
 
+// A copy of its own: NIXL unloads it after it deregistered the original when an agent ends.
 nixl_status_t Engine::loadLocalMD(nixlBackendMD* input, nixlBackendMD*& output) {
-  output = input;  // a local transfer addresses this side's own registration
-  return NIXL_SUCCESS;
+  return guarded("loadLocalMD", [&] {
+    output = nullptr;
+    const auto* md = dynamic_cast<const LocalMD*>(input);
+    if (md == nullptr)
+      return fail(NIXL_ERR_INVALID_PARAM, "r2ccl loadLocalMD: not a registration of this engine");
+    output = std::make_unique<LocalMD>(md->region, md->base).release();  // until unloadMD
+    return NIXL_SUCCESS;
+  });
 }
 
+// What loadRemoteMD and loadLocalMD made, and nothing else, comes back here.
 nixl_status_t Engine::unloadMD(nixlBackendMD* input) {
-  if (dynamic_cast<RemoteMD*>(input) != nullptr) std::unique_ptr<nixlBackendMD> owned(input);
-  return NIXL_SUCCESS;  // a LocalMD (loadLocalMD's) stays until deregisterMem
+  std::unique_ptr<nixlBackendMD> owned(input);
+  return NIXL_SUCCESS;
 }
 
 // ---------------------------------------------------------------------------------------------
