@@ -225,6 +225,7 @@ def run_initiator(args):
     try:
         if not args.expect_failure:
             stream(0, args.transfers, False)
+            report_metrics()
             say(f"ok transfers {args.transfers} bytes {done_bytes}")
             return
         t0 = time.monotonic()
@@ -263,6 +264,21 @@ def run_initiator(args):
         (p.dir / "stop").touch()
         # Stays (bounded) until the target has taken every notification and acknowledged it.
         wait_file(p.dir / "target.done", time.monotonic() + 60)
+
+
+def report_metrics():
+    """r2ccl's NIXL counters of this process, from its own Prometheus endpoint (when served)."""
+    port = os.environ.get("R2CCL_METRICS_PORT")
+    if not port:
+        return
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for ln in text.splitlines():
+        if ln.startswith("r2ccl_nixl_"):
+            name, value = ln.rsplit(" ", 1)
+            values[name] = values.get(name, 0.0) + float(value)
+    say("metrics " + " ".join(f"{k}={v:g}" for k, v in sorted(values.items())))
 
 
 def main():

@@ -96,15 +96,40 @@ def finish_ok(procs, timeout):
     procs[1].wait_line(r"^ok transfers (\d+) bytes (\d+)$", timeout=1)
 
 
-def run_with_fault(tb, tmp_path, fault, transfers=400):
+def scrape(tb, host, port):
+    """The Prometheus text a peer serves on its host's loopback."""
+    code = (f"import urllib.request; print(urllib.request.urlopen("
+            f"'http://127.0.0.1:{port}/metrics', timeout=5).read().decode())")
+    r = subprocess.run(tb.exec_argv(host, [sys.executable, "-c", code]), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def metric(text, name, **labels):
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for ln in text.splitlines():
+        if not ln.startswith(name + "{") and not ln.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in ln for k, v in labels.items()):
+            total += float(ln.rsplit(" ", 1)[1])
+    return total
+
+
+def run_with_fault(tb, tmp_path, fault, transfers=400, metrics_port=None):
     plugin_installed()
-    procs = start(tb, tmp_path, transfers, init_args=["--deadline", "150"],
+    env = {"R2CCL_METRICS_PORT": str(metrics_port)} if metrics_port else None
+    procs = start(tb, tmp_path, transfers, env=env, init_args=["--deadline", "150"],
                   target_args=["--deadline", "170"])
     try:
         busy(procs, procs[1])
         trigger = BusyTrigger(tb.ns(0), "eth2", fault, delay=0.0, max_wait=3.0).start()
         trigger.finish(timeout=40)
         at_fault = procs[1].progress()
+        if metrics_port:
+            time.sleep(1.5)  # detection, failover and some transfers after them
+            procs[1].metrics = scrape(tb, 1, metrics_port)
         finish_ok(procs, timeout=150 + SLACK_S)
     finally:
         for p in procs:
@@ -131,7 +156,23 @@ def test_healthy_reads_and_writes_every_byte_and_notification(tmp_path):
 
 def test_nic_down_mid_transfer(tmp_path):
     with Testbed(hosts=2, nics=4, rate=RATE) as tb:
-        run_with_fault(tb, tmp_path, ["ip", "-n", tb.ns(0), "link", "set", "eth2", "down"])
+        procs = run_with_fault(tb, tmp_path, ["ip", "-n", tb.ns(0), "link", "set", "eth2", "down"],
+                               metrics_port=19531)
+    # r2ccl's metrics from inside the initiator's process (R2CCL_METRICS_PORT): the rail to the
+    # target's eth2 failed over, and NIXL's transfers went on.
+    text = procs[1].metrics
+    assert metric(text, "r2ccl_rail_failovers_total", remote_device="eth2") >= 1, text
+    assert metric(text, "r2ccl_rail_up", remote_device="eth2") == 0, text
+    assert metric(text, "r2ccl_nixl_transfers_total", op="write", result="ok") > 0, text
+    assert metric(text, "r2ccl_nixl_transfers_total", op="read", result="ok") > 0, text
+    assert metric(text, "r2ccl_nixl_transfers_total", result="failed") == 0, text
+    # At the end (the initiator's own scrape): every transfer ok, and those in flight on the
+    # failed rail counted as preserved.
+    m = procs[1].wait_line(r"^metrics (.*)$", timeout=1)
+    final = dict(kv.rsplit("=", 1) for kv in m.group(1).split())
+    assert float(final['r2ccl_nixl_transfers_total{op="write",result="ok"}']) == 200, final
+    assert float(final['r2ccl_nixl_transfers_total{op="read",result="ok"}']) == 200, final
+    assert float(final["r2ccl_nixl_transfers_preserved_total"]) >= 1, final
 
 
 def test_nic_black_holed_mid_transfer(tmp_path):

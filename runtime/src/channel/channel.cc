@@ -72,7 +72,11 @@ void Channel::check_gone(Clock::time_point now) {
     return;
   }
   // The peer's kernel closed every connection; a process that is still there answers probes.
-  const auto grace = std::max<Clock::duration>(5 * config_.probe_interval, milliseconds(100));
+  // A live peer also closes rails it fenced, and on a loaded machine its probe replies can lag
+  // by several probe timeouts: the grace spans five of them (a second by default), so that a
+  // busy peer is not taken for one that ended.
+  const auto grace = std::max<Clock::duration>(
+      {5 * config_.probe_interval, 5 * config_.probe_timeout, milliseconds(100)});
   if (now - *all_closed_since_ < grace || now - last_probe_reply_ < grace) return;
   on_peer_left(fmt::format(
       "its process ended (it closed every rail, and its NICs have not answered probes for {}ms)",
