@@ -7,7 +7,7 @@ carries data) the stream of tests/nixl/nixl_peer.py runs once: 1 MiB READs and W
 notifications, 8 in flight, two hosts x four NICs at 100 Mbit/s. UCX runs over TCP on the same
 four NICs (UCX_TLS=tcp, UCX_NET_DEVICES=eth1,...,eth4). Prints one Markdown row per run: how many
 transfers completed, the time, and how the run ended (ok; an error; no progress until the
-deadline). Root (network namespaces); the environment of `scripts/run vllm-test`.
+deadline, told apart by whether anything moved in its last 15 s). Root (network namespaces); the environment of `scripts/run vllm-test`.
 """
 
 import argparse
@@ -47,11 +47,18 @@ def run(backend, case, transfers, deadline):
             if fault:
                 trig = BusyTrigger(tb.ns(0), "eth2", fault, delay=0.0, max_wait=3.0).start()
                 trig.finish(timeout=40)
-            try:
-                rc = procs[1].proc.wait(timeout=deadline + SLACK_S)
-            except Exception:  # noqa: BLE001 (killed below)
-                rc = None
+            # Progress sampled every second: a run that moved nothing for its last 15 s stalled.
+            samples = []
+            rc = None
+            while time.monotonic() - t0 < deadline + SLACK_S:
+                rc = procs[1].proc.poll()
+                if rc is not None:
+                    break
+                samples.append((time.monotonic(), procs[1].progress()))
+                time.sleep(1.0)
             took = time.monotonic() - t0
+            recent = [b for t, b in samples if t > samples[-1][0] - 15] if samples else []
+            stalled = len(recent) > 1 and recent[-1] == recent[0]
         finally:
             for p in procs:
                 p.kill()
@@ -59,8 +66,10 @@ def run(backend, case, transfers, deadline):
         text = procs[1].text()
         if rc == 0:
             outcome = "every transfer done, every byte and notification checked"
+        elif (rc == 3 or rc is None) and stalled:
+            outcome = f"stalled: nothing moved in the last 15 s before the deadline ({deadline} s)"
         elif rc == 3 or rc is None:
-            outcome = f"no progress until the deadline ({deadline} s): hung"
+            outcome = f"still moving at the deadline ({deadline} s)"
         else:
             err = next((ln for ln in text.splitlines() if ln.startswith("error ")), f"rc={rc}")
             outcome = err[:120]
