@@ -203,6 +203,30 @@ void kv_engine() {
   pull.u8(2).u64(6).u32(0).u32(0).u32(1).u32(0).u32(2).u32(1).u32(1).u32(1).u32(2);
   seed("fuzz_kv", "pull", with_selector(0, pull.take()));
 }
+
+// The NIXL engine's messages (selector 0), a registration's public data (1, laid over the real
+// one: empty is the real one) and connection info (2).
+void nixl_engine() {
+  ByteWriter notif;
+  notif.u8(1).str("peer").str("hello");
+  seed("fuzz_nixl", "notification", with_selector(0, notif.take()));
+  ByteWriter read;
+  read.u8(2).u64(9).u32(0).u32(1).u32(1);
+  RemoteRegion{1, 4096, {11, 22}}.encode(read);
+  read.u32(1).u64(1).u64(128).u64(256).u32(0).u64(0).u8(1).str("peer").str("done?");
+  seed("fuzz_nixl", "read_request", with_selector(0, read.take()));
+  ByteWriter done;
+  done.u8(3).u64(9).u8(1).u8(0).str("");
+  seed("fuzz_nixl", "read_done", with_selector(0, done.take()));
+  seed("fuzz_nixl", "public_data", Bytes{std::byte{1}});
+  EndpointInfo info;
+  info.name = "peer";
+  info.incarnation = 0x1234;
+  info.provider = "tcp";
+  info.token = Token{9, 8, 7};
+  info.rails.push_back({"lo", "127.0.0.1", encode_endpoint("127.0.0.1", 4000), 4001});
+  seed("fuzz_nixl", "conn_info", with_selector(2, info.encode(true)));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -219,5 +243,6 @@ int main(int argc, char** argv) {
   netlink();
   config();
   kv_engine();
+  nixl_engine();
   return 0;
 }
