@@ -5,8 +5,9 @@
   unconditionally (test_instantiate_all, test_incorrect_plugin_env) are the only skips.
 - NIXL's two-peer example (`expanded_two_peers.py --backend R2CCL`): two processes exchange
   metadata through NIXL's listener, then prepped READs, WRITEs, a repost and notifications.
-- `python -m r2ccl.nixl install` put the plugin beside NIXL's own in both wheel directories, and
-  the plugin refuses to load into a NIXL wheel of another release, naming both versions.
+- `python -m r2ccl.nixl install` put the plugin beside NIXL's own in both wheel directories; the
+  plugin's `nixlBackendEngine` vtable is as large as that of NIXL's bundled UCX plugin in each;
+  and the plugin refuses to load into a NIXL wheel of another release, naming both versions.
 
 Runs in the environment of `scripts/run vllm-test`. UCX_MODULES=^ib: NIXL's bundled UCX crashes
 at process exit once its InfiniBand module loaded (libnl), on this machine with no IB device;
@@ -97,6 +98,28 @@ def test_installed_beside_nixls_own_plugins_in_both_wheels():
         assert (plugins / "libplugin_R2CCL.so").is_file(), r.stdout
         assert (plugins / "libplugin_UCX.so").is_file(), r.stdout  # NIXL's own are still there
         assert re.search(rf"^{pkg} 1\.4\.0: .*\(R2CCL installed\)$", r.stdout, re.M), r.stdout
+
+
+def vtable_size(lib: Path, dynamic: bool) -> int:
+    """The size of `vtable for nixlBackendEngine` in a plugin (nm; -D for exported symbols)."""
+    r = subprocess.run(["nm", "-C", "-S", *(["-D"] if dynamic else []), str(lib)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    sizes = [int(ln.split()[1], 16) for ln in r.stdout.splitlines()
+             if ln.endswith(" vtable for nixlBackendEngine")]
+    assert len(sizes) == 1, f"no vtable for nixlBackendEngine in {lib}"
+    return sizes[0]
+
+
+def test_backend_class_layout_matches_the_installed_nixl():
+    # The plugin API version does not change with the class: the vtable the plugin was built
+    # with must be the one NIXL's own bundled UCX plugin was built with, in every wheel.
+    for pkg, site in wheel_dirs().items():
+        plugins = site / f".{pkg}.mesonpy.libs" / "plugins"
+        ucx = vtable_size(plugins / "libplugin_UCX.so", dynamic=True)
+        ours = vtable_size(plugins / "libplugin_R2CCL.so", dynamic=False)
+        print(f"{pkg}: vtable for nixlBackendEngine: UCX {ucx:#x}, R2CCL {ours:#x}")
+        assert ours == ucx, (pkg, hex(ours), hex(ucx))
 
 
 def test_refuses_to_load_into_another_nixl_release(tmp_path):
