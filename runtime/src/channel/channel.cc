@@ -85,6 +85,17 @@ void Channel::check_gone(Clock::time_point now) {
           .count()));
 }
 
+void Channel::forgive_stall(Clock::time_point now, Clock::duration gap) {
+  auto later = [&](Clock::time_point t) {
+    return t == Clock::time_point{} ? t : std::min(now, t + gap);
+  };
+  for (auto& s : rails_) {
+    s->health->forgive(now, gap);
+    s->last_progress = later(s->last_progress);
+  }
+  last_probe_reply_ = later(last_probe_reply_);
+}
+
 void Channel::tick(Clock::time_point now) {
   check_gone(now);
   if (dead_) return;

@@ -127,6 +127,9 @@ class Channel {
 
   // Periodic: deadlines, rail health (silence, stalls, re-admission), bandwidth and degradation.
   void tick(Clock::time_point now);
+  // The progress loop did not run for `gap` (this process stalled): silence and missing
+  // progress in that time are not counted against the rails or the peer.
+  void forgive_stall(Clock::time_point now, Clock::duration gap);
   // The local NIC `ifname` changed operational state.
   void on_link(const std::string& ifname, bool running);
   void on_probe_reply(std::uint32_t rail, std::chrono::nanoseconds rtt);

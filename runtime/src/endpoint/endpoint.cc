@@ -246,6 +246,7 @@ struct Endpoint::Peer {
 
 struct Endpoint::Watchdog {
   explicit Watchdog(boost::asio::io_context& io) : timer(io) {}
+  Clock::time_point last{};  // the previous round (loop thread)
   boost::asio::steady_timer timer;
   bool stopped = false;
 };
@@ -740,6 +741,18 @@ void Endpoint::arm_watchdog() {
         auto& w = *e->watchdog_;
         if (ec || w.stopped) return;
         const auto now = Clock::now();
+        // The loop runs this every probe interval; a much longer gap is this process stalling
+        // (no CPU, a long handler), not the peers' silence.
+        const auto interval = e->config_.probe_interval;
+        const auto limit = std::max<Clock::duration>(5 * interval, e->config_.probe_timeout / 2);
+        if (w.last != Clock::time_point{} && now - w.last > limit) {
+          const auto gap = now - w.last - interval;
+          R2CCL_DEBUG("progress loop stalled for {} ms: rail silence in that time not counted",
+                      std::chrono::duration_cast<milliseconds>(gap).count());
+          for (auto& p : e->peers_)
+            if (p) p->channel->forgive_stall(now, gap);
+        }
+        w.last = now;
         for (auto& p : e->peers_)
           if (p) p->channel->tick(now);
         w.timer.expires_after(e->config_.probe_interval);

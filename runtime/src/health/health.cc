@@ -95,6 +95,10 @@ void RailHealth::on_probe_reply(TimePoint now, std::chrono::nanoseconds rtt) {
   ++good_probes_;
 }
 
+void RailHealth::forgive(TimePoint now, std::chrono::nanoseconds gap) {
+  last_heard_ = std::min(now, last_heard_ + gap);
+}
+
 std::chrono::nanoseconds RailHealth::silence_limit() const {
   const std::chrono::nanoseconds configured = config_.probe_timeout;
   const auto measured = srtt_ + 4 * rttvar_ + configured / 2;

@@ -58,6 +58,9 @@ class RailHealth {
   // Any sign of life from the peer on this rail (a frame, a confirmation, the kernel's
   // acknowledgement), at `when` (an earlier sign than one already heard changes nothing).
   void on_heard(TimePoint when);
+  // This process's progress loop did not run for `gap`: the peer's silence in that time is not
+  // the rail's (its replies wait in the socket), so it does not count.
+  void forgive(TimePoint now, std::chrono::nanoseconds gap);
   // How long the peer has been silent.
   std::chrono::nanoseconds silence(TimePoint now) const { return now - last_heard_; }
   // A probe reply with its round-trip time.
