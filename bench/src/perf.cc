@@ -17,10 +17,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <vector>
 
 #include "r2ccl/coll/communicator.h"
+#include "r2ccl/coll/host_staging.h"
+#include "r2ccl/coll/staged.h"
 #include "r2ccl/coll/verify.h"
 #include "r2ccl/monitor/job_metrics.h"
 #include "r2ccl/runtime/config.h"
@@ -59,6 +62,8 @@ struct Options {
   std::string type = "float";
   std::string redop = "sum";
   int root = 0;
+  bool staged = false;  // device-memory path with the host stand-in for a device
+  bool graph = false;   // with --staged: each size captured once and replayed
 };
 
 // One reading of every rail's counters (--rail-samples), taken between rounds.
@@ -174,6 +179,8 @@ class Bench {
   // Lines the ranks up before the timed rounds: by default on the bootstrap's control path; a
   // collective bench uses its own barrier, on the rails (as MPI benchmarks use MPI_Barrier).
   virtual Status barrier(Fabric& f) { return f.bootstrap().barrier(f.config().timeout); }
+  // The fabric whose rails carry the data (its counters and events are reported).
+  virtual Fabric* rails() { return nullptr; }
 };
 
 // Every rank sends to rank+1 and receives from rank-1 over the fabric.
@@ -238,14 +245,34 @@ class SendRecv final : public Bench {
 // all-reduce/broadcast/reduce buffer, all-gather's receive buffer, reduce-scatter's send buffer.
 class Collective final : public Bench {
  public:
-  Collective(Communicator& c, CollOp op, DataType t, RedOp r, int root, std::size_t max_bytes)
-      : c_(c), op_(op), t_(t), r_(r), root_(root), send_(max_bytes + 64), recv_(max_bytes + 64) {}
+  // staged: through StagedComm with the host stand-in for a device (its stream a HostStream);
+  // graph: each size's call captured once and replayed from then on.
+  Collective(Communicator& c, CollOp op, DataType t, RedOp r, int root, std::size_t max_bytes,
+             bool staged, bool graph)
+      : c_(c),
+        op_(op),
+        t_(t),
+        r_(r),
+        root_(root),
+        send_(max_bytes + 64),
+        recv_(max_bytes + 64),
+        staged_(staged),
+        graph_(graph) {}
 
   Status init() override {
     if (root_ < 0 || root_ >= c_.size())
       return {r2ccl::ErrorCode::kInvalidArgument,
               fmt::format("root {} is out of range (0..{})", root_, c_.size() - 1)};
-    return uses_redop() ? r2ccl::coll::check_type_and_op(t_, r_) : Status::ok();
+    R2CCL_RETURN_IF_ERROR(uses_redop() ? r2ccl::coll::check_type_and_op(t_, r_) : Status::ok());
+    if (!staged_) return Status::ok();
+    R2CCL_ASSIGN_OR_RETURN(
+        staged_comm_,
+        r2ccl::coll::StagedComm::create(c_, std::make_shared<r2ccl::coll::HostStagingDevice>()));
+    stream_ = std::make_unique<r2ccl::coll::HostStream>();
+    return Status::ok();
+  }
+  Fabric* rails() override {
+    return staged_comm_ ? &staged_comm_->communicator().fabric() : nullptr;
   }
   std::size_t round_bytes(std::size_t bytes) const override {
     const std::size_t unit = r2ccl::coll::type_size(t_) * (per_rank() ? p() : 1);
@@ -263,7 +290,10 @@ class Collective final : public Bench {
     return uses_redop() ? std::string(r2ccl::coll::redop_name(r_)) : "none";
   }
   int root() const override { return has_root() ? root_ : -1; }
-  std::string algo() const override { return std::string(r2ccl::coll::algo_name(c_.last_algo())); }
+  std::string algo() const override {
+    if (staged_) return graph_ ? "staged, graph" : "staged";
+    return std::string(r2ccl::coll::algo_name(c_.last_algo()));
+  }
   nlohmann::json agreed() const override {
     const auto& net = c_.agreed_network();
     if (net.bandwidth.empty()) return nullptr;
@@ -276,6 +306,7 @@ class Collective final : public Bench {
   Status barrier(Fabric&) override { return c_.barrier(); }
 
   Status run_once(std::size_t bytes) override {
+    if (staged_) return run_staged(bytes);
     const std::size_t n = count(bytes) / (per_rank() ? p() : 1);  // the call's count argument
     switch (op_) {
       case CollOp::kAllReduce:
@@ -338,12 +369,53 @@ class Collective final : public Bench {
   }
   bool has_root() const { return op_ == CollOp::kBroadcast || op_ == CollOp::kReduce; }
 
+  Status enqueue_staged(std::size_t n) {
+    void* s = stream_.get();
+    auto& g = *staged_comm_;
+    switch (op_) {
+      case CollOp::kAllReduce:
+        return g.all_reduce(send_.data(), recv_.data(), n, t_, r_, s);
+      case CollOp::kAllGather:
+        return g.all_gather(send_.data(), recv_.data(), n, t_, s);
+      case CollOp::kReduceScatter:
+        return g.reduce_scatter(send_.data(), recv_.data(), n, t_, r_, s);
+      case CollOp::kBroadcast:
+        return g.broadcast(send_.data(), recv_.data(), n, t_, root_, s);
+      case CollOp::kReduce:
+        return g.reduce(send_.data(), recv_.data(), n, t_, r_, root_, s);
+      case CollOp::kBarrier:
+        break;
+    }
+    return Status::ok();
+  }
+  Status run_staged(std::size_t bytes) {
+    const std::size_t n = count(bytes) / (per_rank() ? p() : 1);
+    if (!graph_) {
+      R2CCL_RETURN_IF_ERROR(enqueue_staged(n));
+    } else {
+      auto& graph = graphs_[bytes];
+      if (!graph) {
+        stream_->begin_capture();
+        const Status st = enqueue_staged(n);
+        graph = stream_->end_capture();
+        R2CCL_RETURN_IF_ERROR(st);
+      }
+      stream_->launch(*graph);
+    }
+    stream_->synchronize();
+    return staged_comm_->error();
+  }
+
   Communicator& c_;
   CollOp op_;
   DataType t_;
   RedOp r_;
   int root_;
   std::vector<std::byte> send_, recv_;
+  bool staged_ = false, graph_ = false;
+  std::unique_ptr<r2ccl::coll::StagedComm> staged_comm_;
+  std::unique_ptr<r2ccl::coll::HostStream> stream_;  // after the communicator: goes first
+  std::map<std::size_t, std::unique_ptr<r2ccl::coll::HostGraph>> graphs_;
 };
 
 std::string mbps(double bytes, double seconds) {
@@ -404,11 +476,17 @@ int run(const Options& o) {
     for (CollOp c : {CollOp::kAllReduce, CollOp::kAllGather, CollOp::kReduceScatter,
                      CollOp::kBroadcast, CollOp::kReduce})
       if (r2ccl::coll::coll_op_name(c) == o.op) op = c;
-    made = std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb);
+    made =
+        std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb, o.staged, o.graph);
   }
   Bench& bench = *made;
   if (Status st = bench.init(); !st) {
     fmt::print(stderr, "r2ccl-perf: rank {}: {}\n", f.rank(), st.to_string());
+    return 2;
+  }
+  Fabric& rails = bench.rails() != nullptr ? *bench.rails() : f;
+  if (o.graph && !o.staged) {
+    fmt::print(stderr, "r2ccl-perf: --graph applies to --staged only\n");
     return 2;
   }
 
@@ -458,7 +536,7 @@ int run(const Options& o) {
       if (Status st = bench.run_once(bytes); !st) error = st.to_string();
     if (error.empty())
       if (Status st = bench.barrier(f); !st) error = st.to_string();
-    before = f.rail_snapshot();
+    before = rails.rail_snapshot();
     const auto t0 = Clock::now();
     int iters = 0;
     std::vector<RailSample> samples;
@@ -495,7 +573,7 @@ int run(const Options& o) {
         if (!o.samples_path.empty() && Clock::now() - sampled >= kSampleEvery &&
             samples.size() < kMaxSamples) {
           sampled = Clock::now();
-          samples.push_back({wall_now_ns(), f.rail_snapshot()});
+          samples.push_back({wall_now_ns(), rails.rail_snapshot()});
         }
         const bool up = std::chrono::duration<double>(Clock::now() - t0).count() >= o.duration;
         // Ranks may leave a round up to a deadline apart (one fails at it, another is still
@@ -519,8 +597,8 @@ int run(const Options& o) {
     }
     iters = std::max(iters, 1);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    after = f.rail_snapshot();
-    events = f.rail_events();
+    after = rails.rail_snapshot();
+    events = rails.rail_events();
     if (!o.samples_path.empty()) {
       samples.push_back({wall_now_ns(), after});
       // Every rank writes its own file (PATH.rankN); the last size's run is the one kept.
@@ -716,6 +794,10 @@ int main(int argc, char** argv) {
                  "untimed operations of the smallest size before the first (they let the "
                  "processes settle onto cores)");
   app.add_option("-c,--check", o.check, "1: check every byte on every rank");
+  app.add_flag("--staged", o.staged,
+               "collectives through the staged device path (StagedComm), with host threads "
+               "standing in for the GPU and its stream");
+  app.add_flag("--graph", o.graph, "with --staged: each size's call captured once and replayed");
   app.add_flag("--rails", o.rails, "print per-rail bytes and throughput");
   app.add_option("--json", o.json_path, "write the results as JSON (rank 0)");
   auto* duration =

@@ -130,11 +130,13 @@ Status HostStagingDevice::wait_word(void* stream, std::uintptr_t word, std::uint
   return put(stream, [word, value, abandon] {
     auto* w = reinterpret_cast<std::atomic<std::uint32_t>*>(word);
     auto* a = reinterpret_cast<std::atomic<std::uint32_t>*>(abandon);
-    // Polls as a device's wait does: briefly at full speed, then every 20 microseconds.
+    // Polls briefly at full speed, then every 20 microseconds, then (a long wait: the wire)
+    // every 200, so that the stand-in leaves the CPU to the rails.
     for (int spin = 0;; ++spin) {
       if (w->load(std::memory_order_acquire) == value) return;
       if (a->load(std::memory_order_acquire) != 0) return;
-      if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (spin > 1000)
+        std::this_thread::sleep_for(std::chrono::microseconds(spin < 3000 ? 20 : 200));
     }
   });
 }

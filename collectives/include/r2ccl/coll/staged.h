@@ -108,6 +108,9 @@ class StagedComm {
   int size() const { return size_; }
   const Options& options() const { return options_; }
   StagingDevice& device() { return *device_; }
+  // The progress thread's communicator (its fabric's rails carry the data; read its rail
+  // counters and events, make no call on it).
+  Communicator& communicator() { return *comm_; }
 
   // As Communicator's, on device buffers and enqueued on `stream`.
   Status all_reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
