@@ -11,6 +11,8 @@
 # in what is left of BUDGET_S is skipped and said so):
 #   plugin: correct (eager and CUDA graphs), bw (healthy, then FAULT_NIC down), loop with
 #           FAULT_NIC down 5 s in, loop with FAULT_NIC black-holed 5 s in, loop with 5 flaps of it
+#   r2ccl:  the same with r2ccl's own communicator on the CUDA tensors (device memory across
+#           nodes over its rails; correct at R2_SIZES, graphs at R2_GRAPH_SIZES)
 #   socket: bw (healthy, then FAULT_NIC down), the three loops
 # The plugin: NCCL_NET_PLUGIN=<the .so>, R2CCL_NICS=eth0,eth1,eth2,eth3, NCCL's bootstrap on mgmt
 # (NCCL_SOCKET_IFNAME==mgmt). NCCL's socket transport: NCCL_NET=Socket,
@@ -19,12 +21,12 @@
 # every rank (e.g. NCCL_NSOCKS_PERTHREAD, NCCL_SOCKET_NTHREADS for the socket transport).
 # Writes $OUT/summary.md, $OUT/summary.json, $OUT/cases/*.json, $OUT/logs/ (each rank's output
 # and NCCL log), $OUT/testbed.txt; prints a table at the end. Exit 0 when every case that ran for
-# the plugin passed (the socket transport's stalls are the expected baseline, reported, not
-# failed).
+# the plugin and r2ccl passed (the socket transport's stalls are the expected baseline,
+# reported, not failed).
 #
 # usage: bench/gpu/nccl-net-on-device.sh [GPUS (2|4, default 2)] [RATE (default 2gbit)]
 #   env: FAULT_NIC (eth1), LOOP_S (25), STALL_S (15), BUDGET_S (480), HARD_S (570),
-#        ONLY (plugin|socket|all), PYTHON (python3),
+#        ONLY (plugin|r2ccl|socket|all), PYTHON (python3),
 #        PLUGIN (build-gpu/lib/libnccl-net-r2ccl.so), PLUGIN_NET_NAME (NCCL_NET for the plugin;
 #        default unset: NCCL takes the plugin's network first), EXTRA_ARGS (words added to
 #        every nccl_net.py run), R2_TEST_TRANSPORT=gloo (every case on CPUs over gloo: tests
@@ -47,6 +49,9 @@ t0=$SECONDS
 mkdir -p "$out"
 export R2_NET_BUNDLE=$root/bundle/net R2_PYTHON=$py
 export LD_LIBRARY_PATH=$root/build-gpu/carry-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# r2ccl's own communicator (transport r2ccl): the Python package over build-gpu's libr2ccl.
+export R2CCL_LIBRARY=${R2CCL_LIBRARY:-$root/build-gpu/lib/libr2ccl.so.0.1.0}
+export PYTHONPATH=$root/integrations/python${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 netns=$root/bench/gpu/netns.sh
 drv=$root/bench/gpu/nccl_net.py
@@ -102,7 +107,7 @@ case_() {  # case_ TRANSPORT NAME EXPECTED_S LIMIT_S ARGS...
     --name "$name" --out "$out" --plugin "$plugin" --stall "$stall_s" --timeout "$limit" \
     --fault-nic "$fault_nic" --python "$py" "${extra[@]}" "$@"
   local s=$?
-  [[ $transport != plugin || $s -eq 0 ]] || plugin_rc=1
+  [[ $transport == socket || $s -eq 0 ]] || plugin_rc=1
   # NCCL logs of a failing plugin may be long: keep 1 MB of each end.
   local f
   for f in "$out"/logs/"$name".rank*; do
@@ -115,11 +120,13 @@ case_() {  # case_ TRANSPORT NAME EXPECTED_S LIMIT_S ARGS...
 
 loop_limit=$((loop_s + stall_s + 45))
 loop_expect=$((loop_s + 25))
-for transport in plugin socket; do
+for transport in plugin r2ccl socket; do
   [[ $only == all || $only == "$transport" ]] || continue
   [[ $transport != plugin || $run_plugin -eq 1 ]] || continue
   p=$transport
   [[ $transport != plugin ]] || case_ plugin plugin-correct 60 150 --mode correct
+  [[ $transport != r2ccl ]] || case_ r2ccl r2ccl-correct 90 200 --mode correct \
+    --sizes "${R2_SIZES:-8K,1M,16M,256M}" --graph-sizes "${R2_GRAPH_SIZES:-8K,4M,64M}"
   case_ "$transport" "$p-bw" 40 90 --mode bw --fault down
   case_ "$transport" "$p-loop-down" "$loop_expect" "$loop_limit" --mode loop \
     --duration "$loop_s" --fault down

@@ -11,7 +11,7 @@ watch, kills what stalls, and writes CASE.json with the ranks' results, exit cod
 and what NCCL's logs say. `rank` is one rank. `summary` tabulates the CASE.json files of a folder.
 
 Modes of a rank:
-  correct  all_reduce (sum; bf16 and fp32, small integers, so exact), all_gather_into_tensor,
+  correct  all_reduce (sum; bf16, fp16 and fp32, small integers, so exact), all_gather_into_tensor,
            reduce_scatter_tensor, broadcast (from either namespace), send/recv between the
            namespaces, over --sizes; then two CUDA graphs (the collectives; send/recv) captured
            at each of --graph-sizes and replayed --replays times, each replay with new inputs
@@ -29,7 +29,11 @@ socket transport hangs, without an error, when a NIC of its goes down).
 Exit codes (rank and run): 0 right, 1 a wrong result, 2 an error, 3 stalled, 4 killed at the
 controller's timeout, 5 the plugin was asked for and NCCL used another network.
 
-usage: nccl_net.py run --mode MODE --transport plugin|socket|gloo --gpus 2|4 --name NAME
+Transport r2ccl: r2ccl's own communicator (the Python package) on the CUDA tensors instead of
+NCCL: across the namespaces its device path over the rails (R2CCL_NICS, staged through host
+memory), with gloo over mgmt for the unique id and the barriers.
+
+usage: nccl_net.py run --mode MODE --transport plugin|socket|gloo|r2ccl --gpus 2|4 --name NAME
                        --out DIR [--fault none|down|blackhole|flap] [--fault-nic eth1] ...
        nccl_net.py summary DIR
        nccl_net.py rank ... (started by run)
@@ -127,14 +131,14 @@ class Watchdog:
 
 
 def pattern(torch, n: int, seed: int, dtype, device):
-    """n small integers, a hash of position and seed: exact in bf16 (0..31, a sum of up to 8
-    stays below 256) and fp32 (0..65535); any misplaced piece of a buffer shows."""
+    """n small integers, a hash of position and seed: exact in bf16 and fp16 (0..31, a sum of up
+    to 8 stays below 256) and fp32 (0..65535); any misplaced piece of a buffer shows."""
     idx = torch.arange(n, dtype=torch.int64, device=device)
     h = (idx * 0x9E3779B1 + (seed * 0x85EBCA77 + 0x165667B1)) & 0xFFFFFFFF
     h = h ^ (h >> 15)
     h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
     h = h ^ (h >> 12)
-    v = (h >> 8) & (31 if dtype == torch.bfloat16 else 0xFFFF)
+    v = (h >> 8) & (31 if dtype in (torch.bfloat16, torch.float16) else 0xFFFF)
     return v.to(dtype)
 
 
@@ -152,6 +156,49 @@ def bad_count(torch, got, want) -> tuple[int, int]:
     return n, (int(diff.nonzero()[0].item()) if n else -1)
 
 
+class R2cclDist:
+    """The torch.distributed calls these checks make, on r2ccl's Communicator (CUDA tensors,
+    queued on the current stream, capturable); barriers are gloo's over mgmt after the device's
+    work."""
+
+    class P2POp:
+        def __init__(self, op, tensor, peer):
+            self.op, self.tensor, self.peer = op, tensor, peer
+
+    def __init__(self, dist, dev):
+        import r2ccl
+        import torch
+        self._dist, self._torch = dist, torch
+        self.comm = r2ccl.Communicator(dist.group.WORLD, device=dev)
+        self.isend, self.irecv = "send", "recv"
+
+    def all_reduce(self, t):
+        self.comm.all_reduce(t, t)
+
+    def all_gather_into_tensor(self, out, inp):
+        self.comm.all_gather(inp, out)
+
+    def reduce_scatter_tensor(self, out, inp):
+        self.comm.reduce_scatter(inp, out)
+
+    def broadcast(self, t, src=0):
+        self.comm.broadcast(t, src)
+
+    def batch_isend_irecv(self, ops):
+        with self.comm.group():
+            for o in ops:
+                (self.comm.send if o.op == "send" else self.comm.recv)(o.tensor, o.peer)
+        return []
+
+    def barrier(self):
+        self._torch.cuda.synchronize()
+        self._dist.barrier()
+
+    def destroy_process_group(self):
+        self.comm.close()
+        self._dist.destroy_process_group()
+
+
 def rank_main(a: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of collectives
@@ -161,7 +208,16 @@ def rank_main(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     cuda = a.device == "cuda"
-    if cuda:
+    if a.transport == "r2ccl":
+        # r2ccl's own communicator on the CUDA tensors (its rails, staged through host memory
+        # across the namespaces); gloo over mgmt only for the id and the barriers.
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=a.pg_timeout))
+        dist = R2cclDist(dist, dev)
+    elif cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
@@ -231,10 +287,10 @@ def do_correct(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
     def pat(n, tag, r, dtype, it=0):
         return pattern(torch, n, seed_of(tag, r, it), dtype, dev)
 
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     for size in [parse_size(s) for s in a.sizes.split(",")]:
         for dname, dt in dtypes.items():
-            n = size // (2 if dt == torch.bfloat16 else 4)
+            n = size // (4 if dt == torch.float32 else 2)
             tag = seed_of(size, 1, n)
             # fp32 and bf16 share a pattern only through the mask in pattern(); the sums are
             # formed from the same values as the inputs.
@@ -518,7 +574,14 @@ def rank_env(a, rank: int, world: int, port: int, logdir: str) -> tuple[str, dic
     env.update(MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank),
                WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_ns),
                LOCAL_WORLD_SIZE=str(per_ns), PYTHONUNBUFFERED="1")
-    if a.transport != "gloo":
+    if a.transport == "r2ccl":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(ns_i * per_ns + i) for i in range(per_ns))
+        env.update(R2CCL_NICS=",".join(a.nics), R2CCL_SOCKET_IFNAME="mgmt",
+                   GLOO_SOCKET_IFNAME="mgmt", R2CCL_NODE_ID=ns)
+        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+            env.setdefault(k, v)
+    elif a.transport != "gloo":
         # rank r on GPU r: the namespace's GPUs visible, the rank's local index among them
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(ns_i * per_ns + i) for i in range(per_ns))
         env["NCCL_HOSTID"] = f"r2ccl-{ns}"  # each namespace a host of its own to NCCL
@@ -592,6 +655,7 @@ def run_main(a: argparse.Namespace) -> int:
     for r in range(world):
         ns, env = rank_env(a, r, world, port, logdir)
         cmd = [NETNS, "exec", ns, a.python, os.path.abspath(__file__), "rank", "--mode", a.mode,
+               "--transport", a.transport,
                "--device", "cpu" if a.transport == "gloo" else "cuda",
                "--size", str(a.size), "--sizes", a.sizes, "--graph-sizes", a.graph_sizes,
                "--replays", str(a.replays), "--duration", str(a.duration),
@@ -721,7 +785,7 @@ def run_main(a: argparse.Namespace) -> int:
     wall = time.monotonic() - t_start
 
     codes = [p.returncode for p in procs]
-    facts = nccl_log_facts(logdir, a.name) if a.transport != "gloo" else {}
+    facts = nccl_log_facts(logdir, a.name) if a.transport not in ("gloo", "r2ccl") else {}
     stalled = any("STALLED" in marks[r] or "Timeout (" in marks[r] for r in marks) or \
         status == "stalled-controller"
     if stalled:
@@ -830,10 +894,11 @@ def main() -> int:
     common.add_argument("--warmup", type=int, default=5, help="bw: warm-up iterations")
     r = sub.add_parser("rank", parents=[common])
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    r.add_argument("--transport", choices=("plugin", "socket", "gloo", "r2ccl"), default="socket")
     r.add_argument("--fault-file", default="")
     r.add_argument("--pg-timeout", type=float, default=300.0)
     c = sub.add_parser("run", parents=[common])
-    c.add_argument("--transport", choices=("plugin", "socket", "gloo"), required=True)
+    c.add_argument("--transport", choices=("plugin", "socket", "gloo", "r2ccl"), required=True)
     c.add_argument("--gpus", type=int, default=2)
     c.add_argument("--name", required=True)
     c.add_argument("--out", required=True)

@@ -1,5 +1,7 @@
 // The GPU side of a C ABI communicator: device memory among the GPUs of one node (NVLink through
-// CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h). No CUDA type
+// CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h), or, where the
+// ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned host
+// memory on the caller's stream (coll/staged.h). No CUDA type
 // appears here, so that the C ABI compiles the same with and without CUDA: device.cc serves it
 // where the build has CUDA, device_none.cc says that it has none.
 #pragma once
@@ -31,7 +33,8 @@ class DeviceComm {
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
 
-  // Sets up the GPU side on `device` (the NVLink buffers, the IPC handles, NCCL): a collective
+  // Sets up the GPU side on `device` (the NVLink buffers, the IPC handles, NCCL; or the staged
+  // path's communicator, staging and progress thread where the ranks span nodes): a collective
   // over `host`. Done by the first call on device memory where not called before; never while
   // `stream` is being captured into a CUDA graph.
   Status bind(coll::Communicator& host, int device, void* stream, const char* what);

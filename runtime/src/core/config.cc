@@ -91,6 +91,18 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_GPU_TUNE", "1",
      "1: the GPU side of a communicator measures every all-reduce algorithm at every size when it "
      "is set up (about a second) and keeps the fastest; 0: built-in size thresholds instead."},
+    {"R2CCL_GPU_PATH", "auto",
+     "How a communicator moves device memory: `auto` (NVLink where every rank is on one node, "
+     "else the rails with the device data staged through host memory), `nvlink`, or `rails`."},
+    {"R2CCL_NODE_ID", "",
+     "The node this rank is on, for R2CCL_GPU_PATH=auto; empty: the host name, boot id and "
+     "network namespace (so ranks in two network namespaces are two nodes)."},
+    {"R2CCL_GPU_STAGING_CHUNK", "4M",
+     "Device data across nodes moves in chunks of at most this size through pinned host memory "
+     "(64K–256M; the same on every rank)."},
+    {"R2CCL_GPU_STAGING_WINDOW", "4",
+     "Chunks of device data in flight per communicator across nodes (1–64; the same on every "
+     "rank)."},
     {"R2CCL_KV_VERIFY", "0",
      "`1`: the KV engine sends a checksum of every block with each notification and the receiver "
      "verifies the blocks on arrival."},
@@ -463,6 +475,23 @@ Result<Config> parse_config(const EnvLookup& env) {
     const std::string t = trim(*v);
     if (t != "0" && t != "1") return bad("R2CCL_GPU_TUNE", *v, "0 or 1");
     c.gpu_tune = t == "1";
+  }
+  if (auto v = get("R2CCL_GPU_PATH")) {
+    const std::string t = trim(*v);
+    if (t != "auto" && t != "nvlink" && t != "rails")
+      return bad("R2CCL_GPU_PATH", *v, "auto, nvlink or rails");
+    c.gpu_path = t;
+  }
+  if (auto v = get("R2CCL_NODE_ID")) c.node_id = trim(*v);
+  R2CCL_RETURN_IF_ERROR(
+      size_var("R2CCL_GPU_STAGING_CHUNK", 64u << 10, 256u << 20, c.gpu_staging_chunk));
+  if (auto v = get("R2CCL_GPU_STAGING_WINDOW")) {
+    const std::string t = trim(*v);
+    int w = 0;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), w);
+    if (ec != std::errc() || end != t.data() + t.size() || w < 1 || w > 64)
+      return bad("R2CCL_GPU_STAGING_WINDOW", *v, "a whole number from 1 to 64");
+    c.gpu_staging_window = w;
   }
   if (auto v = get("R2CCL_KV_VERIFY")) {
     const std::string t = trim(*v);

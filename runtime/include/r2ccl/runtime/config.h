@@ -35,7 +35,11 @@ struct Config {
   std::optional<HostPort> bootstrap;  // rank 0's listener
   Token bootstrap_token{};            // all zero unless R2CCL_BOOTSTRAP_TOKEN is set
   bool gpu_tune = true;               // R2CCL_GPU_TUNE: measure the GPU algorithms at set-up
-  bool insecure_no_token = false;     // R2CCL_INSECURE_NO_TOKEN: no token outside loopback
+  std::string gpu_path = "auto";      // R2CCL_GPU_PATH: auto | nvlink | rails
+  std::string node_id;                // R2CCL_NODE_ID: empty: host, boot and network namespace
+  std::size_t gpu_staging_chunk = std::size_t{4} << 20;  // R2CCL_GPU_STAGING_CHUNK
+  int gpu_staging_window = 4;                            // R2CCL_GPU_STAGING_WINDOW
+  bool insecure_no_token = false;  // R2CCL_INSECURE_NO_TOKEN: no token outside loopback
   std::chrono::milliseconds bootstrap_timeout{30000};
   std::string socket_ifname;      // control-path interface; empty: the one reaching rank 0
   std::vector<std::string> nics;  // rails; empty: every up, addressed, non-control interface
