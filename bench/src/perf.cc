@@ -265,9 +265,12 @@ class Collective final : public Bench {
               fmt::format("root {} is out of range (0..{})", root_, c_.size() - 1)};
     R2CCL_RETURN_IF_ERROR(uses_redop() ? r2ccl::coll::check_type_and_op(t_, r_) : Status::ok());
     if (!staged_) return Status::ok();
-    R2CCL_ASSIGN_OR_RETURN(
-        staged_comm_,
-        r2ccl::coll::StagedComm::create(c_, std::make_shared<r2ccl::coll::HostStagingDevice>()));
+    r2ccl::coll::StagedComm::Options options;
+    options.chunk_bytes = c_.config().gpu_staging_chunk;
+    options.window = c_.config().gpu_staging_window;
+    R2CCL_ASSIGN_OR_RETURN(staged_comm_,
+                           r2ccl::coll::StagedComm::create(
+                               c_, std::make_shared<r2ccl::coll::HostStagingDevice>(), options));
     stream_ = std::make_unique<r2ccl::coll::HostStream>();
     return Status::ok();
   }

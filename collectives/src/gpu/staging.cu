@@ -14,7 +14,8 @@ __global__ void wait_word_kernel(const std::uint32_t* word, std::uint32_t value,
                                  const std::uint32_t* abandon) {
   const auto* w = reinterpret_cast<const volatile std::uint32_t*>(word);
   const auto* a = reinterpret_cast<const volatile std::uint32_t*>(abandon);
-  while (*w != value && *a == 0) __nanosleep(256);
+  while (*w != value && *a == 0)
+    __nanosleep(256);
   __threadfence_system();
 }
 

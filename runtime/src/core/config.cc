@@ -97,7 +97,7 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_NODE_ID", "",
      "The node this rank is on, for R2CCL_GPU_PATH=auto; empty: the host name, boot id and "
      "network namespace (so ranks in two network namespaces are two nodes)."},
-    {"R2CCL_GPU_STAGING_CHUNK", "4M",
+    {"R2CCL_GPU_STAGING_CHUNK", "16M",
      "Device data across nodes moves in chunks of at most this size through pinned host memory "
      "(64K–256M; the same on every rank)."},
     {"R2CCL_GPU_STAGING_WINDOW", "4",

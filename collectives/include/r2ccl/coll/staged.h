@@ -87,8 +87,8 @@ class StagingDevice {
 class StagedComm {
  public:
   struct Options {
-    std::size_t chunk_bytes = std::size_t{4} << 20;  // the most staged per chunk and direction
-    int window = 4;                                  // chunks in flight (staging slots)
+    std::size_t chunk_bytes = std::size_t{16} << 20;  // the most staged per chunk and direction
+    int window = 4;                                   // chunks in flight (staging slots)
   };
   // Collective over `host` (every rank calls it): a communicator of the same ranks for the
   // progress thread (split from `host`, so that host calls on `host` from the caller's thread

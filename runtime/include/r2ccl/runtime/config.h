@@ -37,8 +37,8 @@ struct Config {
   bool gpu_tune = true;               // R2CCL_GPU_TUNE: measure the GPU algorithms at set-up
   std::string gpu_path = "auto";      // R2CCL_GPU_PATH: auto | nvlink | rails
   std::string node_id;                // R2CCL_NODE_ID: empty: host, boot and network namespace
-  std::size_t gpu_staging_chunk = std::size_t{4} << 20;  // R2CCL_GPU_STAGING_CHUNK
-  int gpu_staging_window = 4;                            // R2CCL_GPU_STAGING_WINDOW
+  std::size_t gpu_staging_chunk = std::size_t{16} << 20;  // R2CCL_GPU_STAGING_CHUNK
+  int gpu_staging_window = 4;                             // R2CCL_GPU_STAGING_WINDOW
   bool insecure_no_token = false;  // R2CCL_INSECURE_NO_TOKEN: no token outside loopback
   std::chrono::milliseconds bootstrap_timeout{30000};
   std::string socket_ifname;      // control-path interface; empty: the one reaching rank 0
