@@ -12,7 +12,8 @@ and what NCCL's logs say. `rank` is one rank. `summary` tabulates the CASE.json 
 
 Modes of a rank:
   correct  all_reduce (sum; bf16, fp16 and fp32, small integers, so exact), all_gather_into_tensor,
-           reduce_scatter_tensor, broadcast (from either namespace), send/recv between the
+           reduce_scatter_tensor, broadcast (from either namespace), reduce (to either
+           namespace), send/recv between the
            namespaces, over --sizes; then two CUDA graphs (the collectives; send/recv) captured
            at each of --graph-sizes and replayed --replays times, each replay with new inputs
            written into the static tensors. One CHECK line per check; exact comparison.
@@ -184,6 +185,9 @@ class R2cclDist:
     def broadcast(self, t, src=0):
         self.comm.broadcast(t, src)
 
+    def reduce(self, t, dst=0):
+        self.comm.reduce(t, t, "sum", dst)
+
     def batch_isend_irecv(self, ops):
         with self.comm.group():
             for o in ops:
@@ -319,6 +323,15 @@ def do_correct(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
                                                                      device=dev)
             dist.broadcast(x, src=src)
             report(f"broadcast from {src} bf16 {human(size)}", x, pat(n, tag, src, dt))
+        for root in (0, world - 1):
+            tag = seed_of(size, 6, root)
+            x = pat(n, tag, rank, dt)
+            dist.reduce(x, dst=root)
+            if rank == root:
+                want = sum(pat(n, tag, r, dt).to(torch.int64) for r in range(world)).to(dt)
+            else:
+                want = x  # unspecified off the root
+            report(f"reduce to {root} bf16 {human(size)}", x, want)
         tag = seed_of(size, 5)
         send, recv = pat(n, tag, rank, dt), torch.full((n,), -1.0, dtype=dt, device=dev)
         ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]

@@ -5,7 +5,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
+#include <vector>
 
 #include "r2ccl/coll/gpu/device.h"
 #include "r2ccl/coll/gpu/nvlink.h"
@@ -68,26 +70,62 @@ std::string node_key(const Config& config) {
                      n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "");
 }
 
-// Whether every rank of `host` is on this rank's node (a collective).
-Result<bool> one_node(coll::Communicator& host) {
+// Where the ranks of `host` are (a collective): this rank's node and index in it, in the order
+// the nodes' first ranks come; `per_node` is 0 where the nodes hold different numbers of ranks.
+struct Layout {
+  int nodes = 1, node = 0, local = 0, per_node = 0;
+};
+Result<Layout> node_layout(coll::Communicator& host) {
   const std::string key = node_key(host.config());
   const Bytes mine(reinterpret_cast<const std::byte*>(key.data()),
                    reinterpret_cast<const std::byte*>(key.data()) + key.size());
   R2CCL_ASSIGN_OR_RETURN(auto all,
                          host.fabric().bootstrap().allgather(mine, host.config().timeout));
-  for (const auto& k : all)
-    if (k != mine) return false;
-  return true;
+  std::vector<Bytes> keys;
+  std::vector<int> count;
+  Layout l;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    const auto it = std::find(keys.begin(), keys.end(), all[r]);
+    const auto n = static_cast<std::size_t>(it - keys.begin());
+    if (it == keys.end()) {
+      keys.push_back(all[r]);
+      count.push_back(0);
+    }
+    if (static_cast<int>(r) == host.rank()) {
+      l.node = static_cast<int>(n);
+      l.local = count[n];
+    }
+    ++count[n];
+  }
+  l.nodes = static_cast<int>(keys.size());
+  l.per_node = count.front();
+  for (int c : count)
+    if (c != l.per_node) l.per_node = 0;
+  return l;
 }
 
 struct DeviceComm::Impl {
-  std::unique_ptr<gpu::NvlinkComm> nv;
+  // Nodes of several GPUs each: an all-reduce reduce-scatters over NVLink inside the node
+  // (`nv` on `local`), all-reduces its part over the rails with the same index on the other
+  // nodes (`cross` on `across`), and all-gathers over NVLink. The other calls go over `staged`.
+  // (Declared first: `nv` uses `local` and goes before it.)
+  std::unique_ptr<coll::Communicator> local, across;
+  std::unique_ptr<gpu::NvlinkComm> nv;       // one node: NVLink
   std::unique_ptr<coll::StagedComm> staged;  // ranks on several nodes: over the rails
+  std::unique_ptr<coll::StagedComm> cross;
+  int per_node = 0, local_rank = 0;
   int device = -1;
   Status usable(const char* what) const {
     if (!nv && !staged)
       return {ErrorCode::kInternal, fmt::format("{}: the GPU side was not set up", what)};
     return Status::ok();
+  }
+  // Whether an all-reduce of `count` elements of `bytes` each takes the hierarchical plan.
+  // (Average divides once, over every rank: not in parts.)
+  bool hierarchical(std::size_t count, std::size_t bytes, coll::RedOp op) const {
+    return cross != nullptr && op != coll::RedOp::kAvg &&
+           count % static_cast<std::size_t>(per_node) == 0 &&
+           count * bytes >= (std::size_t{256} << 10);
   }
 };
 
@@ -126,12 +164,16 @@ Status DeviceComm::bind(coll::Communicator& host, int device, void* stream, cons
   }
   const std::string& path = host.config().gpu_path;
   bool nvlink = path == "nvlink";
-  if (path == "auto") {
-    auto same = one_node(host);
-    if (!same) return same.status().with_context(what);
-    nvlink = *same;
+  Layout layout;
+  if (path != "nvlink") {
+    auto l = node_layout(host);
+    if (!l) return l.status().with_context(what);
+    layout = *l;
+    nvlink = path == "auto" && layout.nodes == 1;
   }
   impl_->device = device;
+  gpu::NvlinkComm::Options nv_options;
+  nv_options.tune = host.config().gpu_tune;
   if (!nvlink) {
     // Every rank goes on to StagedComm::create (a collective) with or without a device.
     auto staging =
@@ -143,11 +185,26 @@ Status DeviceComm::bind(coll::Communicator& host, int device, void* stream, cons
     if (!staging) return staging.status().with_context(what);
     if (!made) return made.status().with_context(what);
     impl_->staged = std::move(*made);
+    // Nodes of 2 to 8 GPUs each, alike: the hierarchical all-reduce's communicators.
+    if (layout.nodes > 1 && layout.per_node > 1 && layout.per_node <= gpu::kMaxNvlinkRanks) {
+      auto local = host.split(layout.node, layout.local);
+      if (!local) return local.status().with_context(what);
+      auto across = host.split(layout.local, layout.node);
+      if (!across) return across.status().with_context(what);
+      impl_->local = std::move(*local);
+      impl_->across = std::move(*across);
+      auto nv = gpu::NvlinkComm::create(*impl_->local, device, nv_options);
+      if (!nv) return nv.status().with_context(fmt::format("{}: NVLink inside the node", what));
+      impl_->nv = std::move(*nv);
+      auto cross = coll::StagedComm::create(*impl_->across, *staging, options);
+      if (!cross) return cross.status().with_context(what);
+      impl_->cross = std::move(*cross);
+      impl_->per_node = layout.per_node;
+      impl_->local_rank = layout.local;
+    }
     return Status::ok();
   }
-  gpu::NvlinkComm::Options options;
-  options.tune = host.config().gpu_tune;
-  auto made = gpu::NvlinkComm::create(host, device, options);
+  auto made = gpu::NvlinkComm::create(host, device, nv_options);
   if (!made) return made.status().with_context(what);
   impl_->nv = std::move(*made);
   return Status::ok();
@@ -162,6 +219,16 @@ cudaStream_t cuda_stream(void* s) {
 Status DeviceComm::all_reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
                               coll::RedOp op, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("all-reduce"));
+  if (impl_->hierarchical(count, coll::type_size(type), op)) {
+    // In place at every step: rank i of the node keeps part i of `recv`.
+    const std::size_t part = count / static_cast<std::size_t>(impl_->per_node);
+    auto* mine = static_cast<std::byte*>(recv) +
+                 static_cast<std::size_t>(impl_->local_rank) * part * coll::type_size(type);
+    R2CCL_RETURN_IF_ERROR(
+        impl_->nv->reduce_scatter(send, mine, part, type, op, cuda_stream(stream)));
+    R2CCL_RETURN_IF_ERROR(impl_->cross->all_reduce(mine, mine, part, type, op, stream));
+    return impl_->nv->all_gather(mine, recv, part, type, cuda_stream(stream));
+  }
   if (impl_->staged) return impl_->staged->all_reduce(send, recv, count, type, op, stream);
   return impl_->nv->all_reduce(send, recv, count, type, op, cuda_stream(stream));
 }
@@ -221,16 +288,29 @@ Status DeviceComm::synchronize(void* stream) {
   return gpu::cuda_status(cudaStreamSynchronize(cuda_stream(stream)), "cudaStreamSynchronize");
 }
 Status DeviceComm::error() const {
-  if (impl_->staged) return impl_->staged->error();
-  return impl_->nv ? impl_->nv->error() : Status::ok();
+  if (impl_->cross)
+    if (Status e = impl_->cross->error(); !e) return e;
+  if (impl_->nv)
+    if (Status e = impl_->nv->error(); !e) return e;
+  return impl_->staged ? impl_->staged->error() : Status::ok();
 }
 void DeviceComm::abort(const std::string& why) {
   if (impl_->nv) impl_->nv->abort(why);
   if (impl_->staged) impl_->staged->abort(why);
+  if (impl_->cross) impl_->cross->abort(why);
 }
 Status DeviceComm::close() {
-  if (impl_->staged) return impl_->staged->close();
-  return impl_->nv ? impl_->nv->close() : Status::ok();
+  Status st = Status::ok();
+  if (impl_->cross) st = impl_->cross->close();
+  if (impl_->nv) {
+    const Status nv = impl_->nv->close();
+    if (st) st = nv;
+  }
+  if (impl_->staged) {
+    const Status staged = impl_->staged->close();
+    if (st) st = staged;
+  }
+  return st;
 }
 
 }  // namespace r2ccl::capi
