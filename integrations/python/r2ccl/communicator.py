@@ -76,8 +76,8 @@ class Communicator:
     - `Communicator(from_env=True)`: R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP (or mpirun's
       variables).
 
-    Tensors are CPU tensors, or CUDA tensors where libr2ccl was built with CUDA (one rank per GPU
-    of a node): a call on CUDA tensors is queued on the device's current stream and returns at
+    Tensors are CPU tensors, or CUDA tensors where libr2ccl was built with CUDA (one rank per GPU;
+    NVLink inside a node, the rails across nodes): a call on CUDA tensors is queued on the device's current stream and returns at
     once, and works under `torch.cuda.graph` capture once the communicator's GPU side is set up
     (`device=` here, `bind_device()`, or one call on CUDA tensors before capturing).
 
