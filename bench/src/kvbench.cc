@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "cuda_buffer.h"
 #include "r2ccl/kv/engine.h"
 #include "r2ccl/monitor/job_metrics.h"
 #include "r2ccl/runtime/config.h"
@@ -57,6 +58,8 @@ struct Options {
   int waves = 1;                    // the workload, this many times in a row
   double wave_gap = 0;              // seconds between waves
   double pool_limit_gib = 6;
+  std::string memory = "host";  // or cuda: each side's pool in GPU memory
+  int gpu = -1;                 // the GPU of the pool (default: the rank)
 };
 
 struct Plan {
@@ -137,16 +140,47 @@ int run(const Options& o) {
         static_cast<double>(pool_bytes) / (1ull << 30), o.pool_limit_gib);
     return 2;
   }
-  auto engine = kv::KvEngine::create(f, kvopts);
-  std::vector<std::byte> memory(pool_bytes);
   const auto layout =
       kv::KvLayout::layer_major(model->layers, plan.total_blocks, block_bytes, model->parts);
-  // Deterministic, different per block, cheap to make.
-  for (std::size_t i = 0; i < memory.size(); i += 8) {
-    const std::uint64_t v = (i * 0x9E3779B97F4A7C15ull) ^ (me == 0 ? 0x5555 : 0);
-    std::memcpy(memory.data() + i, &v, std::min<std::size_t>(8, memory.size() - i));
+  // Deterministic, different per block, cheap to make: bytes [at, at + n) of the pool.
+  auto pattern = [&](std::size_t at, std::span<std::byte> out) {
+    for (std::size_t i = 0; i < out.size(); i += 8) {
+      const std::uint64_t v = ((at + i) * 0x9E3779B97F4A7C15ull) ^ (me == 0 ? 0x5555 : 0);
+      std::memcpy(out.data() + i, &v, std::min<std::size_t>(8, out.size() - i));
+    }
+  };
+  std::vector<std::byte> host_memory;
+  std::unique_ptr<bench::CudaBuffer> gpu_memory;
+  std::span<std::byte> memory;
+  if (o.memory == "cuda") {
+    auto b = bench::CudaBuffer::make(o.gpu >= 0 ? o.gpu : me, pool_bytes);
+    if (!b) {
+      fmt::print(stderr, "r2ccl-kvbench: rank {}: --memory cuda: {}\n", me, b.status().message());
+      return 2;
+    }
+    gpu_memory = std::move(*b);
+    memory = gpu_memory->span();
+    std::vector<std::byte> piece(std::size_t{64} << 20);
+    for (std::size_t at = 0; at < pool_bytes; at += piece.size()) {
+      const auto part = std::span(piece).first(std::min(piece.size(), pool_bytes - at));
+      pattern(at, part);
+      if (Status st = gpu_memory->upload(part, at); !st) {
+        fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, st.message());
+        return 2;
+      }
+    }
+  } else {
+    host_memory.resize(pool_bytes);
+    pattern(0, host_memory);
+    memory = host_memory;
   }
-  auto pool = (*engine)->register_pool({std::span<std::byte>(memory)}, layout);
+  // After the memory: destroyed before it.
+  auto engine = kv::KvEngine::create(f, kvopts);
+  if (!engine) {
+    fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, engine.status().to_string());
+    return 2;
+  }
+  auto pool = (*engine)->register_pool({memory}, layout);
   if (!pool) {
     fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, pool.status().to_string());
     return 2;
@@ -289,9 +323,9 @@ int run(const Options& o) {
     const double gbps = static_cast<double>(bytes) / seconds / 1e9;
     fmt::print(
         "# r2ccl-kvbench {}: {} request(s) x {} wave(s) of {}-{} tokens, concurrency {}, {} "
-        "rail(s), {}\n",
+        "rail(s), {}, pools in {} memory\n",
         o.mode, o.requests, o.waves, o.min_tokens, o.max_tokens, o.concurrency, f.nics().size(),
-        model->name);
+        model->name, o.memory);
     fmt::print(
         "| requests | DONE | FAILED | preserved | GB | seconds | GB/s | req/s | p50 ms | p90 ms | "
         "p99 ms |\n");
@@ -308,6 +342,7 @@ int run(const Options& o) {
     if (!o.json_path.empty()) {
       nlohmann::json j{{"model", model->name},
                        {"mode", o.mode},
+                       {"memory", o.memory},
                        {"requests", o.requests},
                        {"done", done},
                        {"failed", failed},
@@ -356,6 +391,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_option("--wave-gap", o.wave_gap, "seconds between waves")->check(CLI::NonNegativeNumber);
   app.add_option("--pool-limit", o.pool_limit_gib, "largest pool per side, GiB");
+  app.add_option("--memory", o.memory,
+                 "host, or cuda: each side's pool in the memory of a GPU (moved through the "
+                 "host over tcp rails)")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  app.add_option("--gpu", o.gpu,
+                 "with --memory cuda: the GPU of this rank's pool (default: the "
+                 "rank)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

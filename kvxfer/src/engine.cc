@@ -12,7 +12,6 @@
 #include <set>
 #include <thread>
 
-#include "memory_kind.h"
 #include "r2ccl/runtime/log.h"
 
 namespace r2ccl::kv {
@@ -292,8 +291,51 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     return Status::ok();
   }
 
-  // Turns a span into coalesced writes (and hashes, when verifying). Lock held.
-  void plan(Request& r, const BlockSpan& s, const Pool& src, const RemotePool& dst) {
+  // Per destination block of a span, the XOR of its (layer, part) checksums, read from the source
+  // pool. Device memory is copied out in runs of consecutive blocks (up to kMaxWriteBytes); a
+  // block that cannot be read gets a checksum the receiver's will not match.
+  static std::map<std::uint32_t, std::uint64_t> span_hashes(const Pool& src, const BlockSpan& s) {
+    std::map<std::uint32_t, std::uint64_t> out;
+    const auto& L = src.layout;
+    Bytes staged;
+    for (std::uint32_t layer = s.first_layer; layer < s.last_layer; ++layer)
+      for (std::uint32_t part = 0; part < L.parts; ++part) {
+        const RegionPtr& region = src.regions[L.place(layer, part).buffer];
+        for (std::size_t i = 0; i < s.src_blocks.size();) {
+          const std::uint64_t first = L.offset(layer, part, s.src_blocks[i]);
+          std::size_t n = 1;  // blocks in this run
+          while (region->device != nullptr && i + n < s.src_blocks.size() &&
+                 (n + 1) * L.block_bytes <= kMaxWriteBytes &&
+                 L.offset(layer, part, s.src_blocks[i + n]) == first + n * L.block_bytes)
+            ++n;
+          const std::byte* base = region->base + first;
+          Status read = Status::ok();
+          if (region->device != nullptr) {
+            staged.resize(n * L.block_bytes);
+            read = region->device->to_host(staged.data(), base, staged.size());
+            if (!read) R2CCL_WARN("KV verification: {}", read.message());
+            base = staged.data();
+          }
+          for (std::size_t k = 0; k < n; ++k)
+            out[s.dst_blocks[i + k]] ^=
+                read ? block_hash(base + k * L.block_bytes, L.block_bytes, layer, part)
+                     : ~std::uint64_t{0};
+          i += n;
+        }
+      }
+    return out;
+  }
+
+  // Turns a span into coalesced writes, and adds its checksums when verifying: `hashes`, or
+  // (null) read here. Lock held.
+  void plan(Request& r, const BlockSpan& s, const Pool& src, const RemotePool& dst,
+            const std::map<std::uint32_t, std::uint64_t>* hashes = nullptr) {
+    if (options.verify) {
+      const auto mine =
+          hashes != nullptr ? std::map<std::uint32_t, std::uint64_t>{} : span_hashes(src, s);
+      for (const auto& [block, h] : hashes != nullptr ? *hashes : mine)
+        r.hashes[block] ^= h;
+    }
     const auto& L = src.layout;
     for (std::uint32_t layer = s.first_layer; layer < s.last_layer; ++layer) {
       if (options.verify) r.layers.insert(layer);
@@ -305,9 +347,6 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
           const std::uint64_t dof = dst.layout.offset(layer, part, s.dst_blocks[i]);
           r.dst_blocks.insert(s.dst_blocks[i]);
           r.bytes += L.block_bytes;
-          if (options.verify)
-            r.hashes[s.dst_blocks[i]] ^=
-                block_hash(src.buffers[sp.buffer].data() + so, L.block_bytes, layer, part);
           if (!r.pending.empty()) {
             auto& last = r.pending.back();
             if (last.src_buffer == sp.buffer && last.dst_buffer == dp.buffer &&
@@ -636,7 +675,7 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       const bool check = !rec.hashes.empty() && rec.note.state == RequestState::kDone;
       std::optional<Pool> pool;
       if (check && rec.pool < pools.size() && !pools[rec.pool].buffers.empty()) {
-        pool = Pool{pools[rec.pool].buffers, {}, pools[rec.pool].layout};
+        pool = Pool{pools[rec.pool].buffers, pools[rec.pool].regions, pools[rec.pool].layout};
         ++verifying[rec.pool];
       }
       lock.unlock();
@@ -715,20 +754,24 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     }
     const auto& pool = *pool_ptr;
     const auto& L = pool.layout;
-    std::vector<std::uint32_t> bad;
-    for (const auto& [block, want] : rec.hashes) {
-      std::uint64_t h = 0;
-      if (block >= L.blocks) {
-        bad.push_back(block);
-        continue;
+    // Read layer by layer, as the sender did (runs of consecutive blocks at once).
+    BlockSpan span;
+    for (const auto& [block, want] : rec.hashes)
+      if (block < L.blocks) {
+        span.src_blocks.push_back(block);
+        span.dst_blocks.push_back(block);
       }
-      for (auto layer : rec.layers)
-        for (std::uint32_t part = 0; part < L.parts && layer < L.layers; ++part)
-          h ^= block_hash(
-              pool.buffers[L.place(layer, part).buffer].data() + L.offset(layer, part, block),
-              L.block_bytes, layer, part);
-      if (h != want) bad.push_back(block);
+    std::map<std::uint32_t, std::uint64_t> got;
+    for (auto layer : rec.layers) {
+      if (layer >= L.layers) continue;
+      span.first_layer = layer;
+      span.last_layer = layer + 1;
+      for (const auto& [block, h] : span_hashes(pool, span))
+        got[block] ^= h;
     }
+    std::vector<std::uint32_t> bad;
+    for (const auto& [block, want] : rec.hashes)
+      if (block >= L.blocks || got[block] != want) bad.push_back(block);
     if (bad.empty()) {
       rec.note.verified = true;
       return;
@@ -895,22 +938,12 @@ Result<std::unique_ptr<KvEngine>> KvEngine::create(Fabric& fabric, const EngineO
 }
 
 Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::byte>>& buffers,
-                                              const KvLayout& layout) {
+                                              const KvLayout& layout, const DeviceMemory* memory) {
   std::vector<std::uint64_t> lengths;
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     const auto& b = buffers[i];
     if (b.data() == nullptr)
       return Status(ErrorCode::kInvalidArgument, "register_pool: a buffer is null");
-    // Host memory only for now: the tcp rail copies into and out of the pool on the host, and
-    // R2CCL_KV_VERIFY hashes it there.
-    const PointerInfo info = pointer_info(b.data());
-    if (info.kind != PointerKind::kHost)
-      return Status(
-          ErrorCode::kInvalidArgument,
-          fmt::format("register_pool: buffer {} of the pool ({}, {} bytes) is CUDA {} memory (of "
-                      "device {}): KV pools must be host memory for now",
-                      i, static_cast<const void*>(b.data()), b.size(),
-                      info.kind == PointerKind::kManaged ? "managed" : "device", info.device));
     lengths.push_back(b.size());
   }
   R2CCL_RETURN_IF_ERROR(layout.validate(lengths).with_context("register_pool"));
@@ -918,8 +951,9 @@ Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::b
   pool.buffers = buffers;
   pool.layout = layout;
   for (const auto& b : buffers) {
-    R2CCL_ASSIGN_OR_RETURN(auto region, impl_->endpoint.register_memory(
-                                            b.data(), b.size(), MemoryAccess::kRemoteWrite));
+    R2CCL_ASSIGN_OR_RETURN(
+        auto region,
+        impl_->endpoint.register_memory(b.data(), b.size(), MemoryAccess::kRemoteWrite, memory));
     pool.regions.push_back(region);
   }
   std::lock_guard lock(impl_->mu);
@@ -1077,6 +1111,27 @@ Status KvEngine::begin(std::uint64_t id, int peer, std::uint32_t local_pool,
 Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
   std::vector<Impl::Issue> next;
   int peer = -1;
+  // The checksums first, outside the lock: reading the blocks (out of a GPU, perhaps) must not
+  // hold up the completions of the writes in flight. The pool cannot go meanwhile (a request
+  // that began on it holds it).
+  std::optional<std::map<std::uint32_t, std::uint64_t>> hashes;
+  if (impl_->options.verify) {
+    Impl::Pool src;
+    {
+      std::lock_guard lock(impl_->mu);
+      auto it = impl_->requests.find(Impl::Key{-1, id});
+      if (it != impl_->requests.end() && !it->second.is_pull_record &&
+          it->second.local_pool < impl_->pools.size())
+        src = impl_->pools[it->second.local_pool];
+    }
+    // Checked again under the lock below, before the checksums are used.
+    const bool readable = !src.regions.empty() && span.first_layer < span.last_layer &&
+                          span.last_layer <= src.layout.layers &&
+                          span.src_blocks.size() == span.dst_blocks.size() &&
+                          std::all_of(span.src_blocks.begin(), span.src_blocks.end(),
+                                      [&](std::uint32_t b) { return b < src.layout.blocks; });
+    if (readable) hashes = Impl::span_hashes(src, span);
+  }
   {
     std::lock_guard lock(impl_->mu);
     auto it = impl_->requests.find(Impl::Key{-1, id});
@@ -1094,7 +1149,7 @@ Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
     const auto& dst = impl_->peers.find(r.peer)->second[r.remote_pool];
     R2CCL_RETURN_IF_ERROR(impl_->check_span(span, src.layout, dst.layout, "local", "remote")
                               .with_context(fmt::format("request {}", id)));
-    impl_->plan(r, span, src, dst);
+    impl_->plan(r, span, src, dst, hashes ? &*hashes : nullptr);
     r.state = RequestState::kInFlight;
     peer = r.peer;
     next = impl_->take_issues(peer);

@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "../unit/standin_device_memory.h"
 #include "../unit/test_util.h"
 #include "r2ccl/runtime/provider/progress.h"
 
@@ -460,6 +461,78 @@ TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
   EXPECT_EQ(e.add(1, span).message(),
             "request 1: unknown peer 1: connect() with its metadata before sending to it");
   s[1].engine.reset();  // before `second` goes away
+}
+
+// Device pools (stand-ins with different masks: see StandinDeviceMemory) over the tcp rails: a
+// block goes out of the sender's device and into the receiver's through their copies, with the
+// checksums of R2CCL_KV_VERIFY taken through them too, whichever side is device memory. A copy
+// into the device that fails ends the request FAILED, naming its blocks, on both sides.
+TEST(KvEngine, DevicePoolsMoveThroughTheDevicesCopies) {
+  auto s = make_pair_of_engines({{"R2CCL_KV_VERIFY", "1"}});
+  const auto layout = KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts);
+  const test::StandinDeviceMemory gpu0(std::byte{0x5A});
+  test::StandinDeviceMemory gpu1(std::byte{0xC3});
+  std::vector<std::byte> dev0(s[0].memory.size()), dev1(s[0].memory.size());
+  gpu0.write(dev0, s[0].memory);  // the device holds what rank 0's host pool holds
+  gpu1.write(dev1, std::vector<std::byte>(dev1.size(), std::byte{0}));
+  auto p0 = s[0].engine->register_pool({std::span<std::byte>(dev0)}, layout, &gpu0);
+  auto p1 = s[1].engine->register_pool({std::span<std::byte>(dev1)}, layout, &gpu1);
+  ASSERT_TRUE(p0.is_ok()) << p0.status().to_string();
+  ASSERT_TRUE(p1.is_ok()) << p1.status().to_string();
+  ASSERT_TRUE(s[0].engine->connect(1, s[1].engine->metadata()).is_ok());
+  // Does rank 1's device block `dst` hold rank 0's block `src`, in every layer and part?
+  auto device_holds = [&](std::uint32_t dst, std::uint32_t src) {
+    const auto now = gpu1.read(dev1);
+    for (std::uint32_t layer = 0; layer < kLayers; ++layer)
+      for (std::uint32_t part = 0; part < kParts; ++part)
+        for (std::uint64_t i = 0; i < kBlockBytes; ++i)
+          if (now[layout.offset(layer, part, dst) + i] != value_at(0, layer, part, src, i))
+            return false;
+    return true;
+  };
+  struct Case {
+    std::uint64_t id;
+    std::uint32_t src_pool, dst_pool;
+    BlockSpan span;
+  };
+  const std::vector<Case> cases = {
+      {11, *p0, *p1, BlockSpan{0, kLayers, {3, 4, 5, 60}, {20, 21, 22, 1}}},  // device -> device
+      {12, s[0].pool, *p1, BlockSpan{0, kLayers, {7}, {30}}},                 // host -> device
+      {13, *p0, s[1].pool, BlockSpan{0, kLayers, {9}, {31}}},                 // device -> host
+  };
+  for (const auto& c : cases) {
+    ASSERT_TRUE(s[0].engine->submit(c.id, 1, c.src_pool, c.dst_pool, {c.span}).is_ok());
+    auto st = s[0].engine->wait(c.id, 10s);
+    ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+    EXPECT_EQ(st->state, RequestState::kDone) << c.id << ": " << st->reason;
+    auto note = s[1].engine->wait_notification(0, c.id, 10s);
+    ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+    EXPECT_EQ(note->state, RequestState::kDone) << c.id << ": " << note->reason;
+    EXPECT_TRUE(note->verified) << c.id;
+  }
+  EXPECT_TRUE(device_holds(20, 3) && device_holds(21, 4) && device_holds(22, 5) &&
+              device_holds(1, 60));
+  EXPECT_TRUE(device_holds(30, 7));
+  for (std::uint32_t layer = 0; layer < kLayers; ++layer)
+    EXPECT_TRUE(holds(s[1], layer, 31, 9)) << layer;
+  EXPECT_FALSE(device_holds(2, 61));  // untouched
+  EXPECT_GT(gpu0.copies_out.load(), 0u);
+  EXPECT_GT(gpu1.copies_in.load(), 0u);
+
+  gpu1.fail_to_device = true;
+  ASSERT_TRUE(s[0].engine->submit(14, 1, *p0, *p1, {BlockSpan{0, kLayers, {10}, {40}}}).is_ok());
+  auto st = s[0].engine->wait(14, 10s);
+  ASSERT_TRUE(st.is_ok()) << st.status().to_string();
+  EXPECT_EQ(st->state, RequestState::kFailed);
+  EXPECT_NE(st->reason.find("stand-in device memory: copy in failed"), std::string::npos)
+      << st->reason;
+  EXPECT_EQ(st->invalid_blocks, std::vector<std::uint32_t>{40});
+  auto note = s[1].engine->wait_notification(0, 14, 10s);
+  ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+  EXPECT_EQ(note->state, RequestState::kFailed);
+  EXPECT_EQ(note->invalid_blocks, std::vector<std::uint32_t>{40});
+  for (auto& side : s)
+    side.engine.reset();  // before the pools go away
 }
 
 // Notifications waiting to be polled are bounded in bytes, not only in count (review N-m5): with

@@ -17,6 +17,7 @@
 #include "channel/protocol.h"
 #include "fake/fake_provider.h"
 #include "r2ccl/runtime/memory.h"
+#include "standin_device_memory.h"
 
 namespace r2ccl {
 namespace {
@@ -138,14 +139,21 @@ class ChannelFailover : public ::testing::Test {
     bool intact() const { return src == dst; }
   };
 
-  std::unique_ptr<Transfer> start_transfer(std::size_t bytes) {
+  // `src_memory`, `dst_memory`: the buffers are that stand-in device memory, whose bytes `src`
+  // and `dst` then hold (scrambled: see StandinDeviceMemory).
+  std::unique_ptr<Transfer> start_transfer(std::size_t bytes,
+                                           const test::StandinDeviceMemory* src_memory = nullptr,
+                                           const test::StandinDeviceMemory* dst_memory = nullptr) {
     auto t = std::make_unique<Transfer>();
     t->src.resize(bytes);
     t->dst.assign(bytes, std::byte{0xEE});
     for (std::size_t i = 0; i < bytes; ++i)
       t->src[i] = static_cast<std::byte>((i * 131 + 7) & 0xff);
-    t->src_region = *r0().registry.register_region(t->src.data(), bytes);
-    t->dst_region = *r1().registry.register_region(t->dst.data(), bytes);
+    if (src_memory != nullptr) src_memory->write(t->src, std::vector<std::byte>(t->src));
+    t->src_region =
+        *r0().registry.register_region(t->src.data(), bytes, MemoryAccess::kLocal, src_memory);
+    t->dst_region = *r1().registry.register_region(t->dst.data(), bytes, MemoryAccess::kRemoteWrite,
+                                                   dst_memory);
     const auto deadline = Clock::now() + std::chrono::minutes(10);
     r1().channel->post_recv(t->recv, t->dst_region, 0, bytes, deadline);
     r0().channel->post_send(t->send, t->src_region, 0, bytes, deadline);
@@ -412,6 +420,42 @@ TEST_F(ChannelFailover, ALinkDownMidTransferIsReplayedOnTheOtherRailsWithoutAnyC
   EXPECT_GT(replayed, 0u);
   EXPECT_EQ(r0().rail(1).replayed_chunks, 0u);
   EXPECT_TRUE(t->send->replayed());
+}
+
+// Device memory (stand-ins with different masks on the two sides) goes through its copies: out
+// of the sender's device and into the receiver's, eagerly and in chunks; chunks in flight on a
+// rail that goes down are replayed from the device like any other. A copy that fails refuses
+// the write, and the send fails saying why.
+TEST_F(ChannelFailover, DeviceMemoryMovesThroughItsCopiesAndItsChunksAreReplayed) {
+  connect();
+  const test::StandinDeviceMemory gpu0(std::byte{0x5A}), gpu1(std::byte{0xC3});
+  for (std::size_t bytes : {std::size_t{1000}, std::size_t{4} << 20}) {
+    auto t = start_transfer(bytes, &gpu0, &gpu1);
+    const auto want = gpu0.read(t->src);
+    if (bytes > 1000) {
+      for (int i = 0; i < 40; ++i)
+        net_.step();
+      ASSERT_FALSE(t->done());
+      r0().channel->on_link("fake1", false);
+    }
+    ASSERT_TRUE(drive([&] { return t->done(); })) << bytes;
+    EXPECT_TRUE(t->send->status().is_ok()) << t->send->status().to_string();
+    EXPECT_TRUE(t->recv->status().is_ok()) << t->recv->status().to_string();
+    EXPECT_TRUE(gpu1.read(t->dst) == want) << bytes << " bytes arrived wrong";
+    if (bytes > 1000) {
+      EXPECT_TRUE(t->send->replayed());
+    }
+  }
+  EXPECT_GT(gpu0.copies_out.load(), 0u);
+  EXPECT_GT(gpu1.copies_in.load(), 0u);
+  test::StandinDeviceMemory broken(std::byte{0x11});
+  broken.fail_to_device = true;
+  auto t = start_transfer(std::size_t{1} << 20, &gpu0, &broken);
+  ASSERT_TRUE(drive([&] { return t->send->done(); }));
+  EXPECT_NE(t->send->status().message().find("stand-in device memory: copy in failed"),
+            std::string::npos)
+      << t->send->status().to_string();
+  EXPECT_TRUE(r0().fatal.empty());
 }
 
 TEST_F(ChannelFailover, ChunksWhoseConfirmationsWereLostAreReconciledNotReplayed) {

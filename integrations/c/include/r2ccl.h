@@ -192,7 +192,8 @@ r2cclResult_t r2cclGroupEnd(void);
  * not in one communicator (a prefill and a decode server). Each side makes an engine on its own
  * endpoint (its rails: R2CCL_NICS), registers its cache as a pool, and hands its metadata (bytes)
  * to the other side by any means; the side that loads it can push to, or pull from, the other.
- * Pools are host memory only for now: a device-resident cache needs a host copy to move.
+ * Pools are host memory or CUDA device/managed memory; device memory moves over tcp rails
+ * through host copies (the verbs provider refuses it: no GPUDirect RDMA yet).
  */
 typedef struct r2cclKvEngine* r2cclKvEngine_t;
 
@@ -254,9 +255,11 @@ r2cclResult_t r2cclKvEngineDestroy(r2cclKvEngine_t engine);
 const char* r2cclKvGetLastError(r2cclKvEngine_t engine);
 /* Registers `nbuffers` buffers laid out as `layout` (remote-writable: peers that hold the
  * metadata may write blocks into them). They stay owned by the caller and allocated until
- * r2cclKvUnregisterPool (or the engine's destruction) returns. Host memory only for now
- * (pageable or pinned): CUDA device or managed memory is refused (r2cclInvalidArgument, naming
- * the buffer). */
+ * r2cclKvUnregisterPool (or the engine's destruction) returns. Host memory (pageable or
+ * pinned), or CUDA device or managed memory (recognised through the CUDA driver): its blocks
+ * must be complete on the GPU when a request that reads them is submitted (the stream that
+ * wrote them synchronized), and a notification comes after every byte was copied into the
+ * receiver's GPU memory. */
 r2cclResult_t r2cclKvRegisterPool(r2cclKvEngine_t engine, void* const* buffers,
                                   const size_t* lengths, int nbuffers, const r2cclKvLayout* layout,
                                   uint32_t* pool);

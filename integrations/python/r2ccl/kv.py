@@ -69,6 +69,7 @@ class KvEngine:
         self._lib = _lib.library()
         self._handle: int | None = None
         self._pools: dict[int, list[torch.Tensor]] = {}
+        self._begun: dict[int, int] = {}  # request -> local pool, from begin() until seal()
         handle = ctypes.c_void_p()
         raise_for(
             self._lib.r2cclKvEngineCreate(ctypes.byref(handle), name.encode() if name else None),
@@ -96,8 +97,8 @@ class KvEngine:
         parts: int = 2,
         places: Sequence[tuple[int, int, int]] | None = None,
     ) -> int:
-        """Registers the KV cache held in `buffers` (host tensors, contiguous) as a pool; returns
-        its number. `places[layer * parts + part]` = (buffer, offset, stride) in bytes; None:
+        """Registers the KV cache held in `buffers` (contiguous tensors on the CPU or on CUDA GPUs:
+        GPU memory goes through host staging over tcp rails) as a pool; returns its number. `places[layer * parts + part]` = (buffer, offset, stride) in bytes; None:
         every layer and part one after another in buffer 0. The tensors are kept alive until
         unregister_pool."""
         if not buffers:
@@ -106,8 +107,8 @@ class KvEngine:
         for i, b in enumerate(buffers):
             if not isinstance(b, torch.Tensor):
                 raise TypeError(f"r2ccl: buffers[{i}] must be a torch.Tensor, not {type(b).__name__}")
-            if b.device.type != "cpu":
-                raise ValueError(f"r2ccl: buffers[{i}] is on {b.device}; this build registers host memory only")
+            if b.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"r2ccl: buffers[{i}] is on {b.device}; KV pools are CPU or CUDA memory")
             if not b.is_contiguous():
                 raise ValueError(f"r2ccl: buffers[{i}] is not contiguous")
         ptrs = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
@@ -149,12 +150,24 @@ class KvEngine:
     def disconnect(self, peer: int) -> None:
         self._call("KvDisconnect", self._lib.r2cclKvDisconnect, peer)
 
+    def _settle(self, pool: int) -> None:
+        """The blocks of a pool on CUDA are read when they are handed over: what the current
+        streams of its devices wrote must be there first."""
+        devices = {b.device for b in self._pools.get(pool, []) if b.device.type == "cuda"}
+        if devices:
+            import torch
+
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+
     def submit(
         self, request: int, peer: int, local_pool: int, remote_pool: int,
         spans: Sequence[Span | tuple], payload: bytes = b"",
     ) -> None:
         """Pushes the spans' blocks of `local_pool` into the peer's `remote_pool`; the peer is
-        notified, with `payload`, once every block landed."""
+        notified, with `payload`, once every block landed. A pool on CUDA: the current streams of
+        its devices are synchronized first, so that what they wrote goes."""
+        self._settle(local_pool)
         arr, _keep = _spans(spans)
         self._call(
             "KvSubmit", self._lib.r2cclKvSubmit, request, peer, local_pool, remote_pool, arr,
@@ -164,13 +177,18 @@ class KvEngine:
     def begin(self, request: int, peer: int, local_pool: int, remote_pool: int) -> None:
         """Starts a push filled layer by layer with add() and ended with seal()."""
         self._call("KvBegin", self._lib.r2cclKvBegin, request, peer, local_pool, remote_pool)
+        self._begun[request] = local_pool
 
     def add(self, request: int, span: Span | tuple) -> None:
+        """Adds blocks to a push that begin() started (a pool on CUDA: as submit())."""
+        self._settle(self._begun.get(request, -1))
+
         arr, _keep = _spans([span])
         self._call("KvAdd", self._lib.r2cclKvAdd, request, arr)
 
     def seal(self, request: int, payload: bytes = b"") -> None:
         self._call("KvSeal", self._lib.r2cclKvSeal, request, bytes(payload), len(payload))
+        self._begun.pop(request, None)
 
     def pull(
         self, request: int, peer: int, local_pool: int, remote_pool: int, spans: Sequence[Span | tuple]

@@ -151,14 +151,22 @@ Status FakeRail::post_write(const WriteRequest& w) {
     FakeRail* from = link->ends[side];
     FakeRail* to = link->ends[1 - side];
     if (from == nullptr || to == nullptr || to->failed_ || to->events_ == nullptr) return;
-    std::byte* target = to->owner().target(w.remote_key, w.remote_offset, w.length);
+    const DeviceMemory* memory = nullptr;
+    std::byte* target = to->owner().target(w.remote_key, w.remote_offset, w.length, memory);
     if (target == nullptr) {
       ++to->owner().counters_.refused_writes;
       if (from->events_)
         from->events_->on_write_refused(w.cookie, {ErrorCode::kProtocol, "outside any region"});
       return;
     }
-    std::memcpy(target, w.src, w.length);
+    // Through the host, as the tcp provider stages device memory.
+    Bytes staged(w.length);
+    Status copied = copy_to_host(w.src_device, staged.data(), w.src, w.length);
+    if (copied) copied = copy_from_host(memory, target, staged.data(), w.length);
+    if (!copied) {
+      if (from->events_) from->events_->on_write_refused(w.cookie, copied);
+      return;
+    }
     to->events_->on_write_arrived(w.imm, w.length);
     from->confirm(w.cookie);
   });
@@ -211,10 +219,12 @@ FakeProvider::FakeProvider(FakeNetwork& net, std::uint32_t id, std::size_t rails
 }
 
 Result<std::uint64_t> FakeProvider::register_memory(std::size_t device, void* base,
-                                                    std::size_t length, MemoryAccess access) {
+                                                    std::size_t length, MemoryAccess access,
+                                                    const DeviceMemory* memory) {
   if (device >= devices_.size()) return Status(ErrorCode::kInvalidArgument, "no such device");
   const std::uint64_t key = (next_key_++ << 8) | device;
-  regions_[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite};
+  regions_[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite,
+                   memory};
   return key;
 }
 
@@ -227,11 +237,13 @@ Bytes FakeProvider::endpoint(std::size_t device) const {
   return ByteWriter().u32(id_).u32(static_cast<std::uint32_t>(device)).take();
 }
 
-std::byte* FakeProvider::target(std::uint64_t key, std::uint64_t offset, std::size_t length) {
+std::byte* FakeProvider::target(std::uint64_t key, std::uint64_t offset, std::size_t length,
+                                const DeviceMemory*& memory) {
   auto it = regions_.find(key);
   if (it == regions_.end() || !it->second.remote_write || offset > it->second.length ||
       length > it->second.length - offset)
     return nullptr;
+  memory = it->second.memory;
   return it->second.base + offset;
 }
 

@@ -122,7 +122,7 @@ class FakeProvider final : public Provider {
   std::uint32_t capabilities() const override { return kCapBackPressure; }
   const std::vector<RailNic>& devices() const override { return devices_; }
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
-                                        MemoryAccess access) override;
+                                        MemoryAccess access, const DeviceMemory* memory) override;
   Status deregister_memory(std::size_t device, std::uint64_t key) override;
   Bytes endpoint(std::size_t device) const override;
   void set_accept_handler(AcceptHandler handler) override { accept_ = std::move(handler); }
@@ -131,7 +131,9 @@ class FakeProvider final : public Provider {
   ProviderCounters counters() const override { return counters_; }
 
   // Internal: where a peer's write lands; refused (nullptr) outside a registered region.
-  std::byte* target(std::uint64_t key, std::uint64_t offset, std::size_t length);
+  // Where a write lands, and whose memory that is (null: host); null where it may not land.
+  std::byte* target(std::uint64_t key, std::uint64_t offset, std::size_t length,
+                    const DeviceMemory*& memory);
   bool accept(std::shared_ptr<Rail> rail) { return accept_ && accept_(std::move(rail)); }
   std::uint32_t id() const { return id_; }
   ProviderCounters counters_;
@@ -141,6 +143,7 @@ class FakeProvider final : public Provider {
     std::byte* base = nullptr;
     std::size_t length = 0;
     bool remote_write = false;
+    const DeviceMemory* memory = nullptr;
   };
   FakeNetwork& net_;
   std::uint32_t id_;

@@ -115,7 +115,8 @@ struct KeyTable {
   struct Registration {
     std::byte* base = nullptr;
     std::size_t length = 0;
-    bool remote_write = false;  // MemoryAccess::kRemoteWrite
+    bool remote_write = false;             // MemoryAccess::kRemoteWrite
+    const DeviceMemory* memory = nullptr;  // device memory, reached through its copies
   };
   std::unordered_map<std::uint64_t, Registration> regions;
   // Regions that a rail's receive is streaming into right now (key -> how many rails), and the
@@ -188,6 +189,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
   // Back-pressure: a post is refused (kNoResource) while this much waits to be written.
   static constexpr std::size_t kMaxPendingBytes = std::size_t{64} << 20;
+  static constexpr std::size_t kMaxPendingDeviceBytes = std::size_t{8} << 20;
 
   Status full() const {
     return {ErrorCode::kNoResource,
@@ -197,9 +199,31 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   Status post_write(const WriteRequest& w) override {
     if (closed_) return {ErrorCode::kNetwork, fmt::format("rail {} is closed", description_)};
     if (pending_bytes_ > 0 && pending_bytes_ + w.length > kMaxPendingBytes) return full();
+    // Device memory is copied out when queued, on this thread: only a little ahead of the wire,
+    // so that the copies of many queued chunks never hold up the loop at once.
+    if (w.src_device != nullptr && pending_bytes_ > 0 &&
+        pending_bytes_ + w.length > kMaxPendingDeviceBytes)
+      return full();
     // Sent as fragments, so that acknowledgements and control frames queued meanwhile wait for
     // at most one fragment, not a whole chunk, on a slow link.
+    // Device memory goes out through the host: each fragment is copied out when it is queued
+    // (so at most kMaxPendingBytes of copies per rail). A copy that fails refuses the write.
+    std::vector<std::shared_ptr<const Bytes>> staged;
+    if (w.src_device != nullptr)
+      for (std::size_t done = 0; done < w.length; done += kFragment) {
+        const std::size_t n = std::min(kFragment, w.length - done);
+        auto buf = staging_buffer(n);
+        if (Status st = w.src_device->to_host(buf->data(), w.src + done, n); !st) {
+          engine_.post([self = shared_from_this(), cookie = w.cookie, st] {
+            if (self->events_ && !self->closed_)
+              self->events_->on_write_refused(cookie, st.with_context("sending a write"));
+          });
+          return Status::ok();
+        }
+        staged.push_back(std::move(buf));
+      }
     std::size_t done = 0;
+    std::size_t fragment = 0;
     do {
       const std::size_t n = std::min(kFragment, w.length - done);
       const bool last = done + n == w.length;
@@ -210,10 +234,27 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
                     w.remote_offset + done,
                     n,
                     w.cookie};
-      queue(h, w.src + done, n, {});
+      if (staged.empty())
+        queue(h, w.src + done, n, {});
+      else
+        queue(h, nullptr, 0, std::move(staged[fragment]));
       done += n;
+      ++fragment;
     } while (done < w.length);
     return Status::ok();
+  }
+
+  // A buffer for a fragment copied out of device memory: one of those whose frames went out, or
+  // a new one while fewer than kSpareStaging exist.
+  std::shared_ptr<Bytes> staging_buffer(std::size_t n) {
+    for (auto& b : staging_)
+      if (b.use_count() == 1) {
+        b->resize(n);
+        return b;
+      }
+    auto b = std::make_shared<Bytes>(n);
+    if (staging_.size() < kSpareStaging) staging_.push_back(b);
+    return b;
   }
 
   Status post_control(std::shared_ptr<const Bytes> message, std::uint64_t cookie) override {
@@ -272,11 +313,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     const std::byte* payload = nullptr;
     std::size_t length = 0;
     std::shared_ptr<const Bytes> owned;  // payload kept alive by the frame (control, nack text)
+    bool write = false;                  // a write's payload (data, batched as such)
   };
 
   void queue(const FrameHeader& h, const std::byte* payload, std::size_t len,
              std::shared_ptr<const Bytes> owned, bool urgent = false) {
-    OutFrame f{encode(h), payload, len, std::move(owned)};
+    OutFrame f{encode(h), payload, len, std::move(owned), h.op == FrameOp::kWrite};
     if (f.owned) {
       f.payload = f.owned->data();
       f.length = f.owned->size();
@@ -358,7 +400,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       buffers_.emplace_back(f.header.data(), f.header.size());
       if (f.length > 0) buffers_.emplace_back(f.payload, f.length);
       total += f.header.size() + f.length;
-      data = data || (f.length > 0 && !f.owned);
+      data = data || (f.length > 0 && f.write);
     }
     return total;
   }
@@ -565,6 +607,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     const std::size_t len = cur_.length;
     const std::size_t have = std::min(len, avail());
     std::byte* dest = nullptr;
+    const DeviceMemory* memory = nullptr;
     std::string refusal;
     {
       // The region is resolved, the buffered bytes copied and a write that streams on marked
@@ -587,9 +630,14 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
             "write of {} bytes at offset {} falls outside the registered region "
             "of {} bytes (key 0x{:x} on {})",
             cur_.length, cur_.offset, it->second.length, cur_.key, nic_.name);
+      } else if (it->second.memory != nullptr && len > kFragment) {
+        refusal = fmt::format(
+            "write fragment of {} bytes into device memory exceeds {} (key 0x{:x} on {})",
+            cur_.length, kFragment, cur_.key, nic_.name);
       } else {
         dest = it->second.base + cur_.offset;
-        std::memcpy(dest, rbuf_.data() + rpos_, have);
+        memory = it->second.memory;
+        land(memory, dest, rbuf_.data() + rpos_, have);
         if (have < len) {
           landing_key_ = cur_.key;
           ++keys_->landing[cur_.key];
@@ -609,20 +657,26 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
       write_landed();
       return true;
     }
-    // The rest goes straight into the region, and the same system call brings the next frame's
-    // header if it is there: a stream of write fragments then costs one receive call each and
-    // no copy through the batch buffer.
+    // The rest goes straight into the region (device memory: into the landing buffer, then
+    // copied in), and the same system call brings the next frame's header if it is there: a
+    // stream of write fragments then costs one receive call each and no copy through the batch
+    // buffer.
     const std::size_t need = len - have;
-    rpos_ = rend_ = 0;  // the batch buffer is drained (have == avail())
-    const std::array<asio::mutable_buffer, 2> into{asio::buffer(dest + have, need),
+    rpos_ = rend_ = 0;                             // the batch buffer is drained (have == avail())
+    if (memory != nullptr) landing_.resize(need);  // at most kFragment, checked above
+    std::byte* into_first = memory != nullptr ? landing_.data() : dest + have;
+    const std::array<asio::mutable_buffer, 2> into{asio::buffer(into_first, need),
                                                    asio::buffer(rbuf_.data(), kHeaderSize)};
     asio::async_read(
         socket_, into,
         [need](const error_code& ec, std::size_t n) -> std::size_t {
           return ec || n >= need ? 0 : need + kHeaderSize - n;
         },
-        [self = shared_from_this(), need](error_code ec, std::size_t n) {
+        [self = shared_from_this(), need, memory, to = dest + have](error_code ec, std::size_t n) {
           if (self->closed_) return;
+          // Copied in before the landing ends: a deregistration waits for it.
+          if (memory != nullptr && !(ec && n < need))
+            self->land(memory, to, self->landing_.data(), need);
           self->end_landing();
           if (ec && n < need) return self->fail_read(ec, n, "write payload");
           self->rend_ = n - need;
@@ -640,6 +694,16 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     const auto cookie = cur_.cookie;
     const auto total = fragments_bytes_;
     fragments_bytes_ = 0;
+    if (!copy_error_.empty()) {  // a copy into device memory failed: the write is refused
+      const std::string why = std::exchange(copy_error_, {});
+      R2CCL_WARN_LIMITED("refused a remote write on rail {}: {}", description_, why);
+      queue(FrameHeader{FrameOp::kWriteNack, 0, 0, 0, 0, why.size(), cookie}, nullptr, 0,
+            std::make_shared<const Bytes>(
+                reinterpret_cast<const std::byte*>(why.data()),
+                reinterpret_cast<const std::byte*>(why.data()) + why.size()),
+            true);
+      return;
+    }
     // How long this write took to arrive: from its first byte, or from the previous write's last
     // byte when it was already waiting behind it. Sent back in the ack's offset field.
     const auto done = std::chrono::steady_clock::now();
@@ -687,6 +751,13 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     events_ = nullptr;
     close();
     if (ev) ev->on_rail_failed(why);
+  }
+
+  // Puts received bytes into their place: a copy into device memory, or into host memory. The
+  // first failure of a write's copies is kept, and refuses the write when its last fragment is in.
+  void land(const DeviceMemory* memory, std::byte* to, const std::byte* from, std::size_t n) {
+    if (Status st = copy_from_host(memory, to, from, n); !st && copy_error_.empty())
+      copy_error_ = st.message();
   }
 
   // A receive streams into region `key` (outside the table's lock): deregistering it must close
@@ -746,6 +817,12 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   FrameHeader cur_;
   Bytes payload_;
   std::vector<std::byte> scratch_;
+  std::vector<std::byte> landing_;  // a fragment bound for device memory, before its copy in
+  // Fragments copied out of device memory, reused once their frames went out: enough for
+  // kMaxPendingBytes queued.
+  static constexpr std::size_t kSpareStaging = kMaxPendingBytes / kFragment + 64;
+  std::vector<std::shared_ptr<Bytes>> staging_;
+  std::string copy_error_;  // the write being received could not be copied in
   std::size_t drained_ = 0;
   std::size_t fragments_bytes_ = 0;  // of the write being received
   std::chrono::steady_clock::time_point write_started_{};
@@ -811,7 +888,7 @@ class TcpProvider final : public Provider {
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
-                                        MemoryAccess access) override {
+                                        MemoryAccess access, const DeviceMemory* memory) override {
     if (device >= state_.size())
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
     auto& t = *state_[device]->keys;
@@ -822,7 +899,8 @@ class TcpProvider final : public Provider {
       R2CCL_RETURN_IF_ERROR(crypto::random_bytes(
           std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(&key), sizeof key)));
     } while (key == 0 || t.regions.count(key) != 0);
-    t.regions[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite};
+    t.regions[key] = {static_cast<std::byte*>(base), length, access == MemoryAccess::kRemoteWrite,
+                      memory};
     return key;
   }
 

@@ -798,9 +798,15 @@ class VerbsProvider final : public Provider {
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
-                                        MemoryAccess access) override {
+                                        MemoryAccess access, const DeviceMemory* memory) override {
     if (device >= state_.size())
       return Status(ErrorCode::kInvalidArgument, fmt::format("no device {}", device));
+    if (memory != nullptr)
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("the verbs provider cannot register {} ({} bytes at {}): "
+                                "GPUDirect RDMA is not built; use R2CCL_PROVIDER=tcp, which "
+                                "stages device memory through the host",
+                                memory->describe(), length, base));
     auto& d = *state_[device]->dev;
     // A zero-length region still needs an MR to hand out a key: register one byte of it.
     static std::byte dummy{};

@@ -67,6 +67,7 @@ void Channel::pump() {
     c.posted = now;
     WriteRequest w;
     w.src = s.region->base + s.offset + c.offset;
+    w.src_device = s.region->device;
     w.length = c.length;
     w.remote_key = s.cts.region.keys[*rail];
     w.remote_offset = s.cts.offset + c.offset;

@@ -77,10 +77,20 @@ Channel::Early Channel::judge_early(std::uint64_t seq, std::uint64_t next, std::
 void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::size_t length,
                         Clock::time_point deadline, std::uint64_t rails) {
   if (fail_if_dead(op)) return;
+  const bool eager = !needs_cts(length) && eager_unconsumed_ + length <= kEagerCredit;
+  // Device memory goes eagerly through a host copy, made before the message takes a number.
+  Bytes staged;
+  if (eager && region->device != nullptr) {
+    staged.resize(length);
+    if (Status st = region->device->to_host(staged.data(), region->base + offset, length); !st) {
+      op->complete(st.with_context("send"));
+      return;
+    }
+  }
   const auto seq = next_send_seq_++;
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
   s.rails = rails;
-  if (!needs_cts(length) && eager_unconsumed_ + length <= kEagerCredit) {
+  if (eager) {
     // Eager: the data travels inside a reliable control message (kept, and replayed on another
     // rail, until the peer confirms it), so the send is complete once it is queued — buffered,
     // as MPI's eager sends are. A receiver that posted another size reports the mismatch.
@@ -88,7 +98,7 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     eager_unconsumed_ += length;
     ByteWriter w = control_writer(ControlType::kEager, 16 + length);
     w.u64(seq).u64(length);
-    w.raw(s.region->base + offset, length);
+    w.raw(staged.empty() ? s.region->base + offset : staged.data(), length);
     send_control(w.take(), length);
     early_cts_.erase(seq);  // the receiver's clear-to-send is not needed
     s.op->complete(Status::ok());
@@ -263,8 +273,7 @@ void Channel::finish_eager(const OpPtr& op, const RegionPtr& region, std::size_t
                   size_mismatch(seq, label_, ctx_.self_label, data.size(), length)});
     return;
   }
-  std::memcpy(region->base + offset, data.data(), length);
-  op->complete(Status::ok());
+  op->complete(copy_from_host(region->device, region->base + offset, data.data(), length));
 }
 
 std::uint32_t Channel::chunk_for(std::size_t length) const {

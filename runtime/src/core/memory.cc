@@ -39,16 +39,17 @@ Status check_remote_writable(const RegionPtr& region, const char* what) {
 }
 
 Result<RegionPtr> MemoryRegistry::register_region(void* base, std::size_t length,
-                                                  MemoryAccess access) {
+                                                  MemoryAccess access, const DeviceMemory* device) {
   if (base == nullptr && length > 0)
     return Status(ErrorCode::kInvalidArgument, "cannot register a null buffer");
   auto region = std::make_shared<Region>();
   region->base = static_cast<std::byte*>(base);
   region->length = length;
   region->access = access;
+  region->device = device != nullptr ? device : cuda_memory_of(base);
   const std::size_t ndev = provider_.devices().size();
   for (std::size_t d = 0; d < ndev; ++d) {
-    auto key = provider_.register_memory(d, base, length, access);
+    auto key = provider_.register_memory(d, base, length, access, region->device);
     if (!key) {
       for (std::size_t u = 0; u < region->keys.size(); ++u)
         (void)provider_.deregister_memory(u, region->keys[u]);

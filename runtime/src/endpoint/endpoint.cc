@@ -808,8 +808,9 @@ std::size_t Endpoint::eager_limit(int peer) const {
   return c ? c->eager_limit() : 0;
 }
 
-Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length, MemoryAccess access) {
-  return registry_->register_region(base, length, access);
+Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length, MemoryAccess access,
+                                            const DeviceMemory* device) {
+  return registry_->register_region(base, length, access, device);
 }
 
 Status Endpoint::deregister_memory(const RegionPtr& region) {

@@ -377,11 +377,23 @@ Status Fabric::check_peer(int peer, const char* what) const {
   return Status::ok();
 }
 
+namespace {
+// A rank's messages to itself are copied on the host.
+Status check_host_memory(const RegionPtr& region, const char* what) {
+  if (region->device == nullptr) return Status::ok();
+  return {ErrorCode::kInvalidArgument,
+          fmt::format("{}: a message of this rank to itself in {} (copy it on the device "
+                      "instead)",
+                      what, region->device->describe())};
+}
+}  // namespace
+
 Result<OpPtr> Fabric::isend(int peer, const RegionPtr& region, std::size_t offset,
                             std::size_t length, std::uint64_t rails) {
   R2CCL_RETURN_IF_ERROR(check_peer(peer, "send"));
   if (peer != rank()) return endpoint_->isend(peer, region, offset, length, rails);
   R2CCL_RETURN_IF_ERROR(check_region(region, offset, length, "send"));
+  R2CCL_RETURN_IF_ERROR(check_host_memory(region, "send"));
   auto op = std::make_shared<Op>();
   op->set_deadline(Clock::now() + config_.timeout);
   endpoint_->engine().submit(
@@ -394,6 +406,7 @@ Result<OpPtr> Fabric::irecv(int peer, const RegionPtr& region, std::size_t offse
   R2CCL_RETURN_IF_ERROR(check_peer(peer, "receive"));
   if (peer != rank()) return endpoint_->irecv(peer, region, offset, length);
   R2CCL_RETURN_IF_ERROR(check_region(region, offset, length, "receive"));
+  R2CCL_RETURN_IF_ERROR(check_host_memory(region, "receive"));
   auto op = std::make_shared<Op>();
   op->set_deadline(Clock::now() + config_.timeout);
   endpoint_->engine().submit([this, op, region, offset, length] {

@@ -91,9 +91,13 @@ class KvEngine {
   KvEngine(const KvEngine&) = delete;
   KvEngine& operator=(const KvEngine&) = delete;
 
-  // Registers a pool's buffers on every rail; returns its id (0, 1, ...).
+  // Registers a pool's buffers on every rail; returns its id (0, 1, ...). Host memory, or device
+  // memory: `memory`'s, or CUDA's where the driver says so (r2ccl/runtime/device_memory.h). A
+  // device pool's blocks must be complete on the device when a request that reads them is
+  // submitted (the stream that wrote them synchronised); a notification comes after every byte
+  // was copied into the receiver's device memory.
   Result<std::uint32_t> register_pool(const std::vector<std::span<std::byte>>& buffers,
-                                      const KvLayout& layout);
+                                      const KvLayout& layout, const DeviceMemory* memory = nullptr);
   // Deregisters a pool (refused while a request uses it): peers can no longer write into it,
   // and its id is not reused. Metadata taken afterwards shows it as gone. The destructor
   // deregisters every pool.

@@ -154,8 +154,10 @@ class Endpoint {
 
   // kRemoteWrite (the default) for what is received into or written by peers; kLocal for
   // what is only sent from.
+  // `device`: see MemoryRegistry::register_region (null: CUDA memory where the driver says so).
   Result<RegionPtr> register_memory(void* base, std::size_t length,
-                                    MemoryAccess access = MemoryAccess::kRemoteWrite);
+                                    MemoryAccess access = MemoryAccess::kRemoteWrite,
+                                    const DeviceMemory* device = nullptr);
   Status deregister_memory(const RegionPtr& region);
   // Sends and receives posted from now on belong to `epoch` of their pair's messages, or to a
   // later one: each pair's first message of a new epoch starts its numbering afresh on both

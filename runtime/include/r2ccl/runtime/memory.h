@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "r2ccl/runtime/device_memory.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/status.h"
 #include "r2ccl/runtime/wire.h"
@@ -20,6 +21,8 @@ struct Region {
   std::size_t length = 0;
   std::vector<std::uint64_t> keys;  // one per device (rail NIC)
   MemoryAccess access = MemoryAccess::kRemoteWrite;
+  // Device memory (a GPU's): every byte in or out goes through its copies. Null: host memory.
+  const DeviceMemory* device = nullptr;
 };
 using RegionPtr = std::shared_ptr<const Region>;
 
@@ -47,9 +50,11 @@ class MemoryRegistry {
   MemoryRegistry& operator=(const MemoryRegistry&) = delete;
 
   // Registers [base, base+length) on every device; all or nothing. Only kRemoteWrite regions
-  // can be received into or written by peers.
+  // can be received into or written by peers. `device`: the memory is that device's; null:
+  // CUDA memory where the driver says so (cuda_memory_of), host memory otherwise.
   Result<RegionPtr> register_region(void* base, std::size_t length,
-                                    MemoryAccess access = MemoryAccess::kRemoteWrite);
+                                    MemoryAccess access = MemoryAccess::kRemoteWrite,
+                                    const DeviceMemory* device = nullptr);
   Status deregister_region(std::uint64_t id);
   std::size_t size() const;
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/device_memory.h"
 #include "r2ccl/runtime/status.h"
 #include "r2ccl/runtime/topology.h"
 #include "r2ccl/runtime/wire.h"
@@ -29,7 +30,7 @@ namespace r2ccl {
 class ProgressEngine;
 
 // The version of this interface; a provider reports the one it was built for.
-inline constexpr std::uint32_t kProviderApiVersion = 5;
+inline constexpr std::uint32_t kProviderApiVersion = 6;
 
 // What a registration allows. kLocal: the memory is only read (sent from) or written by this
 // process; a peer's write naming its key is refused. kRemoteWrite: peers that hold the key may
@@ -64,10 +65,11 @@ struct RailHello {
 struct WriteRequest {
   const std::byte* src = nullptr;
   std::size_t length = 0;
-  std::uint64_t remote_key = 0;     // the peer's key for the region, on this rail's NIC
-  std::uint64_t remote_offset = 0;  // from the start of that region
-  std::uint32_t imm = 0;            // delivered to the receiver with the data
-  std::uint64_t cookie = 0;         // returned in the completion
+  std::uint64_t remote_key = 0;              // the peer's key for the region, on this rail's NIC
+  std::uint64_t remote_offset = 0;           // from the start of that region
+  std::uint32_t imm = 0;                     // delivered to the receiver with the data
+  std::uint64_t cookie = 0;                  // returned in the completion
+  const DeviceMemory* src_device = nullptr;  // src is this device's memory (null: host memory)
 };
 
 // Upcalls from one rail.
@@ -145,8 +147,15 @@ class Provider {
   virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
   virtual const std::vector<RailNic>& devices() const = 0;
 
+  // `memory`: the region is that device's memory (a GPU's), reached only through its copies;
+  // null: host memory. A provider that cannot move device memory refuses it, saying so.
   virtual Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
-                                                MemoryAccess access) = 0;
+                                                MemoryAccess access,
+                                                const DeviceMemory* memory) = 0;
+  Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,
+                                        MemoryAccess access) {
+    return register_memory(device, base, length, access, nullptr);
+  }
   virtual Status deregister_memory(std::size_t device, std::uint64_t key) = 0;
 
   // What a peer needs to open a rail to `device` (published through the bootstrap).
