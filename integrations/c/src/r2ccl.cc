@@ -4,7 +4,6 @@
 #include "r2ccl.h"
 
 #include "abi.h"
-#include "device.h"
 
 #include <fmt/format.h>
 
@@ -19,6 +18,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "r2ccl/coll/comm.h"
 #include "r2ccl/coll/communicator.h"
 #if R2CCL_WITH_METRICS
 #include "r2ccl/monitor/job_metrics.h"
@@ -39,14 +39,13 @@ struct r2cclComm {
 
 namespace {
 struct CommState {
-  std::unique_ptr<coll::Communicator> comm;
+  // The host communicator and its GPU side.
+  std::unique_ptr<coll::Comm> comm;
 #if R2CCL_WITH_METRICS
   // R2CCL_METRICS_PORT: this rank's rail metrics for Prometheus (declared after `comm`, so that it
   // goes first: it reads the communicator's fabric).
   std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
 #endif
-  // Device memory (declared after `comm`, so that it goes first: it uses the communicator).
-  r2ccl::capi::DeviceComm device;
   std::atomic<bool> finalized{false};
   r2ccl::capi::ErrorSlot errors;
 };
@@ -62,11 +61,9 @@ Registry& registry() {
   return Registry::instance();
 }
 
-// r2cclGroupStart/End: per thread, over the one communicator used inside the group; whether the
-// group has device memory in it (an NCCL group, ended with ours).
+// r2cclGroupStart/End: per thread, over the one communicator used inside the group.
 thread_local int t_group_depth = 0;
 thread_local Held t_group_comm;
-thread_local bool t_group_device = false;
 
 r2cclResult_t fail(const CommState* c, r2cclResult_t result, std::string message) {
   return r2ccl::capi::fail(c != nullptr ? &const_cast<CommState*>(c)->errors : nullptr, result,
@@ -97,7 +94,7 @@ Status usable(const CommState& c, const char* what) {
     return {ErrorCode::kAborted,
             fmt::format("{}: the communicator was finalized or aborted", what)};
   // A GPU side that failed (aborted here or on another rank) fails the whole communicator.
-  if (Status e = c.device.error(); !e) return e.with_context(what);
+  if (Status e = c.comm->device().error(); !e) return e.with_context(what);
   return Status::ok();
 }
 
@@ -189,11 +186,11 @@ r2ccl::Result<std::string> listener_address(const r2ccl::Config& config) {
 // A made communicator, registered: the handle C callers get.
 r2cclComm_t adopt(std::unique_ptr<coll::Communicator> made) {
   auto c = std::make_shared<CommState>();
-  c->comm = std::move(made);
+  c->comm = std::make_unique<coll::Comm>(std::move(made));
 #if R2CCL_WITH_METRICS
-  c->metrics = r2ccl::mon::JobMetrics::start(c->comm->config(), c->comm->fabric());
+  c->metrics = r2ccl::mon::JobMetrics::start(c->comm->host().config(), c->comm->host().fabric());
 #else
-  if (c->comm->config().metrics_port)
+  if (c->comm->host().config().metrics_port)
     R2CCL_WARN(
         "R2CCL_METRICS_PORT is set, but this libr2ccl was built without metrics "
         "(-DR2CCL_METRICS=OFF)");
@@ -212,44 +209,27 @@ r2cclResult_t make_comm(r2cclComm_t* out, const char* what, Make&& make) {
   return r2cclSuccess;
 }
 
-// Where a call runs: -1 on host memory, else on the device of its buffers, with the
-// communicator's GPU side set up (the first such call does it on every rank).
-r2ccl::Result<int> placed(CommState& c, std::initializer_list<const void*> buffers,
-                          r2cclStream_t stream, const char* what) {
-  R2CCL_ASSIGN_OR_RETURN(const int device, r2ccl::capi::buffers_device(buffers, stream, what));
-  if (device >= 0) R2CCL_RETURN_IF_ERROR(c.device.bind(*c.comm, device, stream, what));
-  return device;
-}
-
 // A collective: the checks every one shares (`args`: its datatype and reduction, read once),
-// then `host` on the communicator, or `device` on its GPU side where the buffers are device
-// memory.
-template <typename Host, typename Device>
-r2cclResult_t collective(r2cclComm_t handle, r2cclStream_t stream, const char* what,
-                         const Status& args, std::initializer_list<const void*> buffers,
-                         Host&& host, Device&& device) {
+// then `call` on the communicator, which runs it where its buffers are (coll/comm.h).
+template <typename Call>
+r2cclResult_t collective(r2cclComm_t handle, const char* what, const Status& args, Call&& call) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
     if (Status st = not_in_group(what); !st) return fail(c.get(), st);
     if (!args) return fail(c.get(), args.with_context(what));
-    auto where = placed(*c, buffers, stream, what);
-    if (!where) return fail(c.get(), where.status());
-    Status st = *where >= 0 ? device(c->device) : host(*c->comm);
+    const Status st = call(*c->comm);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
 
-// Point to point: run at once outside a group; inside one, queued on the communicator (its own
-// group is opened the first time the thread's group uses it; on device memory, NCCL's) and run
-// at r2cclGroupEnd.
-template <typename Host, typename Device>
-r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const char* what,
-                             const Status& args, const void* buffer, Host&& host, Device&& device) {
+// Point to point: run at once outside a group; inside one, queued on the communicator (its
+// group is opened the first time the thread's group uses it) and run at r2cclGroupEnd.
+template <typename Call>
+r2cclResult_t point_to_point(r2cclComm_t handle, const char* what, const Status& args,
+                             Call&& call) {
   return with_comm(handle, what, [&](const Held& c) {
     if (Status st = usable(*c, what); !st) return fail(c.get(), st);
     if (!args) return fail(c.get(), args.with_context(what));
-    auto where = placed(*c, {buffer}, stream, what);
-    if (!where) return fail(c.get(), where.status());
     if (t_group_depth > 0 && t_group_comm != c) {
       if (t_group_comm)
         return fail(c.get(), r2cclInvalidUsage,
@@ -259,11 +239,7 @@ r2cclResult_t point_to_point(r2cclComm_t handle, r2cclStream_t stream, const cha
       if (Status st = c->comm->group_start(); !st) return fail(c.get(), st.with_context(what));
       t_group_comm = c;
     }
-    if (*where >= 0 && t_group_depth > 0 && !t_group_device) {
-      if (Status st = c->device.group_start(); !st) return fail(c.get(), st.with_context(what));
-      t_group_device = true;
-    }
-    Status st = *where >= 0 ? device(c->device) : host(*c->comm);
+    const Status st = call(*c->comm);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context(what));
   });
 }
@@ -352,7 +328,7 @@ r2cclResult_t r2cclCommSplit(r2cclComm_t comm, int color, int key, r2cclComm_t* 
     if (config != nullptr)
       return fail(c.get(), r2cclInvalidArgument, "r2cclCommSplit: config must be NULL");
     *newcomm = nullptr;
-    auto made = c->comm->split(color, key);
+    auto made = c->comm->host().split(color, key);
     if (!made) return fail(c.get(), made.status().with_context("r2cclCommSplit"));
     if (!*made) return r2cclSuccess;  // color < 0: in none
     *newcomm = adopt(std::move(*made));
@@ -366,7 +342,7 @@ r2cclResult_t r2cclCommFinalize(r2cclComm_t comm) {
     // Host operations are blocking: nothing of them is left in flight. The GPU side's calls are
     // waited for and its memory freed once every rank has unmapped it (a collective).
     c->finalized.store(true);
-    if (Status st = c->device.close(); !st)
+    if (Status st = c->comm->close_device(); !st)
       return fail(c.get(), st.with_context("r2cclCommFinalize"));
     return r2cclSuccess;
   });
@@ -388,12 +364,11 @@ r2cclResult_t release(r2cclComm_t comm, const char* what, bool abort) {
     if (t_group_comm == c) t_group_comm.reset();
     if (abort) {
       // The GPU side first: its kernels give up and every rank's later calls are refused.
-      c->device.abort(fmt::format("r2cclCommAbort on rank {}", c->comm->rank()));
-      c->comm->abort();
+      c->comm->abort(fmt::format("r2cclCommAbort on rank {}", c->comm->rank()));
       return r2cclSuccess;
     }
     // Destroy closes the GPU side collectively (as Finalize does, where it was not called).
-    if (Status st = c->device.close(); !st) return fail(nullptr, st.with_context(what));
+    if (Status st = c->comm->close_device(); !st) return fail(nullptr, st.with_context(what));
     return r2cclSuccess;
   });
 }
@@ -411,8 +386,7 @@ r2cclResult_t r2cclCommGetAsyncError(r2cclComm_t comm, r2cclResult_t* asyncError
   return with_comm(comm, "r2cclCommGetAsyncError", [&](const Held& c) {
     if (asyncError == nullptr)
       return fail(c.get(), r2cclInvalidArgument, "r2cclCommGetAsyncError: asyncError is NULL");
-    Status st = c->comm->async_error();
-    if (st) st = c->device.error();
+    const Status st = c->comm->error();
     *asyncError = to_result(st.code());
     if (!st) (void)fail(c.get(), st);
     return r2cclSuccess;
@@ -442,13 +416,13 @@ r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size,
     if (Status st = usable(*c, "r2cclCommRegister"); !st) return fail(c.get(), st);
     if (handle == nullptr)
       return fail(c.get(), r2cclInvalidArgument, "r2cclCommRegister: handle is NULL");
-    auto where = r2ccl::capi::buffers_device({buff}, nullptr, "r2cclCommRegister");
+    auto where = coll::buffers_device({buff}, nullptr, "r2cclCommRegister");
     if (!where) return fail(c.get(), where.status());
     if (*where >= 0)
       return fail(c.get(), r2cclInvalidArgument,
                   "r2cclCommRegister: buff is device memory, which is not registered: calls on "
                   "device memory copy through the communicator's own NVLink buffers");
-    auto h = c->comm->register_buffer(buff, size);
+    auto h = c->comm->host().register_buffer(buff, size);
     if (!h) return fail(c.get(), h.status().with_context("r2cclCommRegister"));
     *handle = reinterpret_cast<void*>(static_cast<std::uintptr_t>(*h));
     return r2cclSuccess;
@@ -458,7 +432,7 @@ r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size,
 r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle) {
   return with_comm(comm, "r2cclCommDeregister", [&](const Held& c) {
     if (Status st = usable(*c, "r2cclCommDeregister"); !st) return fail(c.get(), st);
-    const Status st = c->comm->deregister_buffer(
+    const Status st = c->comm->host().deregister_buffer(
         static_cast<coll::Communicator::BufferHandle>(reinterpret_cast<std::uintptr_t>(handle)));
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclCommDeregister"));
   });
@@ -468,7 +442,7 @@ r2cclResult_t r2cclGetCudaSupport(int* supported) {
   if (supported == nullptr)
     return fail(nullptr, r2cclInvalidArgument, "r2cclGetCudaSupport: supported is NULL");
   return r2ccl::capi::guarded(nullptr, "r2cclGetCudaSupport", [&] {
-    *supported = r2ccl::capi::cuda_supported() ? 1 : 0;
+    *supported = coll::cuda_supported() ? 1 : 0;
     return r2cclSuccess;
   });
 }
@@ -476,7 +450,7 @@ r2cclResult_t r2cclGetCudaSupport(int* supported) {
 r2cclResult_t r2cclCommBindDevice(r2cclComm_t comm, int device) {
   return with_comm(comm, "r2cclCommBindDevice", [&](const Held& c) {
     if (Status st = usable(*c, "r2cclCommBindDevice"); !st) return fail(c.get(), st);
-    const Status st = c->device.bind(*c->comm, device, nullptr, "r2cclCommBindDevice");
+    const Status st = c->comm->bind_device(device);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st);
   });
 }
@@ -487,27 +461,17 @@ r2cclResult_t r2cclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
   const auto t = data_type(datatype);
   const auto o = red_op(op);
   return collective(
-      comm, stream, "r2cclAllReduce", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
-      [&](coll::Communicator& c) -> Status {
-        return c.all_reduce(sendbuff, recvbuff, count, *t, *o);
-      },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.all_reduce(sendbuff, recvbuff, count, *t, *o, stream);
-      });
+      comm, "r2cclAllReduce", t.is_ok() ? o.status() : t.status(),
+      [&](coll::Comm& c) { return c.all_reduce(sendbuff, recvbuff, count, *t, *o, stream); });
 }
 
 r2cclResult_t r2cclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                              r2cclDataType_t datatype, int root, r2cclComm_t comm,
                              r2cclStream_t stream) {
   const auto t = data_type(datatype);
-  return collective(
-      comm, stream, "r2cclBroadcast", t.status(), {sendbuff, recvbuff},
-      [&](coll::Communicator& c) -> Status {
-        return c.broadcast(sendbuff, recvbuff, count, *t, root);
-      },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.broadcast(sendbuff, recvbuff, count, *t, root, stream);
-      });
+  return collective(comm, "r2cclBroadcast", t.status(), [&](coll::Comm& c) {
+    return c.broadcast(sendbuff, recvbuff, count, *t, root, stream);
+  });
 }
 
 r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
@@ -515,27 +479,17 @@ r2cclResult_t r2cclReduce(const void* sendbuff, void* recvbuff, size_t count,
                           r2cclStream_t stream) {
   const auto t = data_type(datatype);
   const auto o = red_op(op);
-  return collective(
-      comm, stream, "r2cclReduce", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
-      [&](coll::Communicator& c) -> Status {
-        return c.reduce(sendbuff, recvbuff, count, *t, *o, root);
-      },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.reduce(sendbuff, recvbuff, count, *t, *o, root, stream);
-      });
+  return collective(comm, "r2cclReduce", t.is_ok() ? o.status() : t.status(), [&](coll::Comm& c) {
+    return c.reduce(sendbuff, recvbuff, count, *t, *o, root, stream);
+  });
 }
 
 r2cclResult_t r2cclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
                              r2cclDataType_t datatype, r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
-  return collective(
-      comm, stream, "r2cclAllGather", t.status(), {sendbuff, recvbuff},
-      [&](coll::Communicator& c) -> Status {
-        return c.all_gather(sendbuff, recvbuff, sendcount, *t);
-      },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.all_gather(sendbuff, recvbuff, sendcount, *t, stream);
-      });
+  return collective(comm, "r2cclAllGather", t.status(), [&](coll::Comm& c) {
+    return c.all_gather(sendbuff, recvbuff, sendcount, *t, stream);
+  });
 }
 
 r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
@@ -543,14 +497,10 @@ r2cclResult_t r2cclReduceScatter(const void* sendbuff, void* recvbuff, size_t re
                                  r2cclStream_t stream) {
   const auto t = data_type(datatype);
   const auto o = red_op(op);
-  return collective(
-      comm, stream, "r2cclReduceScatter", t.is_ok() ? o.status() : t.status(), {sendbuff, recvbuff},
-      [&](coll::Communicator& c) -> Status {
-        return c.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o);
-      },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o, stream);
-      });
+  return collective(comm, "r2cclReduceScatter", t.is_ok() ? o.status() : t.status(),
+                    [&](coll::Comm& c) {
+                      return c.reduce_scatter(sendbuff, recvbuff, recvcount, *t, *o, stream);
+                    });
 }
 
 r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream) {
@@ -558,8 +508,7 @@ r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream) {
   return with_comm(comm, "r2cclBarrier", [&](const Held& c) {
     if (Status st = usable(*c, "r2cclBarrier"); !st) return fail(c.get(), st);
     if (Status st = not_in_group("r2cclBarrier"); !st) return fail(c.get(), st);
-    Status st = stream != nullptr ? c->device.synchronize(stream) : Status::ok();
-    if (st) st = c->comm->barrier();
+    const Status st = c->comm->barrier(stream);
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclBarrier"));
   });
 }
@@ -567,23 +516,15 @@ r2cclResult_t r2cclBarrier(r2cclComm_t comm, r2cclStream_t stream) {
 r2cclResult_t r2cclSend(const void* sendbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
-  return point_to_point(
-      comm, stream, "r2cclSend", t.status(), sendbuff,
-      [&](coll::Communicator& c) -> Status { return c.send(sendbuff, count, *t, peer); },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.send(sendbuff, count, *t, peer, stream);
-      });
+  return point_to_point(comm, "r2cclSend", t.status(),
+                        [&](coll::Comm& c) { return c.send(sendbuff, count, *t, peer, stream); });
 }
 
 r2cclResult_t r2cclRecv(void* recvbuff, size_t count, r2cclDataType_t datatype, int peer,
                         r2cclComm_t comm, r2cclStream_t stream) {
   const auto t = data_type(datatype);
-  return point_to_point(
-      comm, stream, "r2cclRecv", t.status(), recvbuff,
-      [&](coll::Communicator& c) -> Status { return c.recv(recvbuff, count, *t, peer); },
-      [&](r2ccl::capi::DeviceComm& d) -> Status {
-        return d.recv(recvbuff, count, *t, peer, stream);
-      });
+  return point_to_point(comm, "r2cclRecv", t.status(),
+                        [&](coll::Comm& c) { return c.recv(recvbuff, count, *t, peer, stream); });
 }
 
 r2cclResult_t r2cclGroupStart(void) {
@@ -597,13 +538,8 @@ r2cclResult_t r2cclGroupEnd(void) {
       return fail(nullptr, r2cclInvalidUsage, "r2cclGroupEnd without r2cclGroupStart");
     if (--t_group_depth > 0) return r2cclSuccess;
     const Held c = std::exchange(t_group_comm, nullptr);
-    const bool device = std::exchange(t_group_device, false);
     if (!c) return r2cclSuccess;
-    Status st = c->comm->group_end();
-    if (device) {
-      Status d = c->device.group_end();
-      if (st) st = d;
-    }
+    const Status st = c->comm->group_end();
     return st.is_ok() ? r2cclSuccess : fail(c.get(), st.with_context("r2cclGroupEnd"));
   });
 }

@@ -1,4 +1,4 @@
-#include "device.h"
+#include "r2ccl/coll/device_comm.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -14,9 +14,7 @@
 #include "r2ccl/coll/gpu/staging.h"
 #include "r2ccl/coll/staged.h"
 
-namespace r2ccl::capi {
-
-namespace gpu = coll::gpu;
+namespace r2ccl::coll {
 
 bool cuda_supported() {
   return gpu::available().is_ok();
@@ -75,7 +73,7 @@ std::string node_key(const Config& config) {
 struct Layout {
   int nodes = 1, node = 0, local = 0, per_node = 0;
 };
-Result<Layout> node_layout(coll::Communicator& host) {
+Result<Layout> node_layout(Communicator& host) {
   const std::string key = node_key(host.config());
   const Bytes mine(reinterpret_cast<const std::byte*>(key.data()),
                    reinterpret_cast<const std::byte*>(key.data()) + key.size());
@@ -109,7 +107,7 @@ struct DeviceComm::Impl {
   // (`nv` on `local`), all-reduces its part over the rails with the same index on the other
   // nodes (`cross` on `across`), and all-gathers over NVLink. The other calls go over `staged`.
   // (Declared first: `nv` uses `local` and goes before it.)
-  std::unique_ptr<coll::Communicator> local, across;
+  std::unique_ptr<Communicator> local, across;
   std::unique_ptr<gpu::NvlinkComm> nv;       // one node: NVLink
   std::unique_ptr<coll::StagedComm> staged;  // ranks on several nodes: over the rails
   std::unique_ptr<coll::StagedComm> cross;
@@ -122,8 +120,8 @@ struct DeviceComm::Impl {
   }
   // Whether an all-reduce of `count` elements of `bytes` each takes the hierarchical plan.
   // (Average divides once, over every rank: not in parts.)
-  bool hierarchical(std::size_t count, std::size_t bytes, coll::RedOp op) const {
-    return cross != nullptr && op != coll::RedOp::kAvg &&
+  bool hierarchical(std::size_t count, std::size_t bytes, RedOp op) const {
+    return cross != nullptr && op != RedOp::kAvg &&
            count % static_cast<std::size_t>(per_node) == 0 &&
            count * bytes >= (std::size_t{256} << 10);
   }
@@ -136,7 +134,7 @@ bool DeviceComm::bound() const {
   return impl_->nv != nullptr || impl_->staged != nullptr;
 }
 
-Status DeviceComm::bind(coll::Communicator& host, int device, void* stream, const char* what) {
+Status DeviceComm::bind(Communicator& host, int device, void* stream, const char* what) {
   if (bound()) {
     if (impl_->device != device && device >= 0)
       return {ErrorCode::kInvalidArgument,
@@ -216,8 +214,8 @@ cudaStream_t cuda_stream(void* s) {
 }
 }  // namespace
 
-Status DeviceComm::all_reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
-                              coll::RedOp op, void* stream) {
+Status DeviceComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
+                              RedOp op, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("all-reduce"));
   if (impl_->hierarchical(count, coll::type_size(type), op)) {
     // In place at every step: rank i of the node keeps part i of `recv`.
@@ -232,37 +230,36 @@ Status DeviceComm::all_reduce(const void* send, void* recv, std::size_t count, c
   if (impl_->staged) return impl_->staged->all_reduce(send, recv, count, type, op, stream);
   return impl_->nv->all_reduce(send, recv, count, type, op, cuda_stream(stream));
 }
-Status DeviceComm::all_gather(const void* send, void* recv, std::size_t count, coll::DataType type,
+Status DeviceComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
                               void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("all-gather"));
   if (impl_->staged) return impl_->staged->all_gather(send, recv, count, type, stream);
   return impl_->nv->all_gather(send, recv, count, type, cuda_stream(stream));
 }
-Status DeviceComm::reduce_scatter(const void* send, void* recv, std::size_t count,
-                                  coll::DataType type, coll::RedOp op, void* stream) {
+Status DeviceComm::reduce_scatter(const void* send, void* recv, std::size_t count, DataType type,
+                                  RedOp op, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("reduce-scatter"));
   if (impl_->staged) return impl_->staged->reduce_scatter(send, recv, count, type, op, stream);
   return impl_->nv->reduce_scatter(send, recv, count, type, op, cuda_stream(stream));
 }
-Status DeviceComm::broadcast(const void* send, void* recv, std::size_t count, coll::DataType type,
+Status DeviceComm::broadcast(const void* send, void* recv, std::size_t count, DataType type,
                              int root, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("broadcast"));
   if (impl_->staged) return impl_->staged->broadcast(send, recv, count, type, root, stream);
   return impl_->nv->broadcast(send, recv, count, type, root, cuda_stream(stream));
 }
-Status DeviceComm::reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
-                          coll::RedOp op, int root, void* stream) {
+Status DeviceComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
+                          int root, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("reduce"));
   if (impl_->staged) return impl_->staged->reduce(send, recv, count, type, op, root, stream);
   return impl_->nv->reduce(send, recv, count, type, op, root, cuda_stream(stream));
 }
-Status DeviceComm::send(const void* buf, std::size_t count, coll::DataType type, int peer,
-                        void* stream) {
+Status DeviceComm::send(const void* buf, std::size_t count, DataType type, int peer, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("send"));
   if (impl_->staged) return impl_->staged->send(buf, count, type, peer, stream);
   return impl_->nv->send(buf, count, type, peer, cuda_stream(stream));
 }
-Status DeviceComm::recv(void* buf, std::size_t count, coll::DataType type, int peer, void* stream) {
+Status DeviceComm::recv(void* buf, std::size_t count, DataType type, int peer, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("recv"));
   if (impl_->staged) return impl_->staged->recv(buf, count, type, peer, stream);
   return impl_->nv->recv(buf, count, type, peer, cuda_stream(stream));
@@ -313,4 +310,4 @@ Status DeviceComm::close() {
   return st;
 }
 
-}  // namespace r2ccl::capi
+}  // namespace r2ccl::coll

@@ -1,9 +1,9 @@
 // The GPU side of a library built without CUDA: host memory only, and every device call says so.
 #include <fmt/format.h>
 
-#include "device.h"
+#include "r2ccl/coll/device_comm.h"
 
-namespace r2ccl::capi {
+namespace r2ccl::coll {
 
 namespace {
 Status no_cuda(const char* what) {
@@ -32,30 +32,28 @@ DeviceComm::~DeviceComm() = default;
 bool DeviceComm::bound() const {
   return false;
 }
-Status DeviceComm::bind(coll::Communicator&, int, void*, const char* what) {
+Status DeviceComm::bind(Communicator&, int, void*, const char* what) {
   return no_cuda(what);
 }
-Status DeviceComm::all_reduce(const void*, void*, std::size_t, coll::DataType, coll::RedOp, void*) {
+Status DeviceComm::all_reduce(const void*, void*, std::size_t, DataType, RedOp, void*) {
   return no_cuda("all-reduce");
 }
-Status DeviceComm::all_gather(const void*, void*, std::size_t, coll::DataType, void*) {
+Status DeviceComm::all_gather(const void*, void*, std::size_t, DataType, void*) {
   return no_cuda("all-gather");
 }
-Status DeviceComm::reduce_scatter(const void*, void*, std::size_t, coll::DataType, coll::RedOp,
-                                  void*) {
+Status DeviceComm::reduce_scatter(const void*, void*, std::size_t, DataType, RedOp, void*) {
   return no_cuda("reduce-scatter");
 }
-Status DeviceComm::broadcast(const void*, void*, std::size_t, coll::DataType, int, void*) {
+Status DeviceComm::broadcast(const void*, void*, std::size_t, DataType, int, void*) {
   return no_cuda("broadcast");
 }
-Status DeviceComm::reduce(const void*, void*, std::size_t, coll::DataType, coll::RedOp, int,
-                          void*) {
+Status DeviceComm::reduce(const void*, void*, std::size_t, DataType, RedOp, int, void*) {
   return no_cuda("reduce");
 }
-Status DeviceComm::send(const void*, std::size_t, coll::DataType, int, void*) {
+Status DeviceComm::send(const void*, std::size_t, DataType, int, void*) {
   return no_cuda("send");
 }
-Status DeviceComm::recv(void*, std::size_t, coll::DataType, int, void*) {
+Status DeviceComm::recv(void*, std::size_t, DataType, int, void*) {
   return no_cuda("recv");
 }
 Status DeviceComm::group_start() {
@@ -75,4 +73,4 @@ Status DeviceComm::close() {
   return Status::ok();
 }
 
-}  // namespace r2ccl::capi
+}  // namespace r2ccl::coll

@@ -1,9 +1,10 @@
-// The GPU side of a C ABI communicator: device memory among the GPUs of one node (NVLink through
-// CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h), or, where the
-// ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned host
-// memory on the caller's stream (coll/staged.h). No CUDA type
-// appears here, so that the C ABI compiles the same with and without CUDA: device.cc serves it
-// where the build has CUDA, device_none.cc says that it has none.
+// The GPU side of a communicator (coll/comm.h): device memory among the GPUs of one node (NVLink
+// through CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h), or, where
+// the ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned host
+// memory on the caller's stream (coll/staged.h), hierarchically for an all-reduce where the nodes
+// hold several GPUs each. No CUDA type appears here, so that its users compile the same with and
+// without CUDA: src/gpu/device_comm.cc serves it where the build has CUDA, and
+// src/device_comm_none.cc says that it has none.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +16,7 @@
 #include "r2ccl/coll/types.h"
 #include "r2ccl/runtime/status.h"
 
-namespace r2ccl::capi {
+namespace r2ccl::coll {
 
 // 1 where this library can move device memory: built with CUDA, and a device can be used.
 bool cuda_supported();
@@ -37,21 +38,20 @@ class DeviceComm {
   // path's communicator, staging and progress thread where the ranks span nodes): a collective
   // over `host`. Done by the first call on device memory where not called before; never while
   // `stream` is being captured into a CUDA graph.
-  Status bind(coll::Communicator& host, int device, void* stream, const char* what);
+  Status bind(Communicator& host, int device, void* stream, const char* what);
   bool bound() const;
 
-  Status all_reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
-                    coll::RedOp op, void* stream);
-  Status all_gather(const void* send, void* recv, std::size_t count, coll::DataType type,
+  Status all_reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
                     void* stream);
-  Status reduce_scatter(const void* send, void* recv, std::size_t count, coll::DataType type,
-                        coll::RedOp op, void* stream);
-  Status broadcast(const void* send, void* recv, std::size_t count, coll::DataType type, int root,
+  Status all_gather(const void* send, void* recv, std::size_t count, DataType type, void* stream);
+  Status reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
+                        void* stream);
+  Status broadcast(const void* send, void* recv, std::size_t count, DataType type, int root,
                    void* stream);
-  Status reduce(const void* send, void* recv, std::size_t count, coll::DataType type,
-                coll::RedOp op, int root, void* stream);
-  Status send(const void* buf, std::size_t count, coll::DataType type, int peer, void* stream);
-  Status recv(void* buf, std::size_t count, coll::DataType type, int peer, void* stream);
+  Status reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op, int root,
+                void* stream);
+  Status send(const void* buf, std::size_t count, DataType type, int peer, void* stream);
+  Status recv(void* buf, std::size_t count, DataType type, int peer, void* stream);
   Status group_start();
   Status group_end();
   // Waits for `stream` (a barrier's device side); refused while the stream is being captured.
@@ -70,4 +70,4 @@ class DeviceComm {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace r2ccl::capi
+}  // namespace r2ccl::coll
