@@ -204,10 +204,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     if (w.src_device != nullptr && pending_bytes_ > 0 &&
         pending_bytes_ + w.length > kMaxPendingDeviceBytes)
       return full();
-    // Sent as fragments, so that acknowledgements and control frames queued meanwhile wait for
-    // at most one fragment, not a whole chunk, on a slow link.
-    // Device memory goes out through the host: each fragment is copied out when it is queued
-    // (so at most kMaxPendingBytes of copies per rail). A copy that fails refuses the write.
+    // Device memory goes out through the host: every fragment is copied out before any is
+    // queued, so that a copy that fails refuses the whole write and leaves nothing half sent.
     std::vector<std::shared_ptr<const Bytes>> staged;
     if (w.src_device != nullptr)
       for (std::size_t done = 0; done < w.length; done += kFragment) {
@@ -222,6 +220,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
         }
         staged.push_back(std::move(buf));
       }
+    // Sent as fragments, so that acknowledgements and control frames queued meanwhile wait for
+    // at most one fragment, not a whole chunk, on a slow link.
     std::size_t done = 0;
     std::size_t fragment = 0;
     do {
