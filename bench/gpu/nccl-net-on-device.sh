@@ -26,7 +26,10 @@
 #
 # usage: bench/gpu/nccl-net-on-device.sh [GPUS (2|4, default 2)] [RATE (default 2gbit)]
 #   env: FAULT_NIC (eth1), LOOP_S (25), STALL_S (15), BUDGET_S (480), HARD_S (570),
-#        ONLY (plugin|r2ccl|socket|all), PYTHON (python3),
+#        ONLY (plugin|r2ccl|socket|all), PYTHON (python3), BW_COLLS (the bw cases:
+#        collectives, comma-separated: all_reduce (default), all_gather, reduce_scatter),
+#        BW_FAULT (down; none measures the bw cases healthy only), LOOPS (1; 0 leaves the
+#        fault loops out), CORRECT (1; 0 leaves the correct cases out),
 #        PLUGIN (build-gpu/lib/libnccl-net-r2ccl.so), PLUGIN_NET_NAME (NCCL_NET for the plugin;
 #        default unset: NCCL takes the plugin's network first), EXTRA_ARGS (words added to
 #        every nccl_net.py run), R2_TEST_TRANSPORT=gloo (every case on CPUs over gloo: tests
@@ -124,10 +127,18 @@ for transport in plugin r2ccl socket; do
   [[ $only == all || $only == "$transport" ]] || continue
   [[ $transport != plugin || $run_plugin -eq 1 ]] || continue
   p=$transport
-  [[ $transport != plugin ]] || case_ plugin plugin-correct 60 150 --mode correct
-  [[ $transport != r2ccl ]] || case_ r2ccl r2ccl-correct 90 200 --mode correct \
-    --sizes "${R2_SIZES:-8K,1M,16M,256M}" --graph-sizes "${R2_GRAPH_SIZES:-8K,4M,64M}"
-  case_ "$transport" "$p-bw" 40 90 --mode bw --fault down
+  if [[ ${CORRECT:-1} == 1 ]]; then
+    [[ $transport != plugin ]] || case_ plugin plugin-correct 60 150 --mode correct
+    [[ $transport != r2ccl ]] || case_ r2ccl r2ccl-correct 90 200 --mode correct \
+      --sizes "${R2_SIZES:-8K,1M,16M,256M}" --graph-sizes "${R2_GRAPH_SIZES:-8K,4M,64M}"
+  fi
+  IFS=, read -ra colls <<< "${BW_COLLS:-all_reduce}"
+  for coll in "${colls[@]}"; do
+    suffix=
+    [[ $coll == all_reduce ]] || suffix=-${coll//_/-}
+    case_ "$transport" "$p-bw$suffix" 40 90 --mode bw --fault "${BW_FAULT:-down}" --coll "$coll"
+  done
+  [[ ${LOOPS:-1} == 1 ]] || continue
   case_ "$transport" "$p-loop-down" "$loop_expect" "$loop_limit" --mode loop \
     --duration "$loop_s" --fault down
   case_ "$transport" "$p-loop-blackhole" "$loop_expect" "$loop_limit" --mode loop \

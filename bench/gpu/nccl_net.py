@@ -499,13 +499,28 @@ def do_bw(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
     bf = torch.bfloat16
     n = a.size // 2
     x = torch.zeros(n, dtype=bf, device=dev)
-    busbytes = a.size * 2 * (world - 1) / world
     cuda = dev.type == "cuda"
+    # --size is the whole buffer: the all-reduce's, the all-gather's output, the
+    # reduce-scatter's input. Bus bytes as nccl-tests count them.
+    if a.coll == "all_reduce":
+        busbytes = a.size * 2 * (world - 1) / world
+
+        def step():
+            dist.all_reduce(x)
+    else:
+        busbytes = a.size * (world - 1) / world
+        part = torch.zeros(n // world, dtype=bf, device=dev)
+        if a.coll == "all_gather":
+            def step():
+                dist.all_gather_into_tensor(x, part)
+        else:
+            def step():
+                dist.reduce_scatter_tensor(part, x)
 
     def measure(label: str) -> float:
         dog.arm(a.stall, f"bw warmup {label}")
         for _ in range(a.warmup):
-            dist.all_reduce(x)
+            step()
             sync()
             dog.beat()
         dog.arm(a.stall + a.iters * 2, f"bw timed {label}")
@@ -513,21 +528,21 @@ def do_bw(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(a.iters):
-                dist.all_reduce(x)
+                step()
             end.record()
             end.synchronize()
             sec = start.elapsed_time(end) * 1e-3 / a.iters
         else:
             t = time.perf_counter()
             for _ in range(a.iters):
-                dist.all_reduce(x)
+                step()
             sec = (time.perf_counter() - t) / a.iters
         dog.beat()
         bw = busbytes / sec / 1e9
         res[f"busbw_{label}_GBps"] = round(bw, 4)
         res[f"us_{label}"] = round(sec * 1e6, 1)
         if rank == 0:
-            say(f"BW {label}: {human(a.size)} bf16 all_reduce {sec * 1e3:.2f} ms, "
+            say(f"BW {label}: {human(a.size)} bf16 {a.coll} {sec * 1e3:.2f} ms, "
                 f"busbw {bw:.3f} GB/s")
         return bw
 
@@ -673,7 +688,7 @@ def run_main(a: argparse.Namespace) -> int:
                "--size", str(a.size), "--sizes", a.sizes, "--graph-sizes", a.graph_sizes,
                "--replays", str(a.replays), "--duration", str(a.duration),
                "--stall", str(a.stall), "--init-timeout", str(a.init_timeout),
-               "--iters", str(a.iters), "--warmup", str(a.warmup)]
+               "--iters", str(a.iters), "--warmup", str(a.warmup), "--coll", a.coll]
         if a.mode == "bw" and a.fault != "none":
             cmd += ["--fault-file", fault_file]
         log = open(os.path.join(logdir, f"{a.name}.rank{r}.out"), "w")
@@ -820,7 +835,8 @@ def run_main(a: argparse.Namespace) -> int:
             nic_delta[k] = {"state_after": v["state"],
                             "tx_MB": round((v["tx"] - before[k]["tx"]) / 1e6, 1),
                             "rx_MB": round((v["rx"] - before[k]["rx"]) / 1e6, 1)}
-    case = {"name": a.name, "mode": a.mode, "transport": a.transport, "gpus": world,
+    case = {"name": a.name, "mode": a.mode, "coll": a.coll, "transport": a.transport,
+            "gpus": world,
             "fault": a.fault, "fault_nic": a.fault_nic, "fault_ns": a.fault_ns,
             "faults_applied": fault_log, "verdict": verdict, "exit_codes": codes,
             "killed_ranks": killed, "wall_s": round(wall, 1),
@@ -856,7 +872,8 @@ def summary_main(a: argparse.Namespace) -> int:
             ch = r0.get("checks") or {}
             figure = f"{ch.get('pass', 0)} passed, {ch.get('fail', 0)} failed"
         elif c["mode"] == "bw":
-            figure = f"healthy {r0.get('busbw_healthy_GBps', '-')} GB/s"
+            figure = (f"{c.get('coll', 'all_reduce')} healthy "
+                      f"{r0.get('busbw_healthy_GBps', '-')} GB/s")
             if c["fault"] != "none":
                 deg = r0.get("busbw_degraded_GBps")
                 deg = f"{deg} GB/s" if deg is not None else (
@@ -904,6 +921,8 @@ def main() -> int:
                         help="seconds without progress that count as a stall")
     common.add_argument("--init-timeout", type=float, default=120.0)
     common.add_argument("--iters", type=int, default=20, help="bw: timed iterations")
+    common.add_argument("--coll", choices=("all_reduce", "all_gather", "reduce_scatter"),
+                        default="all_reduce", help="bw: the collective timed")
     common.add_argument("--warmup", type=int, default=5, help="bw: warm-up iterations")
     r = sub.add_parser("rank", parents=[common])
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <fstream>
+#include <type_traits>
 #include <vector>
 
 #include "r2ccl/coll/gpu/device.h"
 #include "r2ccl/coll/gpu/nvlink.h"
 #include "r2ccl/coll/gpu/staging.h"
 #include "r2ccl/coll/staged.h"
+#include "r2ccl/coll/two_level.h"
 
 namespace r2ccl::coll {
 
@@ -72,6 +74,7 @@ std::string node_key(const Config& config) {
 // the nodes' first ranks come; `per_node` is 0 where the nodes hold different numbers of ranks.
 struct Layout {
   int nodes = 1, node = 0, local = 0, per_node = 0;
+  bool blocked = false;  // rank = node * per_node + local for every rank
 };
 Result<Layout> node_layout(Communicator& host) {
   const std::string key = node_key(host.config());
@@ -80,7 +83,7 @@ Result<Layout> node_layout(Communicator& host) {
   R2CCL_ASSIGN_OR_RETURN(auto all,
                          host.fabric().bootstrap().allgather(mine, host.config().timeout));
   std::vector<Bytes> keys;
-  std::vector<int> count;
+  std::vector<int> count, node_of, local_of;
   Layout l;
   for (std::size_t r = 0; r < all.size(); ++r) {
     const auto it = std::find(keys.begin(), keys.end(), all[r]);
@@ -89,41 +92,169 @@ Result<Layout> node_layout(Communicator& host) {
       keys.push_back(all[r]);
       count.push_back(0);
     }
-    if (static_cast<int>(r) == host.rank()) {
-      l.node = static_cast<int>(n);
-      l.local = count[n];
-    }
+    node_of.push_back(static_cast<int>(n));
+    local_of.push_back(count[n]);
     ++count[n];
   }
+  const auto me = static_cast<std::size_t>(host.rank());
+  l.node = node_of.at(me);
+  l.local = local_of.at(me);
   l.nodes = static_cast<int>(keys.size());
   l.per_node = count.front();
   for (int c : count)
     if (c != l.per_node) l.per_node = 0;
+  l.blocked = TwoLevel::blocked(node_of, local_of, l.per_node);
   return l;
 }
 
+namespace {
+
+cudaStream_t cuda_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
+
+// NVLink inside the node (gpu::NvlinkComm) or the rails staged through the host (StagedComm) as
+// a level of TwoLevel.
+template <class C>
+class LevelOf final : public Level {
+ public:
+  explicit LevelOf(C& c) : c_(c) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  Status all_reduce(const void* s, void* r, std::size_t n, DataType t, RedOp op,
+                    void* st) override {
+    return c_.all_reduce(s, r, n, t, op, stream_of(st));
+  }
+  Status all_gather(const void* s, void* r, std::size_t n, DataType t, void* st) override {
+    return c_.all_gather(s, r, n, t, stream_of(st));
+  }
+  Status reduce_scatter(const void* s, void* r, std::size_t n, DataType t, RedOp op,
+                        void* st) override {
+    return c_.reduce_scatter(s, r, n, t, op, stream_of(st));
+  }
+  Status broadcast(const void* s, void* r, std::size_t n, DataType t, int root, void* st) override {
+    return c_.broadcast(s, r, n, t, root, stream_of(st));
+  }
+  Status reduce(const void* s, void* r, std::size_t n, DataType t, RedOp op, int root,
+                void* st) override {
+    return c_.reduce(s, r, n, t, op, root, stream_of(st));
+  }
+  Status send(const void* b, std::size_t n, DataType t, int peer, void* st) override {
+    return c_.send(b, n, t, peer, stream_of(st));
+  }
+  Status recv(void* b, std::size_t n, DataType t, int peer, void* st) override {
+    return c_.recv(b, n, t, peer, stream_of(st));
+  }
+  Status group_start() override { return c_.group_start(); }
+  Status group_end() override { return c_.group_end(); }
+
+ private:
+  // NvlinkComm takes CUDA's stream type, StagedComm the opaque one.
+  static auto stream_of(void* st) {
+    if constexpr (std::is_same_v<C, gpu::NvlinkComm>)
+      return cuda_stream(st);
+    else
+      return st;
+  }
+  C& c_;
+};
+using NvlinkLevel = LevelOf<gpu::NvlinkComm>;
+using StagedLevel = LevelOf<StagedComm>;
+
+// Device memory of the communicator's GPU for what a call holds between its levels, kept and
+// grown (never shrunk) rather than taken per call: a buffer that a CUDA graph captured must live
+// as long as the graph, so one outgrown stays until the communicator goes; and memory of a
+// graph's own allocation (cudaMallocAsync in capture) is not device memory to the calls that
+// check their buffers. Eager calls on different streams are ordered through it (each waits for
+// the previous one's release), as the levels order their own calls.
+class DeviceScratch final : public Scratch {
+ public:
+  explicit DeviceScratch(int device) : device_(device) {}
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() override {
+    for (void* p : buffers_)
+      (void)cudaFree(p);
+    if (done_ != nullptr) (void)cudaEventDestroy(done_);
+  }
+  Result<void*> acquire(std::size_t bytes, void* stream) override {
+    R2CCL_ASSIGN_OR_RETURN(const bool capturing, is_capturing(stream));
+    if (bytes > size_) {
+      // cudaMalloc does not take part in a capture; relaxed so that a capture in global mode
+      // (PyTorch's default) allows it.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      (void)cudaThreadExchangeStreamCaptureMode(&mode);
+      int current = 0;
+      void* p = nullptr;
+      cudaError_t e = cudaGetDevice(&current);
+      if (e == cudaSuccess) e = cudaSetDevice(device_);
+      if (e == cudaSuccess) e = cudaMalloc(&p, bytes);
+      (void)cudaSetDevice(current);
+      (void)cudaThreadExchangeStreamCaptureMode(&mode);
+      R2CCL_RETURN_IF_ERROR(gpu::cuda_status(
+          e, fmt::format("cudaMalloc of {} bytes between the levels of a collective", bytes)));
+      buffers_.push_back(p);
+      size_ = bytes;
+    }
+    if (!capturing && recorded_)
+      R2CCL_RETURN_IF_ERROR(gpu::cuda_status(cudaStreamWaitEvent(cuda_stream(stream), done_, 0),
+                                             "cudaStreamWaitEvent"));
+    return buffers_.back();
+  }
+  Status release(void*, void* stream) override {
+    R2CCL_ASSIGN_OR_RETURN(const bool capturing, is_capturing(stream));
+    if (capturing) return Status::ok();
+    if (done_ == nullptr)
+      R2CCL_RETURN_IF_ERROR(gpu::cuda_status(
+          cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate"));
+    R2CCL_RETURN_IF_ERROR(
+        gpu::cuda_status(cudaEventRecord(done_, cuda_stream(stream)), "cudaEventRecord"));
+    recorded_ = true;
+    return Status::ok();
+  }
+
+ private:
+  static Result<bool> is_capturing(void* stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    R2CCL_RETURN_IF_ERROR(gpu::cuda_status(cudaStreamIsCapturing(cuda_stream(stream), &status),
+                                           "cudaStreamIsCapturing"));
+    return status != cudaStreamCaptureStatusNone;
+  }
+  int device_;
+  std::vector<void*> buffers_;  // the last is in use; the others may be in captured graphs
+  std::size_t size_ = 0;
+  cudaEvent_t done_ = nullptr;
+  bool recorded_ = false;
+};
+
+}  // namespace
+
 struct DeviceComm::Impl {
-  // Nodes of several GPUs each: an all-reduce reduce-scatters over NVLink inside the node
-  // (`nv` on `local`), all-reduces its part over the rails with the same index on the other
-  // nodes (`cross` on `across`), and all-gathers over NVLink. The other calls go over `staged`.
+  // Nodes of several GPUs each (alike, 2 to 8): large calls run in two levels (two_level.h),
+  // NVLink inside the node (`nv` on `local`) and the rails with the same local index on the
+  // other nodes (`cross` on `across`). The other calls go over `staged`, flat.
   // (Declared first: `nv` uses `local` and goes before it.)
   std::unique_ptr<Communicator> local, across;
   std::unique_ptr<gpu::NvlinkComm> nv;       // one node: NVLink
   std::unique_ptr<coll::StagedComm> staged;  // ranks on several nodes: over the rails
   std::unique_ptr<coll::StagedComm> cross;
-  int per_node = 0, local_rank = 0;
+  std::unique_ptr<NvlinkLevel> inside_level;
+  std::unique_ptr<StagedLevel> across_level;
+  std::unique_ptr<DeviceScratch> scratch;
+  std::unique_ptr<TwoLevel> two;
+  bool blocked = false;  // ranks numbered node by node: every call may take two levels
   int device = -1;
   Status usable(const char* what) const {
     if (!nv && !staged)
       return {ErrorCode::kInternal, fmt::format("{}: the GPU side was not set up", what)};
     return Status::ok();
   }
-  // Whether an all-reduce of `count` elements of `bytes` each takes the hierarchical plan.
-  // (Average divides once, over every rank: not in parts.)
-  bool hierarchical(std::size_t count, std::size_t bytes, RedOp op) const {
-    return cross != nullptr && op != RedOp::kAvg &&
-           count % static_cast<std::size_t>(per_node) == 0 &&
-           count * bytes >= (std::size_t{256} << 10);
+  // Whether a call that moves `bytes` (of the largest buffer) runs in two levels. An average
+  // divides once, over every rank: not in levels. All-reduce's result is the same on every rank,
+  // so it needs no numbering; the others place blocks by rank.
+  bool two_level(std::size_t bytes, RedOp op = RedOp::kSum, bool any_numbering = false) const {
+    return two != nullptr && op != RedOp::kAvg && (blocked || any_numbering) &&
+           bytes >= (std::size_t{256} << 10);
   }
 };
 
@@ -197,8 +328,12 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
       auto cross = coll::StagedComm::create(*impl_->across, *staging, options);
       if (!cross) return cross.status().with_context(what);
       impl_->cross = std::move(*cross);
-      impl_->per_node = layout.per_node;
-      impl_->local_rank = layout.local;
+      impl_->inside_level = std::make_unique<NvlinkLevel>(*impl_->nv);
+      impl_->across_level = std::make_unique<StagedLevel>(*impl_->cross);
+      impl_->scratch = std::make_unique<DeviceScratch>(device);
+      impl_->two =
+          std::make_unique<TwoLevel>(*impl_->inside_level, *impl_->across_level, *impl_->scratch);
+      impl_->blocked = layout.blocked;
     }
     return Status::ok();
   }
@@ -208,50 +343,54 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
   return Status::ok();
 }
 
-namespace {
-cudaStream_t cuda_stream(void* s) {
-  return static_cast<cudaStream_t>(s);
-}
-}  // namespace
-
 Status DeviceComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
                               RedOp op, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("all-reduce"));
-  if (impl_->hierarchical(count, coll::type_size(type), op)) {
-    // In place at every step: rank i of the node keeps part i of `recv`.
-    const std::size_t part = count / static_cast<std::size_t>(impl_->per_node);
-    auto* mine = static_cast<std::byte*>(recv) +
-                 static_cast<std::size_t>(impl_->local_rank) * part * coll::type_size(type);
-    R2CCL_RETURN_IF_ERROR(
-        impl_->nv->reduce_scatter(send, mine, part, type, op, cuda_stream(stream)));
-    R2CCL_RETURN_IF_ERROR(impl_->cross->all_reduce(mine, mine, part, type, op, stream));
-    return impl_->nv->all_gather(mine, recv, part, type, cuda_stream(stream));
-  }
+  if (impl_->two_level(count * type_size(type), op, true) &&
+      count % static_cast<std::size_t>(impl_->two->per_node()) == 0)
+    return impl_->two->all_reduce(send, recv, count, type, op, stream);
   if (impl_->staged) return impl_->staged->all_reduce(send, recv, count, type, op, stream);
   return impl_->nv->all_reduce(send, recv, count, type, op, cuda_stream(stream));
 }
 Status DeviceComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
                               void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("all-gather"));
-  if (impl_->staged) return impl_->staged->all_gather(send, recv, count, type, stream);
+  if (impl_->staged) {
+    if (impl_->two_level(count * type_size(type) * static_cast<std::size_t>(impl_->staged->size())))
+      return impl_->two->all_gather(send, recv, count, type, stream);
+    return impl_->staged->all_gather(send, recv, count, type, stream);
+  }
   return impl_->nv->all_gather(send, recv, count, type, cuda_stream(stream));
 }
 Status DeviceComm::reduce_scatter(const void* send, void* recv, std::size_t count, DataType type,
                                   RedOp op, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("reduce-scatter"));
-  if (impl_->staged) return impl_->staged->reduce_scatter(send, recv, count, type, op, stream);
+  if (impl_->staged) {
+    if (impl_->two_level(count * type_size(type) * static_cast<std::size_t>(impl_->staged->size()),
+                         op))
+      return impl_->two->reduce_scatter(send, recv, count, type, op, stream);
+    return impl_->staged->reduce_scatter(send, recv, count, type, op, stream);
+  }
   return impl_->nv->reduce_scatter(send, recv, count, type, op, cuda_stream(stream));
 }
 Status DeviceComm::broadcast(const void* send, void* recv, std::size_t count, DataType type,
                              int root, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("broadcast"));
-  if (impl_->staged) return impl_->staged->broadcast(send, recv, count, type, root, stream);
+  if (impl_->staged) {
+    if (impl_->two_level(count * type_size(type)))
+      return impl_->two->broadcast(send, recv, count, type, root, stream);
+    return impl_->staged->broadcast(send, recv, count, type, root, stream);
+  }
   return impl_->nv->broadcast(send, recv, count, type, root, cuda_stream(stream));
 }
 Status DeviceComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
                           int root, void* stream) {
   R2CCL_RETURN_IF_ERROR(impl_->usable("reduce"));
-  if (impl_->staged) return impl_->staged->reduce(send, recv, count, type, op, root, stream);
+  if (impl_->staged) {
+    if (impl_->two_level(count * type_size(type), op))
+      return impl_->two->reduce(send, recv, count, type, op, root, stream);
+    return impl_->staged->reduce(send, recv, count, type, op, root, stream);
+  }
   return impl_->nv->reduce(send, recv, count, type, op, root, cuda_stream(stream));
 }
 Status DeviceComm::send(const void* buf, std::size_t count, DataType type, int peer, void* stream) {

@@ -1,7 +1,7 @@
 // The GPU side of a communicator (coll/comm.h): device memory among the GPUs of one node (NVLink
 // through CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h), or, where
 // the ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned host
-// memory on the caller's stream (coll/staged.h), hierarchically for an all-reduce where the nodes
+// memory on the caller's stream (coll/staged.h), in two levels (coll/two_level.h) where the nodes
 // hold several GPUs each. No CUDA type appears here, so that its users compile the same with and
 // without CUDA: src/gpu/device_comm.cc serves it where the build has CUDA, and
 // src/device_comm_none.cc says that it has none.
