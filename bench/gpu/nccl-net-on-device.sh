@@ -12,7 +12,8 @@
 #   plugin: correct (eager and CUDA graphs), bw (healthy, then FAULT_NIC down), loop with
 #           FAULT_NIC down 5 s in, loop with FAULT_NIC black-holed 5 s in, loop with 5 flaps of it
 #   r2ccl:  the same with r2ccl's own communicator on the CUDA tensors (device memory across
-#           nodes over its rails; correct at R2_SIZES, graphs at R2_GRAPH_SIZES)
+#           nodes over its rails; correct at R2_SIZES, graphs at R2_GRAPH_SIZES, every
+#           collective in bf16, fp16 and fp32 unless R2_EVERY_DTYPE=0)
 #   socket: bw (healthy, then FAULT_NIC down), the three loops
 # The plugin: NCCL_NET_PLUGIN=<the .so>, R2CCL_NICS=eth0,eth1,eth2,eth3, NCCL's bootstrap on mgmt
 # (NCCL_SOCKET_IFNAME==mgmt). NCCL's socket transport: NCCL_NET=Socket,
@@ -129,8 +130,11 @@ for transport in plugin r2ccl socket; do
   p=$transport
   if [[ ${CORRECT:-1} == 1 ]]; then
     [[ $transport != plugin ]] || case_ plugin plugin-correct 60 150 --mode correct
-    [[ $transport != r2ccl ]] || case_ r2ccl r2ccl-correct 90 200 --mode correct \
-      --sizes "${R2_SIZES:-8K,1M,16M,256M}" --graph-sizes "${R2_GRAPH_SIZES:-8K,4M,64M}"
+    every=()
+    [[ ${R2_EVERY_DTYPE:-1} != 1 ]] || every=(--every-dtype)
+    [[ $transport != r2ccl ]] || case_ r2ccl r2ccl-correct 120 240 --mode correct \
+      --sizes "${R2_SIZES:-8K,1M,16M,256M}" --graph-sizes "${R2_GRAPH_SIZES:-8K,4M,64M}" \
+      "${every[@]}"
   fi
   IFS=, read -ra colls <<< "${BW_COLLS:-all_reduce}"
   for coll in "${colls[@]}"; do

@@ -302,42 +302,43 @@ def do_correct(a, torch, dist, dev, rank, world, sync, dog, res) -> int:
             want = sum(pat(n, tag, r, dt).to(torch.int64) for r in range(world)).to(dt)
             dist.all_reduce(x)
             report(f"all_reduce {dname} {human(size)}", x, want)
-        dt = torch.bfloat16
-        n = size // 2
-        chunk = n // world
-        tag = seed_of(size, 2)
-        out = torch.full((chunk * world,), -1.0, dtype=dt, device=dev)
-        dist.all_gather_into_tensor(out, pat(chunk, tag, rank, dt))
-        report(f"all_gather_into_tensor bf16 {human(size)}", out,
-               torch.cat([pat(chunk, tag, r, dt) for r in range(world)]))
-        tag = seed_of(size, 3)
-        inp = pat(chunk * world, tag, rank, dt)
-        out = torch.full((chunk,), -1.0, dtype=dt, device=dev)
-        dist.reduce_scatter_tensor(out, inp)
-        want = sum(pat(chunk * world, tag, r, dt).to(torch.int64) for r in range(world))
-        report(f"reduce_scatter_tensor bf16 {human(size)}", out,
-               want[rank * chunk:(rank + 1) * chunk].to(dt))
-        for src in (0, world - 1):
-            tag = seed_of(size, 4, src)
-            x = pat(n, tag, src, dt) if rank == src else torch.full((n,), -1.0, dtype=dt,
-                                                                     device=dev)
-            dist.broadcast(x, src=src)
-            report(f"broadcast from {src} bf16 {human(size)}", x, pat(n, tag, src, dt))
-        for root in (0, world - 1):
-            tag = seed_of(size, 6, root)
-            x = pat(n, tag, rank, dt)
-            dist.reduce(x, dst=root)
-            if rank == root:
-                want = sum(pat(n, tag, r, dt).to(torch.int64) for r in range(world)).to(dt)
-            else:
-                want = x  # unspecified off the root
-            report(f"reduce to {root} bf16 {human(size)}", x, want)
-        tag = seed_of(size, 5)
-        send, recv = pat(n, tag, rank, dt), torch.full((n,), -1.0, dtype=dt, device=dev)
-        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        report(f"send/recv with {peer} bf16 {human(size)}", recv, pat(n, tag, peer, dt))
+        others = dtypes.items() if a.every_dtype else [("bf16", torch.bfloat16)]
+        for dname, dt in others:
+            n = size // (4 if dt == torch.float32 else 2)
+            chunk = n // world
+            tag = seed_of(size, 2)
+            out = torch.full((chunk * world,), -1.0, dtype=dt, device=dev)
+            dist.all_gather_into_tensor(out, pat(chunk, tag, rank, dt))
+            report(f"all_gather_into_tensor {dname} {human(size)}", out,
+                   torch.cat([pat(chunk, tag, r, dt) for r in range(world)]))
+            tag = seed_of(size, 3)
+            inp = pat(chunk * world, tag, rank, dt)
+            out = torch.full((chunk,), -1.0, dtype=dt, device=dev)
+            dist.reduce_scatter_tensor(out, inp)
+            want = sum(pat(chunk * world, tag, r, dt).to(torch.int64) for r in range(world))
+            report(f"reduce_scatter_tensor {dname} {human(size)}", out,
+                   want[rank * chunk:(rank + 1) * chunk].to(dt))
+            for src in (0, world - 1):
+                tag = seed_of(size, 4, src)
+                x = pat(n, tag, src, dt) if rank == src else torch.full((n,), -1.0, dtype=dt,
+                                                                         device=dev)
+                dist.broadcast(x, src=src)
+                report(f"broadcast from {src} {dname} {human(size)}", x, pat(n, tag, src, dt))
+            for root in (0, world - 1):
+                tag = seed_of(size, 6, root)
+                x = pat(n, tag, rank, dt)
+                dist.reduce(x, dst=root)
+                if rank == root:
+                    want = sum(pat(n, tag, r, dt).to(torch.int64) for r in range(world)).to(dt)
+                else:
+                    want = x  # unspecified off the root
+                report(f"reduce to {root} {dname} {human(size)}", x, want)
+            tag = seed_of(size, 5)
+            send, recv = pat(n, tag, rank, dt), torch.full((n,), -1.0, dtype=dt, device=dev)
+            ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            report(f"send/recv with {peer} {dname} {human(size)}", recv, pat(n, tag, peer, dt))
 
     if cuda and a.graph_sizes:
         for size in [parse_size(s) for s in a.graph_sizes.split(",")]:
@@ -689,6 +690,8 @@ def run_main(a: argparse.Namespace) -> int:
                "--replays", str(a.replays), "--duration", str(a.duration),
                "--stall", str(a.stall), "--init-timeout", str(a.init_timeout),
                "--iters", str(a.iters), "--warmup", str(a.warmup), "--coll", a.coll]
+        if a.every_dtype:
+            cmd.append("--every-dtype")
         if a.mode == "bw" and a.fault != "none":
             cmd += ["--fault-file", fault_file]
         log = open(os.path.join(logdir, f"{a.name}.rank{r}.out"), "w")
@@ -916,6 +919,9 @@ def main() -> int:
     common.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="correct: eager sizes")
     common.add_argument("--graph-sizes", default="64K,4M", help="correct: CUDA graph sizes")
     common.add_argument("--replays", type=int, default=6, help="correct: replays of a graph")
+    common.add_argument("--every-dtype", action="store_true",
+                        help="correct: every collective in bf16, fp16 and fp32 (else the "
+                             "all-reduce only; the others in bf16)")
     common.add_argument("--duration", type=float, default=25.0, help="loop: seconds")
     common.add_argument("--stall", type=float, default=15.0,
                         help="seconds without progress that count as a stall")
