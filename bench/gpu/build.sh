@@ -18,6 +18,7 @@ for t in "${targets[@]}"; do
   case $t in
     r2ccl) files+=("$build/lib/libr2ccl.so.0.1") ;;
     nccl-net-r2ccl) files+=("$build/lib/libnccl-net-r2ccl.so") ;;  # NCCL_NET_PLUGIN
+    plugin_R2CCL) files+=("$build/lib/libplugin_R2CCL.so") ;;      # NIXL's backend R2CCL
     *) files+=("$build/bin/$t") ;;
   esac
 done

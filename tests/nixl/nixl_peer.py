@@ -13,13 +13,18 @@ sink block holds transfer i's pattern, counts every notification (each must come
 and acknowledges each "w<i>" with a notification of its own, after which the initiator may
 reuse that sink block.
 
-Output, one line each: "progress <bytes>" (every 0.2 s), "ok ..." and exit 0; "error ..." and
-exit 1; past --deadline, "error ... (a hang)" and exit 3. With --expect-failure the initiator
-streams until a transfer fails ("failed <i> after <s> s: <error>"), waits for the file
-D/restored, then runs --after transfers that must all succeed ("ok after-restore <n>").
+With --memory cuda every buffer is a CUDA tensor of the process's GPU, registered as VRAM (the
+GPU benchmark, bench/gpu/nixl-on-device.sh); the checks copy it to the host first.
+
+Output, one line each: "progress <bytes>" (every 0.2 s), "elapsed <seconds>" of the stream,
+"ok ..." and exit 0; "error ..." and exit 1; past --deadline, "error ... (a hang)" and exit 3.
+With --expect-failure the initiator streams until a transfer fails ("failed <i> after <s> s:
+<error>"), waits for the file D/restored, then runs --after transfers that must all succeed
+("ok after-restore <n>").
 """
 
 import argparse
+import functools
 import os
 import pickle
 import sys
@@ -34,10 +39,15 @@ def say(*parts):
     print(*parts, flush=True)
 
 
+@functools.lru_cache(maxsize=4)
+def _offsets(size: int) -> np.ndarray:
+    idx = np.arange(size, dtype=np.uint64)
+    return ((idx * 2654435761 + (idx >> 8) * 97) & 0xFF).astype(np.uint8)
+
+
 def pattern(seed: int, size: int) -> np.ndarray:
-    """A block's bytes: distinct per seed and per offset."""
-    idx = np.arange(size, dtype=np.uint32)
-    return ((idx * 2654435761 + seed * 40503 + (idx >> 8) * 97) & 0xFF).astype(np.uint8)
+    """A block's bytes: distinct per seed and per offset (a byte-wide sum, wrapping)."""
+    return _offsets(size) + np.uint8((seed * 40503) & 0xFF)
 
 
 def write_atomic(path: Path, data: bytes):
@@ -55,21 +65,77 @@ def wait_file(path: Path, deadline: float) -> bytes:
     return path.read_bytes()
 
 
+class HostMemory:
+    """Buffers in host memory (numpy), registered as DRAM."""
+    kind, dev = "DRAM", 0
+
+    def zeros(self, n):
+        return np.zeros(n, dtype=np.uint8)
+
+    def filled(self, arr):
+        return arr
+
+    def addr(self, buf):
+        return buf.ctypes.data
+
+    def read(self, buf, off, n):
+        return buf[off:off + n]
+
+    def write(self, buf, off, arr):
+        buf[off:off + len(arr)] = arr
+
+    def clear(self, buf, off, n):
+        buf[off:off + n] = 0
+
+
+class CudaMemory:
+    """Buffers in the GPU's memory (torch tensors of uint8), registered as VRAM."""
+    kind = "VRAM"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.dev = torch.cuda.current_device()
+
+    def zeros(self, n):
+        return self.torch.zeros(n, dtype=self.torch.uint8, device="cuda")
+
+    def filled(self, arr):
+        t = self.torch.from_numpy(np.ascontiguousarray(arr)).to("cuda")
+        self.torch.cuda.synchronize()
+        return t
+
+    def addr(self, buf):
+        return buf.data_ptr()
+
+    def read(self, buf, off, n):
+        return buf[off:off + n].cpu().numpy()
+
+    def write(self, buf, off, arr):
+        buf[off:off + len(arr)].copy_(self.torch.from_numpy(np.ascontiguousarray(arr)))
+        self.torch.cuda.synchronize()  # in the GPU before the transfer reads it
+
+    def clear(self, buf, off, n):
+        buf[off:off + n].zero_()
+        self.torch.cuda.synchronize()
+
+
 class Peer:
     def __init__(self, args, name):
         self.args = args
         self.dir = Path(args.dir)
         self.deadline = time.monotonic() + args.deadline
+        self.mem = CudaMemory() if args.memory == "cuda" else HostMemory()
         cfg = nixl_agent_config(backends=[args.backend])
         self.agent = nixl_agent(name, cfg)
 
-    def register(self, arr):
-        descs = self.agent.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    def register(self, buf):
+        m = self.mem
+        descs = self.agent.get_reg_descs([(m.addr(buf), buf.nbytes, m.dev, "")], m.kind)
         return self.agent.register_memory(descs, backends=[self.args.backend])
 
-    def blocks(self, arr, size, idx):
-        return self.agent.get_xfer_descs(
-            [(arr.ctypes.data + i * size, size, 0) for i in idx], "DRAM")
+    def descs(self, addr, size):
+        return self.agent.get_xfer_descs([(addr, size, self.mem.dev)], self.mem.kind)
 
     def check_deadline(self, what):
         if time.monotonic() > self.deadline:
@@ -79,15 +145,16 @@ class Peer:
 
 def run_target(args):
     p = Peer(args, "target")
+    m = p.mem
     size, nblocks = args.block, args.blocks
-    src = np.concatenate([pattern(1000 + b, size) for b in range(nblocks)])
-    sink = np.zeros(nblocks * size, dtype=np.uint8)
+    src = m.filled(np.concatenate([pattern(1000 + b, size) for b in range(nblocks)]))
+    sink = m.zeros(nblocks * size)
     p.register(src)
     p.register(sink)
     write_atomic(p.dir / "target.md", p.agent.get_agent_metadata())
     write_atomic(p.dir / "target.blocks",
-                 pickle.dumps({"src": src.ctypes.data, "sink": sink.ctypes.data,
-                               "block": size, "blocks": nblocks}))
+                 pickle.dumps({"src": m.addr(src), "sink": m.addr(sink), "dev": m.dev,
+                               "kind": m.kind, "block": size, "blocks": nblocks}))
     init_md = wait_file(p.dir / "initiator.md", p.deadline)
     p.agent.add_remote_agent(init_md)
     say("ready")
@@ -98,15 +165,15 @@ def run_target(args):
     last_new = None
     while True:
         for agent, msgs in p.agent.get_new_notifs().items():
-            for m in msgs:
-                tag = m.decode()
+            for msg in msgs:
+                tag = msg.decode()
                 seen[tag] = seen.get(tag, 0) + 1
                 if seen[tag] > 1:
                     bad.append(f"notification {tag} from {agent} came {seen[tag]} times")
                 if tag.startswith("w") and seen[tag] == 1:
                     i = int(tag[1:])
                     b = (i // 2) % nblocks
-                    got = sink[b * size:(b + 1) * size]
+                    got = m.read(sink, b * size, size)
                     if not np.array_equal(got, pattern(i, size)):
                         wrong = int(np.count_nonzero(got != pattern(i, size)))
                         bad.append(f"write {i}: sink block {b} has {wrong} wrong bytes")
@@ -132,21 +199,17 @@ def run_target(args):
 
 def run_initiator(args):
     p = Peer(args, "initiator")
+    m = p.mem
     target_md = wait_file(p.dir / "target.md", p.deadline)
     layout = pickle.loads(wait_file(p.dir / "target.blocks", p.deadline))
     size, nblocks = layout["block"], layout["blocks"]
     window = args.window
-    slots = np.zeros(window * size, dtype=np.uint8)
-    wsrc = np.zeros(window * size, dtype=np.uint8)
+    slots = m.zeros(window * size)
+    wsrc = m.zeros(window * size)
     p.register(slots)
     p.register(wsrc)
     name = p.agent.add_remote_agent(target_md)
     write_atomic(p.dir / "initiator.md", p.agent.get_agent_metadata())
-    remote_src = p.agent.get_xfer_descs(
-        [(layout["src"] + b * size, size, 0) for b in range(nblocks)], "DRAM")
-    remote_sink = p.agent.get_xfer_descs(
-        [(layout["sink"] + b * size, size, 0) for b in range(nblocks)], "DRAM")
-    del remote_src, remote_sink  # built per transfer below
     acked = set()
     done_bytes = 0
     last_progress = 0.0
@@ -155,15 +218,14 @@ def run_initiator(args):
 
     def remote_block(kind, b):
         base = layout["src"] if kind == "r" else layout["sink"]
-        return p.agent.get_xfer_descs([(base + b * size, size, 0)], "DRAM")
+        return p.agent.get_xfer_descs([(base + b * size, size, layout["dev"])], layout["kind"])
 
     def post(i, slot):
         kind = "r" if i % 2 == 0 else "w"
         b = (i // 2) % nblocks
-        local = p.agent.get_xfer_descs([(slots.ctypes.data + slot * size if kind == "r"
-                                         else wsrc.ctypes.data + slot * size, size, 0)], "DRAM")
+        local = p.descs(m.addr(slots if kind == "r" else wsrc) + slot * size, size)
         if kind == "w":
-            wsrc[slot * size:(slot + 1) * size] = pattern(i, size)
+            m.write(wsrc, slot * size, pattern(i, size))
         h = p.agent.initialize_xfer("READ" if kind == "r" else "WRITE", local, remote_block(kind, b),
                                     name, f"{kind}{i}".encode())
         state = p.agent.transfer(h)
@@ -173,8 +235,8 @@ def run_initiator(args):
 
     def drain_acks():
         for _, msgs in p.agent.get_new_notifs().items():
-            for m in msgs:
-                t = m.decode()
+            for msg in msgs:
+                t = msg.decode()
                 if t.startswith("ack"):
                     acked.add(int(t[3:]))
 
@@ -205,11 +267,11 @@ def run_initiator(args):
                     raise RuntimeError(f"transfer {j} ended {state}")
                 if j % 2 == 0:
                     b = (j // 2) % nblocks
-                    got = slots[slot * size:(slot + 1) * size]
+                    got = m.read(slots, slot * size, size)
                     if not np.array_equal(got, pattern(1000 + b, size)):
                         wrong = int(np.count_nonzero(got != pattern(1000 + b, size)))
                         raise RuntimeError(f"read {j}: {wrong} wrong bytes of source block {b}")
-                    slots[slot * size:(slot + 1) * size] = 0
+                    m.clear(slots, slot * size, size)
                 p.agent.release_xfer_handle(h)
                 del inflight[slot]
                 free.append(slot)
@@ -224,7 +286,9 @@ def run_initiator(args):
 
     try:
         if not args.expect_failure:
+            t0 = time.monotonic()
             stream(0, args.transfers, False)
+            say(f"elapsed {time.monotonic() - t0:.3f}")
             report_metrics()
             say(f"ok transfers {args.transfers} bytes {done_bytes}")
             return
@@ -293,6 +357,8 @@ def main():
     ap.add_argument("--deadline", type=float, default=120.0)
     ap.add_argument("--expect-failure", action="store_true")
     ap.add_argument("--after", type=int, default=20)
+    ap.add_argument("--memory", choices=["host", "cuda"], default="host",
+                    help="where every buffer is (cuda: the process's GPU, as VRAM)")
     ap.add_argument("--open-ended", action="store_true",
                     help="target: run until D/stop appears (the initiator's count is open)")
     args = ap.parse_args()

@@ -5,7 +5,8 @@ agents over loopback in one process:
   same agent name, its metadata loaded again, takes transfers;
 - releasing a transfer still in progress is refused at once (NIXL keeps it), and the transfer
   completes;
-- GPU memory and unknown backend parameters are refused, saying what was wrong;
+- host memory registered as GPU memory (VRAM) and unknown backend parameters are refused,
+  saying what was wrong;
 - NIXL's backend parameters configure the engine (they win over R2CCL_* variables).
 
 Runs in the environment of `scripts/run vllm-test` (tests/nixl).
@@ -132,13 +133,14 @@ def test_release_in_progress_is_refused_at_once_and_the_data_still_lands():
     a.release_xfer_handle(h)  # done now: released
 
 
-def test_gpu_memory_is_refused_by_name(capfd):
+def test_host_memory_given_as_gpu_memory_is_refused_by_name(capfd):
     a = nixl_agent("A-" + uuid.uuid4().hex[:6], CFG)
     buf = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(Exception):
         reg(a, buf, mem="VRAM")
     err = capfd.readouterr().err
-    assert "VRAM_SEG (GPU memory) does not cross nodes over r2ccl's rails yet" in err, err
+    assert (f"the VRAM_SEG region of 4096 bytes at {buf.ctypes.data:#x} (device 0) is not CUDA "
+            "device memory of this process (or CUDA is not loaded here)") in err, err
 
 
 def test_unknown_backend_parameter_is_refused_naming_it(capfd):

@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "r2ccl/runtime/config.h"
+#include "r2ccl/runtime/device_memory.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/telemetry.h"
@@ -115,12 +116,21 @@ const char* mem_name(nixl_mem_t m) {
   return "an unknown memory type";
 }
 
-std::string vram_refusal(const char* what) {
-  return fmt::format(
-      "r2ccl {}: VRAM_SEG (GPU memory) does not cross nodes over r2ccl's rails yet; register "
-      "host memory (DRAM_SEG) with the R2CCL backend (vLLM: kv_buffer_device \"cpu\"), or give "
-      "GPU memory to another backend",
-      what);
+// Copies n bytes between memories of this process, either of which may be a GPU's (the other
+// side of a transfer within one agent): through the host in runs of at most kBounceBytes where
+// both are.
+Status copy_between(std::byte* dst, const DeviceMemory* dst_device, const std::byte* src,
+                    const DeviceMemory* src_device, std::size_t n) {
+  if (src_device == nullptr) return copy_from_host(dst_device, dst, src, n);
+  if (dst_device == nullptr) return src_device->to_host(dst, src, n);
+  constexpr std::size_t kBounceBytes = std::size_t{4} << 20;
+  Bytes bounce(std::min(n, kBounceBytes));
+  for (std::size_t done = 0; done < n; done += bounce.size()) {
+    const std::size_t run = std::min(bounce.size(), n - done);
+    R2CCL_RETURN_IF_ERROR(src_device->to_host(bounce.data(), src + done, run));
+    R2CCL_RETURN_IF_ERROR(dst_device->to_device(dst + done, bounce.data(), run));
+  }
+  return Status::ok();
 }
 
 // A NIXL custom parameter's R2CCL_* name: "nics" and "R2CCL_NICS" both name R2CCL_NICS.
@@ -142,8 +152,9 @@ struct Xfer {
     std::byte* local_ptr = nullptr;  // this side's bytes
     RegionPtr region;
     std::size_t local_offset = 0;
-    std::shared_ptr<const RemoteInfo> remote;  // the peer's region (remote transfers)
-    std::byte* remote_ptr = nullptr;           // local transfers: the other side's bytes
+    std::shared_ptr<const RemoteInfo> remote;     // the peer's region (remote transfers)
+    std::byte* remote_ptr = nullptr;              // local transfers: the other side's bytes
+    const DeviceMemory* remote_device = nullptr;  // local transfers: the other side's GPU's
     std::size_t remote_offset = 0;
     std::size_t length = 0;
   };
@@ -291,17 +302,26 @@ nixl_status_t Engine::registerMem(const nixlBlobDesc& mem, const nixl_mem_t& nix
                                   nixlBackendMD*& out) {
   return guarded("registerMem", [&] {
     out = nullptr;
-    if (nixl_mem == VRAM_SEG) return fail(NIXL_ERR_NOT_SUPPORTED, vram_refusal("registerMem"));
-    if (nixl_mem != DRAM_SEG)
-      return fail(NIXL_ERR_NOT_SUPPORTED,
-                  fmt::format("r2ccl registerMem: {} is not memory r2ccl moves (DRAM_SEG only)",
-                              mem_name(nixl_mem)));
+    if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG)
+      return fail(
+          NIXL_ERR_NOT_SUPPORTED,
+          fmt::format("r2ccl registerMem: {} is not memory r2ccl moves (DRAM_SEG and VRAM_SEG)",
+                      mem_name(nixl_mem)));
     if (mem.addr == 0 || mem.len == 0)
       return fail(
           NIXL_ERR_INVALID_PARAM,
           fmt::format("r2ccl registerMem: an empty region ({} bytes at {:#x})", mem.len, mem.addr));
+    // GPU memory moves through its own copies (staged through the host over tcp rails); host
+    // memory that CUDA knows as device memory is treated as such either way.
+    const DeviceMemory* device = cuda_memory_of(reinterpret_cast<const void*>(mem.addr));
+    if (nixl_mem == VRAM_SEG && device == nullptr)
+      return fail(NIXL_ERR_INVALID_PARAM,
+                  fmt::format("r2ccl registerMem: the VRAM_SEG region of {} bytes at {:#x} (device "
+                              "{}) is not CUDA device memory of this process (or CUDA is not "
+                              "loaded here)",
+                              mem.len, mem.addr, mem.devId));
     auto region = endpoint_->register_memory(reinterpret_cast<void*>(mem.addr), mem.len,
-                                             MemoryAccess::kRemoteWrite);
+                                             MemoryAccess::kRemoteWrite, device);
     if (!region)
       return fail(status_of(region.status()),
                   fmt::format("r2ccl registerMem ({} bytes at {:#x}): {}", mem.len, mem.addr,
@@ -350,7 +370,7 @@ nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc& input, const nixl_mem_t& 
                                    const std::string& remote_agent, nixlBackendMD*& output) {
   return guarded("loadRemoteMD", [&] {
     output = nullptr;
-    if (nixl_mem != DRAM_SEG)
+    if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG)
       return fail(NIXL_ERR_NOT_SUPPORTED,
                   fmt::format("r2ccl loadRemoteMD: agent '{}' registered {}, which r2ccl does "
                               "not move",
@@ -525,9 +545,7 @@ nixl_status_t Engine::prepXfer(const nixl_xfer_op_t& operation, const nixl_meta_
       return fail(NIXL_ERR_INVALID_PARAM,
                   "r2ccl prepXfer: the operation is neither READ nor WRITE");
     for (const auto* list : {&local, &remote}) {
-      if (list->getType() == VRAM_SEG)
-        return fail(NIXL_ERR_NOT_SUPPORTED, vram_refusal("prepXfer"));
-      if (list->getType() != DRAM_SEG)
+      if (list->getType() != DRAM_SEG && list->getType() != VRAM_SEG)
         return fail(
             NIXL_ERR_NOT_SUPPORTED,
             fmt::format("r2ccl prepXfer: {} is not memory r2ccl moves", mem_name(list->getType())));
@@ -576,6 +594,7 @@ nixl_status_t Engine::prepXfer(const nixl_xfer_op_t& operation, const nixl_meta_
                                   "at {:#x}) is not inside a registration of this engine",
                                   i, r.len, r.addr));
         e.remote_ptr = rmd->region->base + (r.addr - rmd->base);
+        e.remote_device = rmd->region->device;
       } else {
         const auto* rmd = dynamic_cast<const RemoteMD*>(r.metadataP);
         if (rmd == nullptr || rmd->info->agent != remote_agent ||
@@ -640,11 +659,26 @@ nixl_status_t Engine::postXfer(const nixl_xfer_op_t& operation, const nixl_meta_
 }
 
 nixl_status_t Engine::post_local(Xfer& x, const nixl_opt_b_args_t* opt_args) const {
+  Status copied = Status::ok();
   for (const auto& e : x.elems) {
-    if (x.op == NIXL_WRITE)
-      std::memmove(e.remote_ptr, e.local_ptr, e.length);
-    else
-      std::memmove(e.local_ptr, e.remote_ptr, e.length);
+    if (e.region->device == nullptr && e.remote_device == nullptr) {
+      if (x.op == NIXL_WRITE)
+        std::memmove(e.remote_ptr, e.local_ptr, e.length);
+      else
+        std::memmove(e.local_ptr, e.remote_ptr, e.length);
+    } else if (x.op == NIXL_WRITE) {
+      copied = copy_between(e.remote_ptr, e.remote_device, e.local_ptr, e.region->device, e.length);
+    } else {
+      copied = copy_between(e.local_ptr, e.region->device, e.remote_ptr, e.remote_device, e.length);
+    }
+    if (!copied) break;
+  }
+  if (!copied) {
+    std::lock_guard xl(x.mu);
+    ++x.generation;
+    x.state = NIXL_IN_PROG;  // so that finish() records the failure
+    finish(x, NIXL_ERR_BACKEND, fmt::format("local transfer: {}", copied.message()));
+    return fail(x.state, fmt::format("r2ccl postXfer: {}", x.error));
   }
   if (opt_args != nullptr && opt_args->hasNotif) push_notif(localAgent, opt_args->notifMsg);
   std::lock_guard xl(x.mu);
