@@ -180,6 +180,14 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   std::condition_variable inbox_cv;
   bool stopping = false;
   std::map<std::uint32_t, int> verifying;  // pool -> verifications under way
+  // Pulls of peers whose checksums (R2CCL_KV_VERIFY) the worker reads before they are planned:
+  // reading the blocks (out of a GPU, perhaps) stays off the progress loop. Bounded by
+  // kMaxQueued; past it a pull is refused.
+  struct PullJob {
+    Key key;
+    std::vector<BlockSpan> spans;
+  };
+  std::deque<PullJob> pull_jobs;
   // Pull records in flight by deadline; the worker fails them when it passes.
   std::set<std::pair<Clock::time_point, std::uint64_t>> pull_deadlines;
   int peer_listener = -1;  // the endpoint's peer events (pulls of a peer that leaves fail)
@@ -659,6 +667,12 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     while (true) {
       if (stopping) return;
       expire_pulls(Clock::now());
+      if (!pull_jobs.empty()) {
+        PullJob job = std::move(pull_jobs.front());
+        pull_jobs.pop_front();
+        plan_pull(std::move(job), lock);
+        continue;
+      }
       if (inbox.empty()) {
         if (pull_deadlines.empty()) {
           inbox_cv.wait(lock);
@@ -842,10 +856,19 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
         st = check_span(s, pools[src_pool].layout, pit->second[dst_pool].layout, "source",
                         "destination");
       }
-      if (st.is_ok()) {
+      if (st.is_ok() && options.verify && pull_jobs.size() >= kMaxQueued)
+        st = Status(
+            ErrorCode::kNoResource,
+            fmt::format("{} pulls are waiting for their checksums here already", pull_jobs.size()));
+      // Verifying: the worker reads the checksums, then plans it (unsealed until then, so that
+      // nothing ends it as done before).
+      const bool defer = st.is_ok() && options.verify;
+      if (st.is_ok() && !defer) {
         for (const auto& s : spans)
           plan(q, s, pools[src_pool], pit->second[dst_pool]);
         q.state = RequestState::kInFlight;
+      } else if (defer) {
+        q.sealed = false;
       } else {
         q.failed = true;
         q.reason = st.message();
@@ -853,12 +876,89 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
           q.invalid.insert(s.dst_blocks.begin(), s.dst_blocks.end());
       }
       auto& stored = requests.emplace(key, std::move(q)).first->second;
-      if (st.is_ok()) queues[peer].active.push_back(key);
+      if (st.is_ok() && !defer) queues[peer].active.push_back(key);
+      if (defer) {
+        pull_jobs.push_back(PullJob{key, std::move(spans)});
+        inbox_cv.notify_one();
+      }
       maybe_finish(key, stored, out);
       next = take_issues(peer);
     }
     send(out);
     issue(std::move(next));
+  }
+
+  // A verified pull's plan, on the worker (lock held, released while the blocks are read and
+  // while the writes are handed over): the checksums of its spans, then the pools checked again
+  // (they may have changed meanwhile) and the writes queued, as on_pull does without checksums.
+  void plan_pull(PullJob job, std::unique_lock<std::mutex>& lock) {
+    auto it = requests.find(job.key);
+    if (it == requests.end() || it->second.ended() || it->second.cancelled || it->second.failed)
+      return;
+    const std::uint32_t src_pool = it->second.local_pool;
+    std::optional<Pool> src;
+    if (src_pool < pools.size() && !pools[src_pool].regions.empty()) {
+      src = pools[src_pool];
+      ++verifying[src_pool];  // unregister_pool waits while the blocks are read
+    }
+    std::vector<std::map<std::uint32_t, std::uint64_t>> hashes;
+    if (src) {
+      lock.unlock();
+      for (const auto& s : job.spans)
+        hashes.push_back(span_hashes(*src, s));
+      lock.lock();
+      if (--verifying[src_pool] == 0) {
+        verifying.erase(src_pool);
+        cv.notify_all();
+      }
+    }
+    it = requests.find(job.key);
+    if (it == requests.end() || it->second.ended()) return;
+    auto& q = it->second;
+    const int peer = q.peer;
+    Status st =
+        src ? Status::ok()
+            : Status(ErrorCode::kInvalidArgument,
+                     fmt::format("pull names pool {} here, which was unregistered", src_pool));
+    auto pit = peers.find(peer);
+    if (st.is_ok() && pit == peers.end())
+      st = Status(ErrorCode::kInvalidArgument,
+                  fmt::format("{} is not connected here any more", label(peer)));
+    if (st.is_ok()) st = check_pools_of_pull(q, pit->second);
+    for (const auto& s : job.spans) {
+      if (!st.is_ok()) break;
+      st = check_span(s, pools[src_pool].layout, pit->second[q.remote_pool].layout, "source",
+                      "destination");
+    }
+    std::vector<Outgoing> out;
+    if (q.cancelled || q.failed) {
+      // Ended meanwhile: nothing to issue.
+    } else if (st.is_ok()) {
+      for (std::size_t i = 0; i < job.spans.size(); ++i)
+        plan(q, job.spans[i], pools[src_pool], pit->second[q.remote_pool], &hashes[i]);
+      q.state = RequestState::kInFlight;
+      queues[peer].active.push_back(job.key);
+    } else {
+      q.failed = true;
+      q.reason = st.message();
+      for (const auto& s : job.spans)
+        q.invalid.insert(s.dst_blocks.begin(), s.dst_blocks.end());
+    }
+    q.sealed = true;
+    maybe_finish(job.key, q, out);
+    auto next = take_issues(peer);
+    lock.unlock();
+    send(out);
+    issue(std::move(next));
+    lock.lock();
+  }
+
+  // The pools of a pull still there, still of the shapes it was checked against. Lock held.
+  Status check_pools_of_pull(const Request& q, const std::vector<RemotePool>& remote) {
+    if (q.remote_pool >= remote.size() || remote[q.remote_pool].buffers.empty())
+      return Status(ErrorCode::kInvalidArgument,
+                    fmt::format("pull names pool {} there, which was unregistered", q.remote_pool));
+    return check_pair(q.peer, q.local_pool, remote[q.remote_pool].layout, q.remote_pool);
   }
 };
 

@@ -519,6 +519,19 @@ TEST(KvEngine, DevicePoolsMoveThroughTheDevicesCopies) {
   EXPECT_GT(gpu0.copies_out.load(), 0u);
   EXPECT_GT(gpu1.copies_in.load(), 0u);
 
+  // A pull of device blocks, verified: the side that serves it reads their checksums through
+  // its device's copies (on its worker) before it plans the writes.
+  ASSERT_TRUE(s[1].engine->connect(0, s[0].engine->metadata()).is_ok());
+  const auto out_before = gpu0.copies_out.load();
+  ASSERT_TRUE(
+      s[1].engine->pull(15, 0, *p1, *p0, {BlockSpan{0, kLayers, {11, 12}, {41, 42}}}).is_ok());
+  auto pulled = s[1].engine->wait_notification(0, 15, 10s);
+  ASSERT_TRUE(pulled.is_ok()) << pulled.status().to_string();
+  EXPECT_EQ(pulled->state, RequestState::kDone) << pulled->reason;
+  EXPECT_TRUE(pulled->verified);
+  EXPECT_TRUE(device_holds(41, 11) && device_holds(42, 12));
+  EXPECT_GT(gpu0.copies_out.load(), out_before);
+
   gpu1.fail_to_device = true;
   ASSERT_TRUE(s[0].engine->submit(14, 1, *p0, *p1, {BlockSpan{0, kLayers, {10}, {40}}}).is_ok());
   auto st = s[0].engine->wait(14, 10s);
