@@ -120,5 +120,10 @@ comm.close()
 assert "torch" not in sys.modules
 print(f"r2ccl {r2ccl.__version__} from {pkg}, libr2ccl {'.'.join(map(str, version))} from {lib.path}")
 PY
+# The console script is installed, and without its extra says what to install.
+sb_rc=0
+sb_out=$("$venv/bin/r2ccl-servebench" engine --url http://127.0.0.1:9 --model m 2>&1) || sb_rc=$?
+[[ $sb_rc -eq 2 && $sb_out == *"engine mode needs aiohttp: pip install 'r2ccl[servebench]'"* ]] ||
+  fail "r2ccl-servebench without aiohttp: exit $sb_rc: $sb_out"
 echo "wheel_venv_test: $(basename "$wheel") installed into an empty $("$py" -V) environment and used" \
   "without torch ($((SECONDS - start)) s, ${build_s} s of it building the wheel)"

@@ -1,0 +1,163 @@
+"""r2ccl-servebench's workload and figures (r2ccl.servebench.workload, .metrics): arrival
+schedules, Mooncake trace lines and their errors, and TTFT / TPOT / ITL / E2EL / goodput
+computed on request timelines whose answers are known, as `vllm bench serve` defines them."""
+
+import json
+import math
+
+import pytest
+
+from r2ccl.servebench import metrics, workload
+from r2ccl.servebench.client import parse_fault, prompt_ids
+from r2ccl.servebench.metrics import Result
+
+
+def test_poisson_schedule_has_the_rate_and_lengths_asked_for():
+    reqs = workload.poisson(400, 8.0, (16, 64), (5, 5), seed=3)
+    assert [r.index for r in reqs] == list(range(400))
+    times = [r.arrival_s for r in reqs]
+    assert times == sorted(times) and times[0] > 0
+    assert times[-1] == pytest.approx(400 / 8.0)  # scaled so, as vLLM's benchmark does
+    assert all(16 <= r.input_len <= 64 for r in reqs)
+    assert {r.output_len for r in reqs} == {5}
+    assert len({r.input_len for r in reqs}) > 10
+    # Same seed, same schedule; another seed, another.
+    assert workload.poisson(400, 8.0, (16, 64), (5, 5), seed=3) == reqs
+    assert workload.poisson(400, 8.0, (16, 64), (5, 5), seed=4) != reqs
+
+
+def test_burstier_arrivals_have_more_spread_gaps():
+    def cv(reqs):
+        t = [0.0] + [r.arrival_s for r in reqs]
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        mean = sum(gaps) / len(gaps)
+        return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    poisson = cv(workload.poisson(2000, 10.0, (1, 1), (1, 1), 1.0, seed=1))
+    bursty = cv(workload.poisson(2000, 10.0, (1, 1), (1, 1), 0.25, seed=1))
+    assert 0.9 < poisson < 1.1  # exponential gaps: coefficient of variation 1
+    assert bursty > 1.7  # gamma of shape 0.25: 2
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 1.0, (1, 1), (1, 1)), "the number of requests must be positive, not 0"),
+    ((5, 0.0, (1, 1), (1, 1)), "the request rate must be a positive finite number, not 0.0"),
+    ((5, math.inf, (1, 1), (1, 1)), "the request rate must be a positive finite number, not inf"),
+    ((5, 1.0, (0, 4), (1, 1)), "input length range 0-4 is not within 1-1048576"),
+    ((5, 1.0, (1, 1), (9, 3)), "output length range 9-3 is not within 1-1048576"),
+])
+def test_bad_workloads_are_refused_naming_what_is_wrong(args, message):
+    with pytest.raises(ValueError) as e:
+        workload.poisson(*args)
+    assert str(e.value) == message
+
+
+def test_a_mooncake_trace_is_read_relative_to_its_first_request(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [1, 2]},
+            {"timestamp": 30535, "input_length": 300, "output_length": 9},
+            {"timestamp": 27482, "input_length": 10, "output_length": 700}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    reqs = workload.mooncake_trace(path, time_scale=0.5, max_input=4096, max_output=512)
+    assert [(r.index, r.arrival_s, r.input_len, r.output_len) for r in reqs] == [
+        (0, 0.0, 4096, 52), (1, 0.0, 10, 512), (2, pytest.approx(1.5265), 300, 9)]
+    assert len(workload.mooncake_trace(path, limit=2)) == 2
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{oops", "line 1: not JSON"),
+    ("[1, 2]", "line 1: not a JSON object"),
+    ('{"timestamp": 1, "output_length": 3}', "line 1: 'input_length' is missing or not a number"),
+    ('{"timestamp": 1, "input_length": true, "output_length": 3}',
+     "line 1: 'input_length' is missing or not a number"),
+    ('{"timestamp": -5, "input_length": 2, "output_length": 3}', "line 1: 'timestamp' is -5"),
+    ('{"timestamp": 1, "input_length": 2.5, "output_length": 3}', "line 1: 'input_length' is 2.5"),
+    ('{"timestamp": 1, "input_length": 2, "output_length": 99999999}',
+     "line 1: 'output_length' is 99999999, out of range"),
+])
+def test_bad_trace_lines_are_refused_naming_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError) as e:
+        workload.mooncake_trace(path)
+    assert message in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_an_empty_trace_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        workload.mooncake_trace(path)
+
+
+def timeline(index, sent, chunks, tokens, error=""):
+    return Result(index, sent, 100, list(chunks), tokens, error)
+
+
+def test_latencies_are_vllms_definitions():
+    a = timeline(0, 1.0, [1.2, 1.3, 1.5, 1.6], 4)  # TTFT 0.2, E2EL 0.6, TPOT 0.4/3
+    b = timeline(1, 2.0, [2.5], 1)  # one token: TPOT 0, no gap
+    c = timeline(2, 3.0, [3.1, 3.3], 2)  # TTFT 0.1, E2EL 0.3, TPOT 0.2
+    assert a.ttft() == pytest.approx(0.2) and a.e2el() == pytest.approx(0.6)
+    assert a.tpot() == pytest.approx(0.4 / 3) and b.tpot() == 0.0
+    assert a.itls() == pytest.approx([0.1, 0.2, 0.1])
+    s = metrics.summarize([a, b, c], 4.0, percentiles=(50, 100))
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 3, 0)
+    assert s["output_tokens"] == 7 and s["input_tokens"] == 300
+    assert s["request_throughput"] == 0.75 and s["output_throughput"] == 1.75
+    assert s["p50_ttft_ms"] == pytest.approx(200.0) and s["p100_ttft_ms"] == pytest.approx(500)
+    assert s["mean_ttft_ms"] == pytest.approx(800 / 3, abs=1e-3)
+    # TPOT over the requests of more than one token; ITL over every gap of every request.
+    assert s["mean_tpot_ms"] == pytest.approx((400 / 3 + 200) / 2, abs=1e-3)
+    assert s["p50_itl_ms"] == pytest.approx(150.0)
+    assert s["mean_itl_ms"] == pytest.approx(150.0)
+    assert s["p50_e2el_ms"] == pytest.approx(500.0)
+
+
+def test_goodput_counts_requests_that_met_every_slo_and_failures_are_named():
+    fast = timeline(0, 0.0, [0.1, 0.2], 2)
+    slow_first = timeline(1, 0.0, [0.9, 1.0], 2)
+    slow_tokens = timeline(2, 0.0, [0.1, 0.9], 2)
+    failed = timeline(3, 0.0, [], 0, "HTTP 500: boom")
+    silent = timeline(4, 0.0, [], 0)
+    slos = metrics.parse_slos("ttft:500 tpot:300")
+    assert slos == {"ttft": 0.5, "tpot": 0.3}
+    s = metrics.summarize([fast, slow_first, slow_tokens, failed, silent], 2.0, slos=slos)
+    assert s["good_requests"] == 1 and s["goodput"] == 0.5
+    assert s["failed"] == 2
+    assert s["errors"] == {"HTTP 500: boom": 1, "no token streamed": 1}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ttft500", "SLO 'ttft500': expected KEY:MILLISECONDS with KEY one of ttft, tpot, e2el"),
+    ("itl:5", "SLO 'itl:5': expected KEY:MILLISECONDS with KEY one of ttft, tpot, e2el"),
+    ("ttft:fast", "SLO 'ttft:fast': 'fast' is not a number of milliseconds"),
+    ("tpot:0", "SLO 'tpot:0': the bound must be positive"),
+])
+def test_bad_slos_are_refused_naming_them(text, message):
+    with pytest.raises(ValueError) as e:
+        metrics.parse_slos(text)
+    assert str(e.value) == message
+
+
+def test_percentiles_interpolate_as_numpy_does():
+    v = [1.0, 2.0, 3.0, 4.0]
+    assert metrics.percentile(v, 50) == 2.5
+    assert metrics.percentile(v, 90) == pytest.approx(3.7)
+    assert metrics.percentile([7.0], 99) == 7.0
+    assert math.isnan(metrics.percentile([], 50))
+    with pytest.raises(ValueError, match="percentile 101 is not within 0-100"):
+        metrics.percentile(v, 101)
+
+
+def test_faults_and_prompts():
+    f = parse_fault("120.5:ip -n h0 link set eth1 down")
+    assert (f.at_s, f.command) == (120.5, "ip -n h0 link set eth1 down")
+    for bad in ("now:ip link", "-1:ip link", "12:", "12"):
+        with pytest.raises(ValueError, match="expected SECONDS:COMMAND"):
+            parse_fault(bad)
+    req = workload.Request(3, 0.0, 50, 4)
+    ids = prompt_ids(req, 7, (10, 999))
+    assert len(ids) == 50 and all(10 <= i <= 999 for i in ids)
+    assert prompt_ids(req, 7, (10, 999)) == ids  # the same prompt for the same seed and index
+    assert prompt_ids(workload.Request(4, 0.0, 50, 4), 7, (10, 999)) != ids
