@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <set>
 #include <string_view>
 
 namespace r2ccl::mon {
@@ -19,18 +21,33 @@ namespace {
 
 constexpr std::string_view kHealthzPath = "/healthz";
 
+// The ports whose server serves /metrics already. civetweb listens (and answers /healthz) from
+// the Exposer's construction, before /metrics is registered: until then /healthz says 503, so
+// that "healthy" means "scrapable".
+std::mutex ready_mutex;
+std::set<int> ready_ports;
+
+bool ready(int port) {
+  std::lock_guard lock(ready_mutex);
+  return ready_ports.contains(port);
+}
+
 // civetweb calls this before its URI handlers; a non-zero return means "handled".
 int begin_request(mg_connection* conn) {
   const mg_request_info* info = mg_get_request_info(conn);
   if (info == nullptr || info->local_uri == nullptr || kHealthzPath != info->local_uri) return 0;
-  static constexpr char kBody[] = "ok\n";
+  const bool up = ready(info->server_port);
+  static constexpr char kOk[] = "ok\n";
+  static constexpr char kStarting[] = "starting\n";
+  const std::string_view body = up ? std::string_view(kOk, sizeof kOk - 1)
+                                   : std::string_view(kStarting, sizeof kStarting - 1);
   mg_printf(conn,
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            "HTTP/1.1 %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
             "Content-Length: %zu\r\nConnection: close\r\n\r\n",
-            sizeof kBody - 1);
+            up ? "200 OK" : "503 Service Unavailable", body.size());
   if (std::string_view(info->request_method == nullptr ? "" : info->request_method) != "HEAD")
-    mg_write(conn, kBody, sizeof kBody - 1);
-  return 200;
+    mg_write(conn, body.data(), body.size());
+  return up ? 200 : 503;
 }
 
 // Binds and releases the address first, so that a port in use or a foreign address gives a
@@ -74,7 +91,13 @@ struct HttpExporter::Impl {
 HttpExporter::HttpExporter(PassKey /*key*/, std::unique_ptr<Impl> impl, std::uint16_t port)
     : impl_(std::move(impl)), port_(port) {}
 
-HttpExporter::~HttpExporter() = default;  // the Exposer stops civetweb and joins its threads
+HttpExporter::~HttpExporter() {
+  {
+    std::lock_guard lock(ready_mutex);
+    ready_ports.erase(port_);
+  }
+  impl_.reset();  // the Exposer stops civetweb and joins its threads
+}
 
 Result<std::unique_ptr<HttpExporter>> HttpExporter::start(
     const HostPort& listen, const std::weak_ptr<prometheus::Collectable>& collectable) {
@@ -89,6 +112,8 @@ Result<std::unique_ptr<HttpExporter>> HttpExporter::start(
     impl->exposer->RegisterCollectable(collectable, "/metrics");
     const auto ports = impl->exposer->GetListeningPorts();
     port = ports.empty() ? listen.port : static_cast<std::uint16_t>(ports.front());
+    std::lock_guard lock(ready_mutex);
+    ready_ports.insert(port);
   } catch (const std::exception& e) {
     return Status(
         ErrorCode::kUnavailable,
