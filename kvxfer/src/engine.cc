@@ -916,15 +916,9 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     if (it == requests.end() || it->second.ended()) return;
     auto& q = it->second;
     const int peer = q.peer;
-    Status st =
-        src ? Status::ok()
-            : Status(ErrorCode::kInvalidArgument,
-                     fmt::format("pull names pool {} here, which was unregistered", src_pool));
-    auto pit = peers.find(peer);
-    if (st.is_ok() && pit == peers.end())
-      st = Status(ErrorCode::kInvalidArgument,
-                  fmt::format("{} is not connected here any more", label(peer)));
-    if (st.is_ok()) st = check_pools_of_pull(q, pit->second);
+    // The pools again, as add() checks them: they may have gone or changed meanwhile.
+    Status st = check_pools(peer, src_pool, q.remote_pool);
+    const auto pit = peers.find(peer);
     for (const auto& s : job.spans) {
       if (!st.is_ok()) break;
       st = check_span(s, pools[src_pool].layout, pit->second[q.remote_pool].layout, "source",
@@ -951,14 +945,6 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
     send(out);
     issue(std::move(next));
     lock.lock();
-  }
-
-  // The pools of a pull still there, still of the shapes it was checked against. Lock held.
-  Status check_pools_of_pull(const Request& q, const std::vector<RemotePool>& remote) {
-    if (q.remote_pool >= remote.size() || remote[q.remote_pool].buffers.empty())
-      return Status(ErrorCode::kInvalidArgument,
-                    fmt::format("pull names pool {} there, which was unregistered", q.remote_pool));
-    return check_pair(q.peer, q.local_pool, remote[q.remote_pool].layout, q.remote_pool);
   }
 };
 

@@ -196,7 +196,7 @@ class DeviceScratch final : public Scratch {
       buffers_.push_back(p);
       size_ = bytes;
     }
-    if (!capturing && recorded_)
+    if (!capturing && done_ != nullptr)  // made when a release is first recorded
       R2CCL_RETURN_IF_ERROR(gpu::cuda_status(cudaStreamWaitEvent(cuda_stream(stream), done_, 0),
                                              "cudaStreamWaitEvent"));
     return buffers_.back();
@@ -209,7 +209,6 @@ class DeviceScratch final : public Scratch {
           cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate"));
     R2CCL_RETURN_IF_ERROR(
         gpu::cuda_status(cudaEventRecord(done_, cuda_stream(stream)), "cudaEventRecord"));
-    recorded_ = true;
     return Status::ok();
   }
 
@@ -223,8 +222,7 @@ class DeviceScratch final : public Scratch {
   int device_;
   std::vector<void*> buffers_;  // the last is in use; the others may be in captured graphs
   std::size_t size_ = 0;
-  cudaEvent_t done_ = nullptr;
-  bool recorded_ = false;
+  cudaEvent_t done_ = nullptr;  // the last eager release, once there was one
 };
 
 }  // namespace
