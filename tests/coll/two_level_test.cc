@@ -82,6 +82,13 @@ float input(int rank, std::size_t i) {
   return static_cast<float>((rank + 1) * 100 + static_cast<int>(i % 89));
 }
 
+// A failed call names what went wrong.
+testing::AssertionResult ok(const Status& s) {
+  if (s.is_ok()) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << s.to_string();
+}
+#define ASSERT_OK(call) ASSERT_TRUE(ok(call))
+
 struct Shape {
   int nodes, per_node;
 };
@@ -125,8 +132,7 @@ void every_collective(Shape shape) {
       for (std::size_t i = 0; i < send.size(); ++i)
         send[i] = input(r, i);
       const std::size_t whole = count * static_cast<std::size_t>(shape.per_node);
-      ASSERT_TRUE(
-          two.all_reduce(send.data(), recv.data(), whole, DataType::kF32, RedOp::kSum, nullptr));
+      ASSERT_OK(two.all_reduce(send.data(), recv.data(), whole, DataType::kF32, RedOp::kSum, nullptr));
       for (std::size_t i = 0; i < whole; ++i)
         ASSERT_EQ(recv[i], sum(i)) << "all-reduce, element " << i;
       // All-gather, apart and in place.
@@ -137,7 +143,7 @@ void every_collective(Shape shape) {
           std::copy_n(send.begin(), count, recv.begin() + static_cast<long>(ur * count));
           from = recv.data() + ur * count;
         }
-        ASSERT_TRUE(two.all_gather(from, recv.data(), count, DataType::kF32, nullptr));
+        ASSERT_OK(two.all_gather(from, recv.data(), count, DataType::kF32, nullptr));
         for (std::size_t q = 0; q < un; ++q)
           for (std::size_t i = 0; i < count; ++i)
             ASSERT_EQ(recv[q * count + i], input(static_cast<int>(q), i))
@@ -147,8 +153,7 @@ void every_collective(Shape shape) {
       for (const bool in_place : {false, true}) {
         std::vector<float> work = send;
         float* to = in_place ? work.data() + ur * count : recv.data();
-        ASSERT_TRUE(
-            two.reduce_scatter(work.data(), to, count, DataType::kF32, RedOp::kSum, nullptr));
+        ASSERT_OK(two.reduce_scatter(work.data(), to, count, DataType::kF32, RedOp::kSum, nullptr));
         for (std::size_t i = 0; i < count; ++i)
           ASSERT_EQ(to[i], sum(ur * count + i))
               << "reduce-scatter" << (in_place ? " in place" : "") << ", element " << i;
@@ -156,13 +161,13 @@ void every_collective(Shape shape) {
       // From and to every root; in place on the root for reduce.
       for (int root = 0; root < n; ++root) {
         std::fill(recv.begin(), recv.end(), -1.0f);
-        ASSERT_TRUE(two.broadcast(send.data(), recv.data(), count, DataType::kF32, root, nullptr));
+        ASSERT_OK(two.broadcast(send.data(), recv.data(), count, DataType::kF32, root, nullptr));
         for (std::size_t i = 0; i < count; ++i)
           ASSERT_EQ(recv[i], input(root, i)) << "broadcast from " << root << ", element " << i;
         std::vector<float> work = send;
         std::fill(recv.begin(), recv.end(), -1.0f);
         float* to = (root == r && root % 2 == 1) ? work.data() : recv.data();
-        ASSERT_TRUE(two.reduce(work.data(), to, count, DataType::kF32, RedOp::kMax, root, nullptr));
+        ASSERT_OK(two.reduce(work.data(), to, count, DataType::kF32, RedOp::kMax, root, nullptr));
         if (r == root) {
           for (std::size_t i = 0; i < count; ++i)
             ASSERT_EQ(to[i], input(n - 1, i)) << "reduce (max) to " << root << ", element " << i;

@@ -161,3 +161,115 @@ def test_faults_and_prompts():
     assert len(ids) == 50 and all(10 <= i <= 999 for i in ids)
     assert prompt_ids(req, 7, (10, 999)) == ids  # the same prompt for the same seed and index
     assert prompt_ids(workload.Request(4, 0.0, 50, 4), 7, (10, 999)) != ids
+
+
+# ---- standalone mode: the scheduler, the model, and two ranks over loopback
+
+from r2ccl.servebench import model as sbmodel  # noqa: E402
+from r2ccl.servebench.scheduler import Scheduler  # noqa: E402
+from r2ccl.servebench.workload import Request  # noqa: E402
+
+
+def run_to_end(sched, reqs, limit=1000):
+    """Steps at times 1, 2, 3...; every request added before the first step."""
+    for q in reqs:
+        sched.add(q)
+    steps = []
+    for t in range(1, limit):
+        if sched.idle:
+            break
+        step = sched.plan()
+        steps.append([(s.req.index, n) for s, n in step.work])
+        sched.complete(step, float(t))
+    return steps
+
+
+def test_continuous_batching_chunks_prefills_and_decodes_first():
+    sched = Scheduler("both", max_batch_tokens=8, max_seqs=4)
+    reqs = [Request(0, 0.0, 10, 3), Request(1, 0.0, 3, 2)]
+    steps = run_to_end(sched, reqs)
+    # Request 0's prompt of 10 takes the whole first step and 2 of the second; request 1's
+    # prompt of 3 fits beside it; then both decode one token a step.
+    assert steps[0] == [(0, 8)]
+    assert steps[1] == [(0, 2), (1, 3)]
+    assert steps[2] == [(0, 1), (1, 1)]
+    assert steps[3] == [(0, 1)]
+    assert len(steps) == 4
+    by = {s.req.index: s for s in sched.finished}
+    # The first token comes with the end of the prefill; one more per decode step.
+    assert by[0].token_s == [2.0, 3.0, 4.0]
+    assert by[1].token_s == [2.0, 3.0]
+
+
+def test_the_request_limit_holds_and_waiting_requests_go_first_come_first_served():
+    sched = Scheduler("both", max_batch_tokens=100, max_seqs=2)
+    steps = run_to_end(sched, [Request(i, 0.0, 4, 2) for i in range(3)])
+    assert [i for i, _ in steps[0]] == [0, 1]
+    assert [i for i, _ in steps[2]] == [2]
+
+
+def test_prefill_and_decode_instances():
+    p = Scheduler("prefill", max_batch_tokens=16, max_seqs=8)
+    p.add(Request(0, 0.0, 20, 5))
+    first = p.plan()
+    assert p.complete(first, 1.0) == [] and first.samples("prefill") == []
+    second = p.plan()
+    assert [s.req.index for s in second.prefills_done()] == [0]
+    left = p.complete(second, 2.0)
+    assert [s.req.index for s in left] == [0] and p.idle and left[0].token_s == []
+    d = Scheduler("decode", max_batch_tokens=16, max_seqs=8)
+    steps = run_to_end(d, [Request(0, 0.0, 20, 3)])
+    assert steps == [[(0, 1)], [(0, 1)], [(0, 1)]]  # the last prompt token, then decodes
+    assert d.finished[0].token_s == [1.0, 2.0, 3.0]
+
+
+def test_model_presets_deployments_and_compute():
+    m = sbmodel.model_from("llama-3.1-8b", {})
+    assert (m.layers, m.hidden, m.kv_heads, m.dtype_bytes) == (32, 4096, 8, 2)
+    # About 8 billion parameters: 32 layers and the embedding and head.
+    total = m.layers * m.layer_params() + 2 * m.vocab * m.hidden
+    assert 7.9e9 < total < 8.1e9
+    dep = sbmodel.Deployment(tp=2, pp=2, prefill=1, decode=1)
+    dep.check(m)
+    assert dep.world == 8 and dep.place(5) == (1, 0, 1) and dep.rank_of(1, 0, 1) == 5
+    assert [dep.role(i) for i in range(2)] == ["prefill", "decode"]
+    assert sbmodel.kv_shard_bytes(m, dep, 10) == 10 * 2 * 4 * 128 * 2
+    c = sbmodel.step_comm_bytes(m, sbmodel.Deployment(tp=2), 3, 1)
+    assert c["all_reduce"] == 3 * 4096 * 2 * 65 and c["all_gather"] == 128256 // 2 * 2
+    r = sbmodel.Roofline("h100", m, sbmodel.Deployment(tp=2))
+    # Decode reads the layer's half of the weights; a long prefill is bound by FLOPs.
+    assert r.layer_s(1, 0) == pytest.approx(m.layer_params() / 2 * 2 / (3.35e12 * 0.7))
+    assert r.layer_s(4096, 0) == pytest.approx(2 * m.layer_params() / 2 * 4096 / (989e12 * 0.5))
+    assert r.layer_s(0, 0) == 0.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: sbmodel.model_from("llama-9", {}), "model 'llama-9' is not one of"),
+    (lambda: sbmodel.model_from("custom", {"layers": 2}), "a custom model needs --hidden"),
+    (lambda: sbmodel.model_from("llama-3.1-8b", {"kv_heads": 5}), "32 heads do not group into 5"),
+    (lambda: sbmodel.Deployment(tp=3).check(sbmodel.PRESETS["llama-3.1-8b"]),
+     "TP 3 does not divide the 8 KV heads"),
+    (lambda: sbmodel.Deployment(pp=3).check(sbmodel.PRESETS["llama-3.1-8b"]),
+     "PP 3 does not divide the 32 layers"),
+    (lambda: sbmodel.Deployment(prefill=1).check(sbmodel.PRESETS["llama-3.1-8b"]),
+     "disaggregation needs both"),
+    (lambda: sbmodel.compute_from("roofline:tpu", sbmodel.PRESETS["llama-3.1-8b"],
+                                  sbmodel.Deployment()), "GPU 'tpu' is not one of"),
+    (lambda: sbmodel.compute_from("abacus", sbmodel.PRESETS["llama-3.1-8b"],
+                                  sbmodel.Deployment()), "expected roofline:GPU, table:FILE"),
+])
+def test_bad_models_and_deployments_are_refused_naming_what_is_wrong(call, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        call()
+
+
+def test_a_step_time_table_interpolates(tmp_path):
+    f = tmp_path / "steps.csv"
+    f.write_text("tokens,ms\n1,10\n101,30\n")
+    m = sbmodel.PRESETS["llama-3.1-8b"]
+    t = sbmodel.compute_from(f"table:{f}", m, sbmodel.Deployment())
+    assert t.layer_s(51, 0) * m.layers == pytest.approx(0.020)
+    assert t.layer_s(201, 0) * m.layers == pytest.approx(0.050)
+    f.write_text("tokens,ms\n1,x\n")
+    with pytest.raises(ValueError, match="line 2: expected tokens,ms"):
+        sbmodel.compute_from(f"table:{f}", m, sbmodel.Deployment())
