@@ -77,17 +77,17 @@ class CountingScratch final : public Scratch {
   int acquired_ = 0;
 };
 
-// Element i of rank r's send: whole numbers, so sums in f32 are exact.
-float input(int rank, std::size_t i) {
-  return static_cast<float>((rank + 1) * 100 + static_cast<int>(i % 89));
-}
-
 // A failed call names what went wrong.
 testing::AssertionResult ok(const Status& s) {
   if (s.is_ok()) return testing::AssertionSuccess();
   return testing::AssertionFailure() << s.to_string();
 }
 #define ASSERT_OK(call) ASSERT_TRUE(ok(call))
+
+// Element i of rank r's send: whole numbers, so sums in f32 are exact.
+float input(int rank, std::size_t i) {
+  return static_cast<float>((rank + 1) * 100 + static_cast<int>(i % 89));
+}
 
 struct Shape {
   int nodes, per_node;
@@ -112,6 +112,10 @@ void on_two_levels(Shape shape, const std::function<void(int, TwoLevel&, Countin
     ASSERT_EQ(two.per_node(), shape.per_node);
     fn(r, two, scratch);
     EXPECT_EQ(scratch.held(), 0u) << "rank " << r << " kept scratch";
+    // Every rank is done with both levels before any destroys them: a rank that returns from
+    // its part of a collective and closes its communicator while the root still receives is
+    // reported to the root as gone.
+    EXPECT_TRUE(ok(c.barrier()));
   });
 }
 
@@ -132,7 +136,8 @@ void every_collective(Shape shape) {
       for (std::size_t i = 0; i < send.size(); ++i)
         send[i] = input(r, i);
       const std::size_t whole = count * static_cast<std::size_t>(shape.per_node);
-      ASSERT_OK(two.all_reduce(send.data(), recv.data(), whole, DataType::kF32, RedOp::kSum, nullptr));
+      ASSERT_OK(
+          two.all_reduce(send.data(), recv.data(), whole, DataType::kF32, RedOp::kSum, nullptr));
       for (std::size_t i = 0; i < whole; ++i)
         ASSERT_EQ(recv[i], sum(i)) << "all-reduce, element " << i;
       // All-gather, apart and in place.
