@@ -30,6 +30,7 @@ FAIL, naming what missed. Exit status: 0 PASS, 1 FAIL, 2 usage, 77 no testbed he
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,8 @@ def parse_rate(text: str) -> float:
 
 
 def main() -> int:
+    # A SIGTERM ends the run through the finally blocks, which destroy the testbed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("build", help="build directory (its lib/ has libr2ccl.so)")
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -61,7 +64,7 @@ def main() -> int:
     ap.add_argument("--nic-rate", default="1gbit")
     ap.add_argument("--input-len", default="128:512")
     ap.add_argument("--output-len", default="64")
-    ap.add_argument("--compute-scale", type=float, default=100.0)
+    ap.add_argument("--compute-scale", type=float, default=10.0)
     ap.add_argument("--only", help="comma-separated run names")
     ap.add_argument("--out", help="results directory (default: a new one under /tmp)")
     a = ap.parse_args()

@@ -273,3 +273,35 @@ def test_a_step_time_table_interpolates(tmp_path):
     f.write_text("tokens,ms\n1,x\n")
     with pytest.raises(ValueError, match="line 2: expected tokens,ms"):
         sbmodel.compute_from(f"table:{f}", m, sbmodel.Deployment())
+
+
+def test_a_standalone_runs_report_counts_failures_and_the_communication_share(tmp_path):
+    from r2ccl.servebench import report
+
+    base = {"instance": 0, "stage": 0, "tp_index": 0, "backend": "r2ccl", "leader": True,
+            "model": {"name": "llama-3.1-8b"}, "deployment": {"tp": 2}, "compute": "x",
+            "comm": {"all_reduce": {"calls": 2, "bytes": 100, "seconds": 0.5}}, "kv_bytes": 0}
+    rank0 = dict(base, rank=0, role="both", errors=[], requests_total=3, duration_s=10.0,
+                 steps=[[0.0, 1.0, 10, 0.25], [1.0, 2.0, 2, 0.75]],
+                 requests=[
+                     {"index": 0, "arrival_s": 0.0, "input_len": 8, "output_len": 3,
+                      "token_s": [1.0, 1.5, 2.0], "error": ""},
+                     {"index": 1, "arrival_s": 0.5, "input_len": 8, "output_len": 3,
+                      "token_s": [1.0], "error": "not finished within the drain time"},
+                     {"index": 2, "arrival_s": 0.5, "input_len": 8, "output_len": 1,
+                      "token_s": [1.5], "error": ""}])
+    rank1 = dict(base, rank=1, role="both", errors=[], leader=False, steps=[[0.0, 2.0, 10, 1.0]])
+    for r in (rank0, rank1):
+        (tmp_path / f"rank{r['rank']}.json").write_text(json.dumps(r))
+    (tmp_path / "faults.jsonl").write_text(json.dumps({"at_s": 1.2, "command": "x", "rc": 0}) + "\n")
+    s = report.summarize(report.load(tmp_path))
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["errors"] == {"not finished within the drain time": 1}
+    assert s["p50_ttft_ms"] == pytest.approx(1000.0)  # 1.0 s and 1.0 s
+    assert s["comm_share"]["both"]["share"] == pytest.approx(2.0 / 4.0)
+    assert s["comm_share"]["both"]["mean_step_share"] == pytest.approx((0.25 + 0.75 + 0.5) / 3)
+    assert s["comm"]["all_reduce"] == {"calls": 4, "bytes": 200, "seconds": 1.0}
+    assert s["faults"][0]["at_s"] == 1.2
+    assert "| run | 2/3 | 1 | 1000.0 |" in report.table([("run", s)])
+    with pytest.raises(ValueError, match="no rank.*json"):
+        report.load(tmp_path / "nothing")

@@ -71,7 +71,7 @@ def summarize(run: dict, percentiles=(50, 90, 99), slos=None) -> dict:
             for k in c:
                 c[k] += t[k]
     out["comm"] = comm
-    out["kv_bytes"] = sum(rk.get("kv_bytes", 0) for rk in run["ranks"])
+    out["kv_bytes"] = sum(rk.get("kv_bytes", 0) for rk in run["ranks"] if rk["role"] == "prefill")
     out["faults"] = run["faults"]
     errs = sorted({e for rk in run["ranks"] for e in rk["errors"]})
     if errs:

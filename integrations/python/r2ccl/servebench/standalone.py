@@ -59,10 +59,14 @@ class Group:
 
     def _timed(self, op: str, nbytes: int, fn):
         t = time.perf_counter()
+        me = threading.get_ident()
+        self.backend.in_flight[me] = (time.monotonic(), op)
         try:
             fn()
         except Exception as e:  # noqa: BLE001 (any failure of the library ends this rank's run)
             raise CommFailed(f"{self.backend.name} {op} over ranks {self.ranks}: {e}") from None
+        finally:
+            self.backend.in_flight.pop(me, None)
         dt = time.perf_counter() - t
         self.backend.account(op, nbytes, dt)
         return dt
@@ -82,6 +86,7 @@ class R2Backend:
         self.comm = Communicator(unique_id=uid, rank=rank, world_size=world)
         self.totals: dict[str, list[float]] = {}
         self.lock = threading.Lock()
+        self.in_flight: dict[int, tuple[float, str]] = {}  # thread -> (since, call)
 
     def account(self, op: str, nbytes: int, dt: float) -> None:
         with self.lock:
@@ -128,6 +133,7 @@ class GlooBackend(R2Backend):
                                 timeout=timedelta(seconds=timeout_s))
         self.totals = {}
         self.lock = threading.Lock()
+        self.in_flight: dict[int, tuple[float, str]] = {}  # thread -> (since, call)
 
     def group(self, ranks: list[int]) -> Group | None:
         g = self.dist.new_group(ranks)
@@ -433,6 +439,49 @@ def run_rank(a, rank: int, world: int, store, out: Path) -> int:
             f.daemon = True
             f.start()
 
+    def write_report(errors: list[str]) -> None:
+        """This rank's results; unfinished requests fail with the errors given."""
+        report = {
+            "rank": rank, "instance": r.instance, "stage": r.stage, "tp_index": r.tpi,
+            "role": r.role, "backend": a.backend, "leader": r.leader,
+            "model": r.model.__dict__, "deployment": dep.__dict__, "compute": r.compute.describe(),
+            "max_batch_tokens": a.max_batch_tokens, "max_seqs": a.max_seqs,
+            "comm": {k: {"calls": v[0], "bytes": v[1], "seconds": round(v[2], 6)}
+                     for k, v in r.b.totals.items()},
+            "kv_bytes": r.kv_bytes, "steps": r.steps, "errors": errors,
+        }
+        if r.leader and r.role != "prefill":
+            why = "; ".join(errors) or "not finished within the drain time"
+            report["requests"] = [
+                {"index": q.index, "arrival_s": q.arrival_s, "input_len": q.input_len,
+                 "output_len": q.output_len,
+                 "token_s": [round(x, 6) for x in (seqs[q.index].token_s if q.index in seqs else [])],
+                 "kv_arrived_s": kv_arrived.get(q.index),
+                 "error": "" if q.index in seqs and seqs[q.index].generated >= q.output_len else why}
+                for q in mine]
+        if rank == 0:
+            report["requests_total"] = len(reqs)
+            report["duration_s"] = round(clock(), 3)
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+    # A call that never returns (a backend blocked on a dead link) still ends the run, with its
+    # results written and the unfinished requests failed, naming the hang.
+    finished = threading.Event()
+
+    def watchdog() -> None:
+        limit = a.comm_timeout + 30.0
+        while not finished.wait(1.0):
+            now = time.monotonic()
+            stuck = [(now - since, op) for since, op in list(r.b.in_flight.values())
+                     if now - since > limit]
+            if stuck:
+                why = f"{a.backend} hung: a {stuck[0][1]} has not returned in {stuck[0][0]:.0f} s"
+                print(f"\nservebench rank {rank}: {why}", file=sys.stderr, flush=True)
+                write_report([why])
+                os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True, name="watchdog").start()
+
     while clock() < 0:
         time.sleep(min(-clock(), 0.05))
     seqs: dict[int, Seq] = {}
@@ -527,29 +576,9 @@ def run_rank(a, rank: int, world: int, store, out: Path) -> int:
         f.cancel()
     if not a.quiet and rank == 0:
         print(file=sys.stderr)
+    finished.set()
     errors = [e for e in [r.error] + [t.error for t in ([sender] if sender else []) + receivers] if e]
-    report = {
-        "rank": rank, "instance": r.instance, "stage": r.stage, "tp_index": r.tpi,
-        "role": r.role, "backend": a.backend, "leader": r.leader,
-        "model": r.model.__dict__, "deployment": dep.__dict__, "compute": r.compute.describe(),
-        "max_batch_tokens": a.max_batch_tokens, "max_seqs": a.max_seqs,
-        "comm": {k: {"calls": v[0], "bytes": v[1], "seconds": round(v[2], 6)}
-                 for k, v in r.b.totals.items()},
-        "kv_bytes": r.kv_bytes, "steps": r.steps, "errors": errors,
-    }
-    if r.leader and r.role != "prefill":
-        why = "; ".join(errors) or "not finished within the drain time"
-        report["requests"] = [
-            {"index": q.index, "arrival_s": q.arrival_s, "input_len": q.input_len,
-             "output_len": q.output_len,
-             "token_s": [round(x, 6) for x in (seqs[q.index].token_s if q.index in seqs else [])],
-             "kv_arrived_s": kv_arrived.get(q.index),
-             "error": "" if q.index in seqs and seqs[q.index].generated >= q.output_len else why}
-            for q in mine]
-    if rank == 0:
-        report["requests_total"] = len(reqs)
-        report["duration_s"] = round(clock(), 3)
-    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    write_report(errors)
     try:
         r.b.close()
     except Exception:  # noqa: BLE001 (a failed communicator may refuse to close cleanly)
@@ -593,6 +622,8 @@ def main(a) -> int:
         raise ValueError(f"rank {rank} is not within a world of {world}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = TCPStore(host, port, world, is_master=rank == 0,
+    # Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and a.master is None
+    store = TCPStore(host, port, world, is_master=rank == 0 and not agent,
                      timeout=timedelta(seconds=a.setup_timeout), wait_for_workers=False)
     return run_rank(a, rank, world, store, out)
