@@ -305,3 +305,20 @@ def test_a_standalone_runs_report_counts_failures_and_the_communication_share(tm
     assert "| run | 2/3 | 1 | 1000.0 |" in report.table([("run", s)])
     with pytest.raises(ValueError, match="no rank.*json"):
         report.load(tmp_path / "nothing")
+
+
+def test_standalone_refuses_bad_launch_arguments_by_name(tmp_path, capsys):
+    from r2ccl.servebench.__main__ import main
+
+    out = str(tmp_path / "out")
+    assert main(["standalone", "--rank", "0", "--out", out]) == 2
+    assert "--rank and --world go together" in capsys.readouterr().err
+    assert main(["standalone", "--rank", "0", "--world", "1", "--master", "nohost", "--out",
+                 out]) == 2
+    assert "--master 'nohost' is not HOST:PORT" in capsys.readouterr().err
+    assert main(["standalone", "--rank", "3", "--world", "2", "--master", "127.0.0.1:1",
+                 "--out", out]) == 2
+    assert "rank 3 is not within a world of 2" in capsys.readouterr().err
+    assert main(["standalone", "--rank", "0", "--world", "1", "--fault", "soon:ls",
+                 "--out", out]) == 2
+    assert "fault 'soon:ls': expected SECONDS:COMMAND" in capsys.readouterr().err
