@@ -146,19 +146,8 @@ def main(argv=None) -> int:
     e = sub.add_parser("engine", help="against a serving engine's OpenAI-compatible API")
     e.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     e.add_argument("--model", required=True, help="the served model's name")
-    e.add_argument("--requests", type=int, default=100)
-    e.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
-    e.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps: 1 Poisson, below 1 burstier")
-    e.add_argument("--input-len", type=length_range, default=(128, 128), metavar="N|LOW:HIGH")
-    e.add_argument("--output-len", type=length_range, default=(32, 32), metavar="N|LOW:HIGH")
-    e.add_argument("--trace", help="a Mooncake-format trace (JSON lines) instead of --rate")
-    e.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiplies the trace's arrival times")
-    e.add_argument("--max-input", type=int, default=workload.MAX_TOKENS,
-                   help="caps a trace's input lengths (the model's length)")
-    e.add_argument("--max-output", type=int, default=workload.MAX_TOKENS)
-    e.add_argument("--seed", type=int, default=0)
+    add_workload(e)
+    e.set_defaults(requests=100)
     e.add_argument("--token-range", type=length_range, default=(10, 999), metavar="LOW:HIGH",
                    help="prompt token ids are drawn from this range (within the vocabulary)")
     e.add_argument("--slo", default="", help='"ttft:MS tpot:MS e2el:MS": goodput counts the '
@@ -188,12 +177,7 @@ def main(argv=None) -> int:
         pcts = [float(p) for p in a.percentiles.split(",")]
         slos = metrics.parse_slos(a.slo)
         faults = tuple(client.parse_fault(f) for f in a.fault)
-        if a.trace:
-            reqs = workload.mooncake_trace(a.trace, a.time_scale, a.requests, a.max_input,
-                                           a.max_output)
-        else:
-            reqs = workload.poisson(a.requests, a.rate, a.input_len, a.output_len, a.burstiness,
-                                    a.seed)
+        reqs = workload.from_args(a)
     except (ValueError, OSError) as err:
         print(f"r2ccl-servebench: {err}", file=sys.stderr)
         return 2

@@ -319,8 +319,3 @@ def step_comm_bytes(model: ModelShape, dep: Deployment, tokens: int, sampled: in
     if dep.pp > 1:
         out["pp_send"] = 2 * act // dep.tp
     return out
-
-
-def request_kv_bytes(model: ModelShape, dep: Deployment, tokens: int) -> int:
-    """The KV cache one prefill hands over, summed over its ranks."""
-    return kv_shard_bytes(model, dep, tokens) * model.layers * dep.tp

@@ -34,8 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from . import model as m
+from . import workload
 from .scheduler import Scheduler, Seq, Step
-from .workload import Request
 
 PLAN_MAX_IDS = 256  # a plan names at most this many requests (prefills done / KV to wait for)
 PLAN_LEN = 6 + PLAN_MAX_IDS
@@ -181,7 +181,7 @@ class Rank:
                              f"({self.dep.instances} instance(s) x TP {a.tp} x PP {a.pp}), "
                              f"not {world}")
         self.compute = m.compute_from(a.compute, self.model, self.dep, a.compute_scale)
-        self.rank, self.world, self.store = rank, world, store
+        self.rank, self.world = rank, world
         self.instance, self.stage, self.tpi = self.dep.place(rank)
         self.role = self.dep.role(self.instance)
         self.leader = self.stage == 0 and self.tpi == 0
@@ -316,15 +316,6 @@ class Rank:
         return p[0], p[1], p[2], p[3], p[6:6 + p[5]]
 
 
-def _requests(a) -> list[Request]:
-    from . import workload
-
-    if a.trace:
-        return workload.mooncake_trace(a.trace, a.time_scale, a.requests, a.max_input, a.max_output)
-    count = a.requests or max(1, round(a.rate * a.duration))
-    return workload.poisson(count, a.rate, a.input_len, a.output_len, a.burstiness, a.seed)
-
-
 class KvSender(threading.Thread):
     """A prefill rank's KV connector: sends each finished prompt's cache, layer by layer, to the
     decode instance it goes to. Header: [request, tokens]; [-1, 0] ends; [-2, 0] keeps alive."""
@@ -397,7 +388,7 @@ class KvReceiver(threading.Thread):
 
 
 def run_rank(a, rank: int, world: int, store, out: Path) -> int:
-    reqs = _requests(a)
+    reqs = workload.from_args(a)
     a.max_input_len = max(q.input_len for q in reqs)
     r = Rank(a, rank, world, store)
     dep = r.dep
@@ -406,9 +397,7 @@ def run_rank(a, rank: int, world: int, store, out: Path) -> int:
     store.wait(["servebench/t0"], timedelta(seconds=a.setup_timeout))
     t0 = float(store.get("servebench/t0").decode())
     clock = lambda: time.time() - t0  # noqa: E731
-    deadline = a.duration + a.drain
-    if not a.trace:
-        deadline = max(r.a.duration, reqs[-1].arrival_s) + a.drain
+    deadline = max(a.duration, reqs[-1].arrival_s) + a.drain
 
     # Which requests come to this instance.
     if dep.disaggregated:
@@ -545,6 +534,7 @@ def run_rank(a, rank: int, world: int, store, out: Path) -> int:
                         if s.req.index in ids:
                             sender.q.put((s.req.index, s.req.input_len))
         else:
+            input_len = {q.index: q.input_len for q in reqs}
             while True:
                 kind, tokens, context, sampled, ids = r.recv_plan()
                 if kind == STOP:
@@ -561,9 +551,8 @@ def run_rank(a, rank: int, world: int, store, out: Path) -> int:
                 comm = r.run_step(tokens, context, sampled)
                 r.steps.append([round(t_start, 6), round(clock(), 6), tokens, round(comm, 6)])
                 if sender:
-                    lens = {q.index: q.input_len for q in reqs}
                     for i in ids:
-                        sender.q.put((i, lens[i]))
+                        sender.q.put((i, input_len[i]))
     except CommFailed as e:
         r.error = str(e)
         print(f"\nservebench rank {rank}: {e}", file=sys.stderr)

@@ -94,3 +94,13 @@ def mooncake_trace(path: str | Path, time_scale: float = 1.0, limit: int | None 
                     min(int(o), max_output)) for ts, i, o in rows]
     reqs.sort(key=lambda r: r.arrival_s)
     return [Request(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(reqs)]
+
+
+def from_args(a) -> list[Request]:
+    """The requests r2ccl-servebench's options ask for: a trace when --trace is given, else
+    --requests Poisson arrivals at --rate (when --requests is 0: rate x --duration of them)."""
+    if a.trace:
+        return mooncake_trace(a.trace, a.time_scale, a.requests or None, a.max_input,
+                              a.max_output)
+    count = a.requests or max(1, round(a.rate * getattr(a, "duration", 0.0)))
+    return poisson(count, a.rate, a.input_len, a.output_len, a.burstiness, a.seed)
