@@ -555,6 +555,24 @@ TEST_F(ChannelFailover, ARailThatCannotConnectAtStartJoinsWhenItAnswers) {
   EXPECT_EQ(r0().of("readmitted").size(), 1u);
 }
 
+TEST_F(ChannelFailover, ARailThatConnectedOnceIsNotCountedAmongThoseNeverOpened) {
+  // What start-up reports ("starting without these rails") is the rails that never connected; a
+  // rail that connected and was closed again (the peer's own connections won a simultaneous
+  // connect, and its arrive on that rail) is not among them.
+  net_.refuse_connections(2, true);
+  r0().channel->connect_all_rails();
+  ASSERT_TRUE(drive([&] { return r0().channel->connecting() == 0; }));
+  ASSERT_EQ(r0().channel->attached(), kRails - 1);
+  net_.reset(3);
+  ASSERT_TRUE(drive([&] { return r0().channel->attached() == kRails - 2; }));
+  const std::string all = r0().channel->missing_rails();
+  const std::string never = r0().channel->missing_rails(true);
+  EXPECT_NE(all.find("rail 2 (fake2 -> "), std::string::npos) << all;
+  EXPECT_NE(all.find("rail 3 (fake3 -> "), std::string::npos) << all;
+  EXPECT_NE(never.find("rail 2 (fake2 -> "), std::string::npos) << never;
+  EXPECT_EQ(never.find("rail 3"), std::string::npos) << never;
+}
+
 // Silence with real (short) limits: nothing is sent and no prober runs, so each rail goes
 // SUSPECT after half its silence limit. The keepalive a SUSPECT rail then carries is a sign of
 // life at both ends (its arrival, its confirmation): no rail that can carry it is ever declared

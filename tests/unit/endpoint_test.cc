@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -468,6 +469,34 @@ TEST(Endpoint, TwoEndpointsConnectingToEachOtherAtOnceShareOneChannel) {
   EXPECT_EQ(b->peers().size(), 1u);
   exchange(*a, *ia, *b, *ib, 2 * 1024 * 1024, 5);
   exchange(*b, *ib, *a, *ia, 100, 6);
+}
+
+std::mutex warnings_mutex;
+std::vector<std::string> warnings;
+void keep_warnings(LogLevel level, std::string_view message) {
+  if (level > LogLevel::kWarn) return;
+  std::lock_guard lock(warnings_mutex);
+  warnings.emplace_back(message);
+}
+
+TEST(Endpoint, TheSideWhoseConnectionsLoseASimultaneousConnectStartsWithEveryRail) {
+  // The higher incarnation's rails are opened, then closed by the peer, whose own arrive a moment
+  // later: that side must not report starting without them, whichever comes first.
+  set_log_sink(keep_warnings);
+  for (int round = 0; round < 5; ++round) {
+    auto a = make_endpoint(0, "A");
+    auto b = make_endpoint(1, "B");
+    ASSERT_TRUE(a && b);
+    auto fa = std::async(std::launch::async, [&] { return a->connect(b->blob()); });
+    auto fb = std::async(std::launch::async, [&] { return b->connect(a->blob()); });
+    auto ia = fa.get();
+    auto ib = fb.get();
+    ASSERT_TRUE(ia.is_ok() && ib.is_ok()) << round;
+    exchange(*a, *ia, *b, *ib, 1024 * 1024, 7);
+  }
+  set_log_sink(nullptr);
+  std::lock_guard lock(warnings_mutex);
+  EXPECT_TRUE(warnings.empty()) << fmt::format("{}", fmt::join(warnings, "\n"));
 }
 
 }  // namespace

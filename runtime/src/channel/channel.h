@@ -98,7 +98,10 @@ class Channel {
   std::size_t connecting() const;  // connection attempts under way
   // Start-up is over: a rail connected for the first time from now on is reported ("joined").
   void mark_started() { started_ = true; }
-  std::string missing_rails() const;
+  // Rails without a connection; with `never_connected`, only those that have not had one yet (a
+  // rail this side opened and the peer then closed, because its own connections won a
+  // simultaneous connect, is not missing: the peer's arrives on that rail).
+  std::string missing_rails(bool never_connected = false) const;
 
   // Starts epoch `epoch` of the two-sided messages (protocol.h) if it is later than the current
   // one: both message counters jump to its first number, and what the peer sent early for the
@@ -177,6 +180,7 @@ class Channel {
     std::uint32_t epoch = 0;
     bool connecting = false;
     bool closed_by_peer = false;  // its last connection ended because the peer closed it
+    bool ever_attached = false;   // it has carried a connection (from either side)
     // Its provider refused a post (kNoResource, back-pressure): no work until it confirms
     // something, or the next tick.
     bool backpressured = false;

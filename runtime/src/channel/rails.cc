@@ -51,6 +51,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   all_closed_since_.reset();
   s.backpressured = false;
   s.rail = std::move(rail);
+  s.ever_attached = true;
   s.rail->start(&s.sink);
   if (ctx_.on_rail_attached) ctx_.on_rail_attached(peer_, index, s.rail->remote_address());
   const auto now = Clock::now();
@@ -108,10 +109,10 @@ std::size_t Channel::attached() const {
                                                 [](const auto& s) { return s->rail != nullptr; }));
 }
 
-std::string Channel::missing_rails() const {
+std::string Channel::missing_rails(bool never_connected) const {
   std::vector<std::string> out;
   for (std::size_t i = 0; i < rails_.size(); ++i)
-    if (!rails_[i]->rail)
+    if (!rails_[i]->rail && !(never_connected && rails_[i]->ever_attached))
       out.push_back(
           fmt::format("rail {} ({} -> {}){}", i, rails_[i]->nic.name, rails_[i]->remote.nic,
                       rails_[i]->connect_error.empty() ? "" : ": " + rails_[i]->connect_error));

@@ -544,8 +544,9 @@ Status Endpoint::wait_rails(const std::vector<int>& peers, milliseconds timeout)
       Channel* c = channel(p);
       if (!c) continue;
       c->mark_started();
-      if (c->connector() && c->attached() < c->nrails())
-        out.push_back(fmt::format("to {}: {}", c->label(), c->missing_rails()));
+      if (!c->connector() || c->attached() == c->nrails()) continue;
+      if (std::string missing = c->missing_rails(true); !missing.empty())
+        out.push_back(fmt::format("to {}: {}", c->label(), missing));
     }
     return fmt::format("{}", fmt::join(out, "; "));
   });
