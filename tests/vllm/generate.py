@@ -1,5 +1,6 @@
 """One vLLM run for tests/vllm/run.py: a tiny model, tensor parallel size 2 on the mp backend,
-greedy decoding; prints the generated token ids (and r2ccl's rail metrics) as one JSON line.
+greedy decoding; prints the generated token ids, the two most likely tokens at each step with
+their log-probabilities (and r2ccl's rail metrics) as one JSON line.
 With --nnodes 2 this process is the head node (TP rank 0); the other node runs vLLM's headless
 workers (`vllm serve ... --headless --node-rank 1`).
 
@@ -88,16 +89,21 @@ def main() -> None:
         master_port=args.master_port,
     )
     init_s = time.monotonic() - started
-    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    tokens, times = [], []
+    # The two most likely tokens at each step, with their log-probabilities: the driver tells a
+    # difference at a near tie (both runs' choices among the reference's top two, which are
+    # within rounding of each other) from a wrong value.
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+    tokens, top2, times = [], [], []
     for call in range(args.calls):
         t0 = time.time()
         outs = llm.generate(prompts(call), params, use_tqdm=False)
         times.append([t0, time.time()])
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        top2.append([[sorted(([tok, lp.logprob] for tok, lp in step.items()), key=lambda x: -x[1])[:2]
+                      for step in o.outputs[0].logprobs] for o in outs])
         if args.marker and call + 1 == args.marker_after:
             pathlib.Path(args.marker).write_text(f"{time.time()}\n")
-    result = {"init_s": init_s, "tokens": tokens, "call_times": times}
+    result = {"init_s": init_s, "tokens": tokens, "top2": top2, "call_times": times}
     if args.metrics_port:
         result["metrics"] = rail_metrics(args.metrics_port, args.metrics_addrs.split(","))
     print("RESULT " + json.dumps(result), flush=True)
