@@ -471,6 +471,21 @@ TEST(Endpoint, TwoEndpointsConnectingToEachOtherAtOnceShareOneChannel) {
   exchange(*b, *ib, *a, *ia, 100, 6);
 }
 
+TEST(Endpoint, ConnectingToAPeerAlreadyConnectedReturnsItsChannel) {
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  auto first = a->connect(b->blob());
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  auto again = a->connect(b->blob());
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_EQ(*again, *first);
+  EXPECT_EQ(a->peers().size(), 1u);
+  const auto from_b = b->peers();
+  ASSERT_EQ(from_b.size(), 1u);
+  exchange(*a, *first, *b, from_b[0].id, 1024 * 1024, 8);
+}
+
 std::mutex warnings_mutex;
 std::vector<std::string> warnings;
 void keep_warnings(LogLevel level, std::string_view message) {

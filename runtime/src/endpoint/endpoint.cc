@@ -557,6 +557,18 @@ Status Endpoint::wait_rails(const std::vector<int>& peers, milliseconds timeout)
 }
 
 Result<int> Endpoint::connect(std::span<const std::byte> blob) {
+  // A peer this endpoint is connected to already is returned as it is: its rails are its
+  // channel's (one that is down rejoins once its link answers probes). Waiting for them here,
+  // and dropping the channel when none answered in time, would end a channel the peer still
+  // holds, and a second one of the same incarnation would then not be one the peer knows.
+  R2CCL_ASSIGN_OR_RETURN(auto info, EndpointInfo::decode(blob));
+  const std::optional<int> known = engine_->call([&]() -> std::optional<int> {
+    for (const auto& p : peers_)
+      if (p && !p->channel->dead() && p->info.incarnation == info.incarnation)
+        return p->channel->peer();
+    return std::nullopt;
+  });
+  if (known) return *known;
   R2CCL_ASSIGN_OR_RETURN(const int id, add_peer(blob, PeerOptions{}));
   connect_rails({id});
   if (Status st = wait_rails({id}, config_.connect_timeout); !st) {
