@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -15,8 +16,12 @@
 #include "abi.h"
 #include "r2ccl.h"
 #include "r2ccl/kv/engine.h"
+#if R2CCL_WITH_METRICS
+#include "r2ccl/monitor/job_metrics.h"
+#endif
 #include "r2ccl/runtime/config.h"
 #include "r2ccl/runtime/endpoint.h"
+#include "r2ccl/runtime/log.h"
 
 using r2ccl::ErrorCode;
 using r2ccl::Status;
@@ -44,6 +49,10 @@ struct KvState {
   };
   std::deque<Taken> taken;
   std::size_t taken_blocks = 0;
+#if R2CCL_WITH_METRICS
+  // R2CCL_METRICS_PORT (+ LOCAL_RANK): the engine's rail metrics; last, so that it goes first.
+  std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
+#endif
 };
 
 using Engines = r2ccl::capi::HandleTable<r2cclKvEngine, KvState>;
@@ -194,6 +203,7 @@ r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name) {
     *engine = nullptr;
     auto config = r2ccl::parse_config(r2ccl::process_env());
     if (!config) return fail(nullptr, config.status().with_context("r2cclKvEngineCreate"));
+    if (config->log_level > r2ccl::LogLevel::kWarn) r2ccl::set_log_level(config->log_level);
     r2ccl::EndpointOptions options;
     if (name != nullptr) options.name = name;
     auto e = std::make_shared<KvState>();
@@ -203,6 +213,15 @@ r2cclResult_t r2cclKvEngineCreate(r2cclKvEngine_t* engine, const char* name) {
     auto made = kv::KvEngine::create(*e->endpoint, kv::EngineOptions::from(*config));
     if (!made) return fail(nullptr, made.status().with_context("r2cclKvEngineCreate"));
     e->engine = std::move(*made);
+#if R2CCL_WITH_METRICS
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    const int offset = local_rank != nullptr ? std::clamp(std::atoi(local_rank), 0, 4096) : 0;
+    e->metrics = r2ccl::mon::JobMetrics::start(*config, *e->endpoint, offset,
+                                               name != nullptr ? name : e->endpoint->name());
+#else
+    if (config->metrics_port)
+      R2CCL_WARN("R2CCL_METRICS_PORT is set, but this libr2ccl was built without metrics");
+#endif
     *engine = Engines::instance().add(std::move(e));
     return r2cclSuccess;
   });
