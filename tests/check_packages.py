@@ -37,7 +37,7 @@ NOT_FROM_DEBIAN = ("/usr/local/cuda",)
 DEBIAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 # Commands whose packages `scripts/run test` does not install: what is missing is reported, not
 # failed (CI cannot check them without installing them).
-OPTIONAL_COMMANDS = ("collbench", "soak", "servebench", "servebench-engine", "simplots", "vllm-test")
+OPTIONAL_COMMANDS = ("collbench", "soak", "servebench", "servebench-engine", "pd-ttft", "simplots", "vllm-test")
 # Build-only scripts/run commands: their list must cover the build (headers, libraries, CMake).
 BUILD_COMMAND = "build"
 
@@ -224,7 +224,7 @@ def main() -> int:
             return 77
     problems: list[str] = []
     # What each scripts/run command installs, and everything those packages pull in.
-    commands = ("build", "test", "collbench", "soak", "servebench", "servebench-engine", "simplots", "vllm-test")
+    commands = ("build", "test", "collbench", "soak", "servebench", "servebench-engine", "pd-ttft", "simplots", "vllm-test")
     lists = {c: scripts_run_list(source, "packages", c) for c in commands}
     base = base_system()
     covered = {c: closure(lists[c] + base) for c in commands}
@@ -248,7 +248,7 @@ def main() -> int:
             problems.append(f"dependency {name}: CMake found it but recorded no file to check")
             continue
         wanted.append((proof, f"dependency {name} (cmake/Dependencies.cmake)", BUILD_COMMAND))
-    for command in ("test", "collbench", "soak", "servebench", "servebench-engine", "simplots", "vllm-test"):
+    for command in ("test", "collbench", "soak", "servebench", "servebench-engine", "pd-ttft", "simplots", "vllm-test"):
         progs, why_not = programs(source, command)
         problems += why_not
         wanted += [(f, why, command) for f, why in progs.items()]

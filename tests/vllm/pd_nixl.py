@@ -55,6 +55,8 @@ sys.path.insert(0, str(HERE))
 MODEL_NAME = "tiny"
 REF_PORT, P_PORT, D_PORT = 8300, 8100, 8200
 SIDE_CHANNEL_PORT = {0: 5559, 1: 5659}  # VLLM_NIXL_SIDE_CHANNEL_PORT of P (host 0) and D (host 1)
+CONNECTOR_SIDE_CHANNEL_PORT = 5710
+CONNECTOR_TOKEN = "7d1f3a9c0b6e4d2f8a5c1e9b3d7f0a26"  # R2CCL_BOOTSTRAP_TOKEN: 32 hex digits
 METRICS_PORT = 19500  # R2CCL_METRICS_PORT (+ LOCAL_RANK, 0 here)
 FAULTED = "eth2"
 # Each rail shaped to this rate (tc, by the testbed): a request's KV (about 0.6 MiB) then takes
@@ -114,6 +116,25 @@ def proxy_complete(p_url: str, d_url: str, body: dict, prefilled=None) -> dict:
     return post(f"{d_url}/v1/completions", dict(body, kv_transfer_params=params), request_id)
 
 
+def proxy_push(p_url: str, d_url: str, side_channel: list, body: dict, prefilled=None) -> dict:
+    """The order r2ccl's connector streams layers in (r2ccl.vllm.kv_connector): the request to D
+    first, naming P's side channel and a transfer id, so that D allocates its blocks and registers
+    them with P; at once the request to P (max_tokens=1) with the same transfer id. D's answer is
+    the completion. prefilled() is called just before the request to P, whose prefill carries the
+    transfer."""
+    transfer_id = str(uuid.uuid4())
+    to_d = dict(body, kv_transfer_params={"do_remote_prefill": True, "remote_host": side_channel[0],
+                                          "remote_port": side_channel[1], "transfer_id": transfer_id})
+    to_p = dict(body, max_tokens=1, stream=False,
+                kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        decode = pool.submit(post, f"{d_url}/v1/completions", to_d, transfer_id)
+        if prefilled:  # here the transfer is about to run: under P's prefill
+            prefilled()
+        post(f"{p_url}/v1/completions", to_p, transfer_id)
+        return decode.result()
+
+
 def client(spec_path: str, out_path: str) -> None:
     """Sends spec's prompts, CONCURRENCY at a time, to the reference or through the proxy. With a
     marker: once `marker_after` requests returned, the next request that P answers writes it just
@@ -133,15 +154,20 @@ def client(spec_path: str, out_path: str) -> None:
 
     def one(i: int, prompt: str) -> None:
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}
+                "ignore_eos": True, "return_token_ids": True, "logprobs": 2}
         t0 = time.time()
         try:
             if spec["mode"] == "ref":
                 answer = post(f"{spec['ref']}/v1/completions", body, str(uuid.uuid4()))
+            elif spec["mode"] == "push":
+                answer = proxy_push(spec["p"], spec["d"], spec["side_channel"], body, prefilled)
             else:
                 answer = proxy_complete(spec["p"], spec["d"], body, prefilled)
             choice = answer["choices"][0]
-            results[i] = {"text": choice["text"], "token_ids": choice.get("token_ids"), "t0": t0, "t1": time.time()}
+            lp = choice.get("logprobs") or {}
+            results[i] = {"text": choice["text"], "token_ids": choice.get("token_ids"), "t0": t0, "t1": time.time(),
+                          "tokens": lp.get("tokens"), "token_logprobs": lp.get("token_logprobs"),
+                          "top_logprobs": lp.get("top_logprobs")}
         except Exception as e:  # noqa: BLE001 (recorded, the driver judges)
             results[i] = {"error": f"{type(e).__name__}: {e}", "t0": t0, "t1": time.time()}
         with lock:
@@ -184,6 +210,40 @@ class Driver:
         self.servers: dict[str, subprocess.Popen] = {}
         self.ns0 = ""  # host 0's namespace, once the testbed exists
         self.down_called: float | None = None  # when the last fault was asked for (time.time())
+        self.connector_options: dict = {}  # kv_connector_extra_config of r2ccl's connector
+        # What a fault takes down (host 0's NICs), and for how long (None: until the caller
+        # brings them up).
+        self.fault_nics = [FAULTED]
+        self.fault_for_s: float | None = None
+
+    def teardown(self, shm_before: set, keep_logs: bool, tag: str) -> None:
+        """Stops every server, destroys the testbed, removes the shared-memory segments vLLM,
+        NIXL and UCX leaked (vLLM SIGKILLs its workers), and the work directory unless its logs
+        are kept."""
+        for name in list(self.servers):
+            self.stop(name)
+        subprocess.run([str(self.vt.TESTBED), "destroy", self.bed], check=False, stdout=subprocess.DEVNULL)
+        for f in set(os.listdir("/dev/shm")) - shm_before:
+            if f.startswith(("vllm", "psm_", "sem.", "nixl", "ucx")):
+                pathlib.Path("/dev/shm", f).unlink(missing_ok=True)
+        if keep_logs:
+            print(f"{tag}: logs in {self.work}", flush=True)
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def references(self, ref_url: str, sets: dict[str, list[str]], tag: str) -> tuple[dict[str, list], float]:
+        """The reference's answers to every run's prompts (in one go, then the reference ends:
+        two cores), by run; and the seconds they took."""
+        every = [p for prompts_ in sets.values() for p in prompts_]
+        ref, _, secs = self.requests("ref", {"mode": "ref", "ref": ref_url, "prompts": every})
+        bad = [r.get("error") for r in ref if "error" in r]
+        if bad:
+            raise SystemExit(f"{tag}: the reference failed: {bad[:3]}")
+        self.stop("ref")
+        out = {}
+        for name, prompts_ in sets.items():
+            out[name], ref = ref[:len(prompts_)], ref[len(prompts_):]
+        return out, secs
 
     def url(self, host: int, port: int) -> str:
         return f"http://{self.vt.MGMT[host]}:{port}"
@@ -196,7 +256,18 @@ class Driver:
                "--host", self.vt.MGMT[host], "--port", str(port), *SERVER_ARGS]
         env = self.vt.env_for("pd", self.venv, host)
         env["UCX_MODULES"] = "^ib"  # NIXL's bundled UCX crashes at exit once its IB module loaded
-        if backend:
+        if backend == "CONNECTOR":  # r2ccl's own KV connector (tests/vllm/pd_connector.py)
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "R2cclConnector", "kv_connector_module_path": "r2ccl.vllm.kv_connector",
+                "kv_role": "kv_both", "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"side_channel_host": self.vt.MGMT[host],
+                                              "side_channel_port": CONNECTOR_SIDE_CHANNEL_PORT,
+                                              **self.connector_options}})]
+            env.update(R2CCL_NICS=",".join(self.vt.RAILS), R2CCL_BOOTSTRAP_TOKEN=CONNECTOR_TOKEN,
+                       R2CCL_METRICS_PORT=str(METRICS_PORT), R2CCL_TIMEOUT="10s",
+                       R2CCL_LOG=os.environ.get("R2CCL_LOG", "info"),
+                       R2CCL_PROBE_TIMEOUT=os.environ.get("R2CCL_PROBE_TIMEOUT", "1s"))
+        elif backend:
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {"backends": [backend]}})]
@@ -262,8 +333,13 @@ class Driver:
                         and time.time() >= float(pathlib.Path(spec["marker"]).read_text()) + FAULT_DELAY_S):
                     # ip itself rather than `testbed down` (a bash script: up to a second here).
                     spec["down_called"] = time.time()
-                    subprocess.run(["ip", "-n", self.ns0, "link", "set", FAULTED, "down"], check=True)
+                    for nic in self.fault_nics:
+                        subprocess.run(["ip", "-n", self.ns0, "link", "set", nic, "down"], check=True)
                     fault_at = time.time()
+                if fault_at is not None and self.fault_for_s is not None and time.time() >= fault_at + self.fault_for_s:
+                    for nic in self.fault_nics:
+                        subprocess.run(["ip", "-n", self.ns0, "link", "set", nic, "up"], check=True)
+                    self.fault_for_s = None
                 time.sleep(0.01)
         finally:
             timed_out = proc.poll() is None
@@ -283,7 +359,7 @@ class Driver:
         if r.returncode != 0:
             return {"error": r.stderr.strip()[-300:]}
         out = {}
-        for m in re.finditer(rf"^({re.escape(prefix)}[a-z_:]+)(\{{[^}}]*\}})? (\S+)$", r.stdout, re.M):
+        for m in re.finditer(rf"^({re.escape(prefix)}[a-zA-Z0-9_:]+)(\{{[^}}]*\}})? (\S+)$", r.stdout, re.M):
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
         return out
 
@@ -307,20 +383,44 @@ def total(metrics: dict, name: str, **labels: str) -> float:
     return s
 
 
-def compare(name: str, results: list, reference: list) -> tuple[list[str], int]:
-    """Failures (errors, differing tokens or text) and the number of identical tokens."""
+# As tests/vllm/run.py: a completion may part from the reference only at a near tie (both tokens
+# among the reference's two most likely, within TIE in log-probability; bf16 rounding of another
+# batch decides those), every earlier token's log-probability within LOGPROB_TOL of the reference's.
+TIE, LOGPROB_TOL = 0.1, 0.25
+
+
+def compare(name: str, results: list, reference: list, ties: list | None = None) -> tuple[list[str], int]:
+    """Failures (errors, differing tokens or text not at a near tie) and the number of identical
+    tokens; completions that part at a near tie are appended to `ties`."""
     failures, same = [], 0
     for i, (r, ref) in enumerate(zip(results, reference)):
         if r is None or "error" in r:
             failures.append(f"{name}: request {i} failed: {(r or {}).get('error', 'not sent')}")
-        elif r["token_ids"] != ref["token_ids"] or r["text"] != ref["text"]:
-            k = next((k for k, (a, b) in enumerate(zip(r["token_ids"] or [], ref["token_ids"] or [])) if a != b), 0)
-            failures.append(f"{name}: request {i} differs from the reference at token {k}: "
-                            f"{(r['token_ids'] or [])[k:k + 5]} vs {(ref['token_ids'] or [])[k:k + 5]}")
-        elif not r["token_ids"] or len(r["token_ids"]) != TOKENS:
-            failures.append(f"{name}: request {i}: {len(r['token_ids'] or [])} token ids, not {TOKENS}")
+            continue
+        mine, theirs = r["token_ids"] or [], ref["token_ids"] or []
+        if len(mine) != TOKENS or len(theirs) != TOKENS:
+            failures.append(f"{name}: request {i}: {len(mine)} token ids, the reference {len(theirs)}, not {TOKENS}")
+            continue
+        k = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        end = TOKENS if k is None else k
+        drift = next((j for j in range(end) if abs(r["token_logprobs"][j] - ref["token_logprobs"][j]) > LOGPROB_TOL), None)
+        if drift is not None:
+            failures.append(f"{name}: request {i}: token {drift}'s log-probability {r['token_logprobs'][drift]:.4f}, "
+                            f"the reference's {ref['token_logprobs'][drift]:.4f}")
+            continue
+        same += end
+        if k is None:
+            if r["text"] != ref["text"]:
+                failures.append(f"{name}: request {i}: the same token ids, another text")
+            continue
+        top = ref["top_logprobs"][k] or {}
+        a, b = r["tokens"][k], ref["tokens"][k]
+        if a in top and b in top and abs(top[a] - top[b]) <= TIE:
+            if ties is not None:
+                ties.append(f"{name}: request {i}, token {k}: {a!r} vs {b!r}, {abs(top[a] - top[b]):.4f} apart")
         else:
-            same += len(r["token_ids"])
+            failures.append(f"{name}: request {i} differs from the reference at token {k}: {mine[k:k + 5]} vs "
+                            f"{theirs[k:k + 5]}; the reference's top two {top}")
     return failures, same
 
 
@@ -366,16 +466,9 @@ def main() -> int:
         d.start(f"D-{first}", 1, D_PORT, first)
         t = d.wait_ready({"ref": ref_url, f"P-{first}": p_url, f"D-{first}": d_url})
         print(f"pd-test: reference, P and D ({first}) ready in {t:.1f} s", flush=True)
-        every = [p for r in runs for p in sets[r]]
-        ref, _, secs = d.requests("ref", {"mode": "ref", "ref": ref_url, "prompts": every})
-        bad = [r.get("error") for r in ref if "error" in r]
-        if bad:
-            raise SystemExit(f"pd-test: the reference failed: {bad[:3]}")
-        d.stop("ref")
-        reference = {}
-        for r in runs:
-            reference[r], ref = ref[:len(sets[r])], ref[len(sets[r]):]
-        print(f"pd-test: reference: {len(every)} prompts x {TOKENS} tokens in {secs:.1f} s", flush=True)
+        reference, secs = d.references(ref_url, {r: sets[r] for r in runs}, "pd-test")
+        print(f"pd-test: reference: {sum(len(sets[r]) for r in runs)} prompts x {TOKENS} tokens in {secs:.1f} s",
+              flush=True)
 
         for backend in backends:
             if backend != first:
@@ -396,10 +489,12 @@ def main() -> int:
                 v = {k: x - vllm_before[k] for k, x in d.vllm_metrics().items()}
                 if fault_at is not None:
                     vt.testbed("up", bed, "0", FAULTED)
-                errs, same = compare(name, out, reference[name])
+                ties: list[str] = []
+                errs, same = compare(name, out, reference[name], ties)
                 ok = sum(1 for r in out if r and "error" not in r)
                 line = (f"pd-test: {name:15s} {secs:6.1f} s, {ok}/{len(out)} requests completed, "
-                        f"{same} tokens identical to the reference's")
+                        f"{same} tokens identical to the reference's"
+                        + (f" ({len(ties)} completion(s) part at a near tie: {ties[0]})" if ties else ""))
                 rec = {"seconds": secs, "completed": ok, "requests": len(out), "identical_tokens": same,
                        "errors": errs, "results": out, "fault_at": fault_at}
                 rec["vllm_d"] = v
@@ -476,16 +571,7 @@ def main() -> int:
         (work / "results.json").write_text(json.dumps(results, indent=1))
         finished = True
     finally:
-        for name in list(d.servers):
-            d.stop(name)
-        subprocess.run([str(vt.TESTBED), "destroy", bed], check=False, stdout=subprocess.DEVNULL)
-        for f in set(os.listdir("/dev/shm")) - shm_before:
-            if f.startswith(("vllm", "psm_", "sem.", "nixl", "ucx")):
-                pathlib.Path("/dev/shm", f).unlink(missing_ok=True)
-        if not opts.keep and not failures and finished:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"pd-test: logs in {work}", flush=True)
+        d.teardown(shm_before, opts.keep or bool(failures) or not finished, "pd-test")
     for n in notes:
         print(f"pd-test: note (UCX, not asserted) {n}", flush=True)
     for f in failures:
