@@ -283,6 +283,7 @@ class _PRequest:
     pushed: bool = False
     finished: bool = False  # its prefill ended; its blocks are held
     held_since: float = 0.0
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # held, from request_finished
 
 
 @dataclasses.dataclass
@@ -290,6 +291,7 @@ class _Registration:
     blocks: list[int]  # D's, from the request's first block that P pushes
     first_block: int
     peers: list[R2cclHandshake]
+    at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Scheduler:
@@ -430,6 +432,11 @@ class _Scheduler:
         with self._lock:
             meta.recv_failed, self._failed = self._failed, {}
         now = time.monotonic()
+        with self._lock:  # registrations no request here claimed within the lease
+            for tid in [tid for tid, r in self._registrations.items() if now - r.at > self._lease]:
+                logger.warning("r2ccl KV connector: transfer %s: registered by a decode instance, but no "
+                               "request here named it within %.0f s", tid, self._lease)
+                del self._registrations[tid]
         for req_id, p in list(self._p.items()):
             if p.pushed:
                 continue
@@ -438,7 +445,7 @@ class _Scheduler:
             scheduled = out.num_scheduled_tokens.get(req_id, 0)
             completes = scheduled > 0 and p.request.num_computed_tokens + scheduled >= p.request.num_prompt_tokens
             if reg is not None and (completes or p.finished):
-                src = kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
+                src = p.block_ids if p.finished else kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
                 n = min(len(reg.blocks), len(src) - reg.first_block)
                 meta.pushes.append(Push(req_id, p.transfer_id, list(src[reg.first_block:reg.first_block + n]),
                                         reg.blocks[:n], reg.peers, layered=not p.finished))
@@ -467,7 +474,7 @@ class _Scheduler:
             if not p.pushed:
                 del self._p[request.request_id]
                 return False, None
-        p.finished, p.held_since = True, time.monotonic()
+        p.finished, p.held_since, p.block_ids = True, time.monotonic(), list(block_ids)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
