@@ -296,7 +296,6 @@ class _Registration:
 
 class _Scheduler:
     def __init__(self, vllm_config: VllmConfig) -> None:
-        self._config = vllm_config
         self._block_size = vllm_config.cache_config.block_size
         self._tp = vllm_config.parallel_config.tensor_parallel_size
         self._extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -313,7 +312,6 @@ class _Scheduler:
         # P side
         self._p: dict[str, _PRequest] = {}  # req_id ->
         self._registrations: dict[str, _Registration] = {}  # transfer_id -> (from D)
-        self._released: list[str] = []
         # D side
         self._expects: list[Expect] = []
         self._failed: dict[str, str] = {}
@@ -461,6 +459,7 @@ class _Scheduler:
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
+        self._local_hits.pop(request.request_id, None)  # a request that ended before its allocation
         if request.request_id in self._loading:
             # D: a push may still be writing into its blocks; they are freed once it ended (or
             # timed out), when the worker names the request in finished_recving.
