@@ -21,7 +21,6 @@ D's first streamed token. Prints a table of TTFT p50/p99 by path and prompt leng
 results.json. Exit status: 0 when every request of every path completed."""
 
 import argparse
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -32,7 +31,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-import uuid
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -64,26 +62,14 @@ def stream(url: str, body: dict, request_id: str) -> tuple[float, str]:
 
 
 def request(spec: dict, prompt: str) -> dict:
-    """One request through the path's proxy order; TTFT from its first send to D's first token."""
+    """One request through the path's proxy order (pd_nixl's proxies, D's answer streamed); TTFT
+    from its first send to D's first token."""
     body = {"model": pd.MODEL_NAME, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}
-    rid = str(uuid.uuid4())
     t0 = time.monotonic()
     if spec["mode"] == "pd":
-        prefill = dict(body, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
-        params = pd.post(f"{spec['p']}/v1/completions", prefill, rid).get("kv_transfer_params")
-        if not params:
-            raise RuntimeError("P returned no kv_transfer_params")
-        first, text = stream(f"{spec['d']}/v1/completions", dict(body, kv_transfer_params=params), rid)
+        first, text = pd.proxy_complete(spec["p"], spec["d"], body, decode=stream)
     else:
-        to_d = dict(body, kv_transfer_params={"do_remote_prefill": True, "remote_host": spec["side_channel"][0],
-                                              "remote_port": spec["side_channel"][1], "transfer_id": rid})
-        to_p = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": rid})
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            decode = pool.submit(stream, f"{spec['d']}/v1/completions", to_d, rid)
-            pd.post(f"{spec['p']}/v1/completions", to_p, rid)
-            first, text = decode.result()
+        first, text = pd.proxy_push(spec["p"], spec["d"], spec["side_channel"], body, decode=stream)
     return {"ttft": first - t0, "e2e": time.monotonic() - t0, "text": text}
 
 

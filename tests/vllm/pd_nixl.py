@@ -99,10 +99,11 @@ def post(url: str, body: dict, request_id: str) -> dict:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:500]!r}") from None
 
 
-def proxy_complete(p_url: str, d_url: str, body: dict, prefilled=None) -> dict:
+def proxy_complete(p_url: str, d_url: str, body: dict, prefilled=None, decode=post):
     """What vLLM's toy P/D proxy does, without a server: prefill on P (one token, asking P to keep
-    the KV for a remote decode), then the original request on D with P's kv_transfer_params.
-    prefilled() is called between the two."""
+    the KV for a remote decode), then the original request on D with P's kv_transfer_params,
+    through decode(url, body, request_id) (post, or a streaming client). prefilled() is called
+    between the two."""
     request_id = str(uuid.uuid4())
     prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -113,10 +114,10 @@ def proxy_complete(p_url: str, d_url: str, body: dict, prefilled=None) -> dict:
         raise RuntimeError(f"P returned no kv_transfer_params: {json.dumps(answer)[:500]}")
     if prefilled:
         prefilled()
-    return post(f"{d_url}/v1/completions", dict(body, kv_transfer_params=params), request_id)
+    return decode(f"{d_url}/v1/completions", dict(body, kv_transfer_params=params), request_id)
 
 
-def proxy_push(p_url: str, d_url: str, side_channel: list, body: dict, prefilled=None) -> dict:
+def proxy_push(p_url: str, d_url: str, side_channel: list, body: dict, prefilled=None, decode=post):
     """The order r2ccl's connector streams layers in (r2ccl.vllm.kv_connector): the request to D
     first, naming P's side channel and a transfer id, so that D allocates its blocks and registers
     them with P; at once the request to P (max_tokens=1) with the same transfer id. D's answer is
@@ -128,11 +129,11 @@ def proxy_push(p_url: str, d_url: str, side_channel: list, body: dict, prefilled
     to_p = dict(body, max_tokens=1, stream=False,
                 kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        decode = pool.submit(post, f"{d_url}/v1/completions", to_d, transfer_id)
+        answer = pool.submit(decode, f"{d_url}/v1/completions", to_d, transfer_id)
         if prefilled:  # here the transfer is about to run: under P's prefill
             prefilled()
         post(f"{p_url}/v1/completions", to_p, transfer_id)
-        return decode.result()
+        return answer.result()
 
 
 def client(spec_path: str, out_path: str) -> None:

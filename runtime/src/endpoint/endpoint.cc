@@ -486,11 +486,15 @@ Result<int> Endpoint::add_peer(std::span<const std::byte> blob, const PeerOption
                   fmt::format("{} uses the {} provider, this endpoint {}", info.label(),
                               info.provider, info_.provider));
   return engine_->call([&]() -> Result<int> {
-    for (const auto& p : peers_)
-      if (p && !p->channel->dead() && p->info.incarnation == info.incarnation)
-        return p->channel->peer();
+    if (const auto known = live_peer(info.incarnation)) return *known;
     return add_peer_locked(std::move(info), options);
   });
+}
+
+std::optional<int> Endpoint::live_peer(std::uint64_t incarnation) const {
+  for (const auto& p : peers_)
+    if (p && !p->channel->dead() && p->info.incarnation == incarnation) return p->channel->peer();
+  return std::nullopt;
 }
 
 void Endpoint::connect_rails(const std::vector<int>& peers) {
@@ -562,12 +566,7 @@ Result<int> Endpoint::connect(std::span<const std::byte> blob) {
   // and dropping the channel when none answered in time, would end a channel the peer still
   // holds, and a second one of the same incarnation would then not be one the peer knows.
   R2CCL_ASSIGN_OR_RETURN(auto info, EndpointInfo::decode(blob));
-  const std::optional<int> known = engine_->call([&]() -> std::optional<int> {
-    for (const auto& p : peers_)
-      if (p && !p->channel->dead() && p->info.incarnation == info.incarnation)
-        return p->channel->peer();
-    return std::nullopt;
-  });
+  const auto known = engine_->call([&] { return live_peer(info.incarnation); });
   if (known) return *known;
   R2CCL_ASSIGN_OR_RETURN(const int id, add_peer(blob, PeerOptions{}));
   connect_rails({id});

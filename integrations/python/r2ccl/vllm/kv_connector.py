@@ -108,7 +108,6 @@ class Expect:
 
     req_id: str
     transfer_id: str
-    blocks: list[int]
     deadline: float  # time.time()
 
 
@@ -418,7 +417,7 @@ class _Scheduler:
             return
         dst = ids[first:end]
         self._loading.add(request.request_id)
-        self._expects.append(Expect(request.request_id, tid, list(dst), time.time() + self._timeout))
+        self._expects.append(Expect(request.request_id, tid, time.time() + self._timeout))
         with self._lock:
             self._registering.add(request.request_id)
         threading.Thread(target=self._register, args=(request.request_id, tid, str(host), int(port), first, list(dst)),

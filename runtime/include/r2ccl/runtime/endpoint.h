@@ -215,6 +215,8 @@ class Endpoint {
   Endpoint();
   struct Peer;
   Result<int> add_peer_locked(EndpointInfo info, const PeerOptions& options);
+  // The peer of that incarnation whose channel is alive, if any (on the engine's thread).
+  std::optional<int> live_peer(std::uint64_t incarnation) const;
   bool on_accept(const std::shared_ptr<Rail>& rail);
   Channel* channel(int peer) const;  // loop thread, or under peers_mutex_
   Status check_args(int peer, const RegionPtr& region, std::size_t offset, std::size_t length,
