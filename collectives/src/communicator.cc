@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <iterator>
 #include <limits>
@@ -84,6 +86,34 @@ bool same(const Header& a, const Header& b) {
   if ((a.d.op == CollOp::kBroadcast || a.d.op == CollOp::kReduce) && a.d.root != b.d.root)
     return false;
   return true;
+}
+
+// A rail's line rate, bytes per second: the kernel interface's speed (sysfs, Mbit/s), or the
+// verbs port's rate ("100 Gb/sec (4X EDR)"); none where neither is known (a virtual interface
+// that reports none, a NIC named by address).
+std::optional<double> line_rate_bps(const RailNic& nic) {
+  const auto read = [](const std::string& path) -> std::optional<std::string> {
+    std::ifstream in(path);
+    std::string line;
+    if (!in || !std::getline(in, line)) return std::nullopt;
+    return line;
+  };
+  const auto number = [](const std::string& text) -> std::optional<double> {
+    double v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end == text.data() || !(v > 0) || !std::isfinite(v))
+      return std::nullopt;
+    return v;
+  };
+  if (!nic.netdev.empty() && nic.netdev.find('/') == std::string::npos) {
+    if (auto t = read("/sys/class/net/" + nic.netdev + "/speed"))
+      if (auto mbit = number(*t)) return *mbit * 1e6 / 8;
+  }
+  if (!nic.name.empty() && nic.name.find('/') == std::string::npos) {
+    if (auto t = read("/sys/class/infiniband/" + nic.name + "/ports/1/rate"))
+      if (auto gbit = number(*t)) return *gbit * 1e9 / 8;
+  }
+  return std::nullopt;
 }
 
 // Registrations of the caller's buffers for one operation.
@@ -414,7 +444,15 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
   Algo algo = Algo::kAuto;
   const bool agreed = agrees(d);
   if (agreed) {
-    R2CCL_ASSIGN_OR_RETURN(agreed_, agree());
+    const LinkEstimate now = link_source_ ? link_source_() : measure_links();
+    if (last_estimate_ && !(*last_estimate_ == now)) ++link_generation_;
+    last_estimate_ = now;
+    if (agreement_due_) {
+      auto net = agree();
+      if (!net) return net.status();
+      agreed_ = std::move(*net);
+      agreement_due_ = false;
+    }
     algo = degraded_algo(d);
   } else {
     algo = auto_algo(d);
@@ -424,7 +462,7 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
     return x.bandwidth == y.bandwidth && x.rails_up == y.rails_up && x.latency_s == y.latency_s;
   };
   if (!(last_plan_.valid && last_plan_.desc == d && last_plan_.requested == requested_algo_ &&
-        last_plan_.algo == algo &&
+        last_plan_.algo == algo && last_plan_.gossip == agreed &&
         (!is_degraded_algo(algo) || same_net(last_plan_.net, agreed_)))) {
     last_plan_.valid = false;
     R2CCL_ASSIGN_OR_RETURN(last_plan_.plan,
@@ -433,6 +471,8 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
     last_plan_.requested = requested_algo_;
     last_plan_.algo = algo;
     last_plan_.net = agreed ? agreed_ : Network{};
+    last_plan_.gossip = agreed;
+    if (agreed) last_plan_.where = add_gossip(last_plan_.plan);
     last_plan_.valid = true;
   }
   const Plan& plan = last_plan_.plan;
@@ -442,10 +482,38 @@ Status Communicator::run(const CollDesc& desc, Buffers b) {
     return fmt::format("{} ({}) on rank {} of {}", describe(d), algo_name(plan.algo), rank(),
                        size());
   };
-  Status st = execute(plan, d, b, std::ref(what));  // a reference: no allocation per operation
+  // A reference: no allocation per operation.
+  Status st = execute(plan, d, b, std::ref(what), agreed ? &last_plan_.where : nullptr);
+  if (agreed) {
+    // Every rank saw the same generations, so every rank decides alike. After a failure the
+    // ranks may have seen different things: they agree again (and where one rank's call failed
+    // and another's did not, the next call fails on both, and the one after agrees on both).
+    if (!st || gossip_ != agreed_generations_) agreement_due_ = true;
+  }
   if (st)
     duration(d.op, plan.algo).observe(std::chrono::duration<double>(Clock::now() - t0).count());
   return st;
+}
+
+Communicator::Gossip Communicator::add_gossip(Plan& plan) const {
+  const int p = size();
+  Gossip g{(plan.scratch_bytes + 7) / 8 * 8};
+  plan.scratch_bytes = g.at + 8 * static_cast<std::size_t>(p);
+  if (plan.phases.empty()) plan.phases.emplace_back();
+  auto& first = plan.phases.front().comm;
+  std::vector<Step> steps;
+  const auto slot = [&](int i) {
+    return Ref{Buf::kScratch, g.at + 8 * static_cast<std::size_t>(i)};
+  };
+  for (int i = 1; i < p; ++i) {
+    const int from = (rank() - i + p) % p;
+    steps.push_back(Step{Step::Kind::kRecv, from, {}, {}, slot(from), 8, Step::kAllRails});
+  }
+  for (int i = 1; i < p; ++i)
+    steps.push_back(
+        Step{Step::Kind::kSend, (rank() + i) % p, slot(rank()), {}, {}, 8, Step::kAllRails});
+  first.insert(first.begin(), steps.begin(), steps.end());
+  return g;
 }
 
 Algo Communicator::auto_algo(const CollDesc& d) const {
@@ -470,27 +538,52 @@ Algo Communicator::degraded_algo(const CollDesc& d) const {
 }
 
 Communicator::LinkEstimate Communicator::measure_links() const {
-  const std::size_t k = std::min<std::size_t>(fabric_->nics().size(), 64);
+  const auto& nics = fabric_->nics();
+  const std::size_t k = std::min<std::size_t>(nics.size(), 64);
+  if (line_bps_.size() != k) {
+    line_bps_.clear();
+    for (std::size_t i = 0; i < k; ++i)
+      line_bps_.push_back(line_rate_bps(nics[i]).value_or(kNominalRailBps));
+  }
   // A rail counts where it is up to some peer: fully, or, where the channel found it degraded
-  // (well under its sibling rails), at its weight against the fastest of them.
+  // (well under its sibling rails), at its weight against the fastest of them, in steps of 1/32
+  // (so that a weight that wanders a little is not a change of the rank's links).
   std::vector<double> weight(k, 0);
   for (const auto& s : fabric_->rail_snapshot()) {
     if (s.rail >= k) continue;
     double w = 0;
     if (s.state == RailState::kUp) w = 1;
-    if (s.state == RailState::kDegraded) w = std::clamp(s.weight, 0.0, 1.0);
+    if (s.state == RailState::kDegraded)
+      w = std::max(1.0, std::round(std::clamp(s.weight, 0.0, 1.0) * 32)) / 32;
     weight[s.rail] = std::max(weight[s.rail], w);
   }
-  // Rates measured on single rails wander with the traffic far more than a lost or degraded
-  // rail changes them, so every rail counts at one nominal rate (10 Gbit/s).
-  constexpr double kNominal = 1.25e9;
+  // Each at its line rate: rates measured on single rails wander with the traffic far more than
+  // a lost or degraded rail changes them. A rank slow on every rail is the probe's to see.
   LinkEstimate e;
   for (std::size_t i = 0; i < k; ++i) {
     if (weight[i] <= 0) continue;
     e.rails |= std::uint64_t{1} << i;
-    e.bandwidth += weight[i] * kNominal;
+    e.bandwidth += weight[i] * line_bps_[i];
   }
   return e;
+}
+
+Result<double> Communicator::probe(std::size_t bytes) {
+  const int p = size();
+  if (bytes == 0 || p < 2) return 0.0;
+  R2CCL_ASSIGN_OR_RETURN(auto region, scratch(2 * bytes));
+  double best = 0;
+  for (int shift : {1, 2}) {
+    if (shift == 2 && p < 3) break;
+    Transfers t;
+    t.push_back({true, (rank() - shift + p) % p, region, bytes, bytes, kAllRails});
+    t.push_back({false, (rank() + shift) % p, region, 0, bytes, kAllRails});
+    const auto t0 = Clock::now();
+    R2CCL_RETURN_IF_ERROR(post_and_wait(*fabric_, t));
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 0) best = std::max(best, static_cast<double>(bytes) / s);
+  }
+  return best;
 }
 
 Result<std::vector<std::byte>> Communicator::exchange(const Bytes& mine) {
@@ -507,18 +600,28 @@ Result<std::vector<std::byte>> Communicator::exchange(const Bytes& mine) {
 
 Result<Network> Communicator::agree() {
   const int p = size();
-  const LinkEstimate mine = link_source_ ? link_source_() : measure_links();
-  constexpr std::size_t kRecord = 24;
+  LinkEstimate mine =
+      last_estimate_ ? *last_estimate_ : (link_source_ ? link_source_() : measure_links());
+  // The probe caps the line rates: a rank slow on every rail alike shows only there. An embedder's
+  // own estimate (set_link_source) is taken as it is.
+  if (!link_source_) {
+    auto probed = probe(config().degraded_probe_bytes);
+    if (!probed) return probed.status().with_context("the timed probe of degraded mode");
+    if (*probed > 0) mine.bandwidth = std::min(mine.bandwidth, *probed);
+  }
+  constexpr std::size_t kRecord = 32;
   ByteWriter w;
   w.u64(std::bit_cast<std::uint64_t>(mine.bandwidth))
       .u64(mine.rails)
-      .u64(static_cast<std::uint64_t>(exchange_s_ * 1e9));
+      .u64(static_cast<std::uint64_t>(std::min(exchange_s_, 3600.0) * 1e9))
+      .u64(link_generation_);
   const auto t0 = Clock::now();
   auto gathered = exchange(w.take());
   if (!gathered) return gathered.status().with_context("the bandwidth agreement of degraded mode");
   const std::vector<std::byte>& all = *gathered;
   exchange_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
   Network net;
+  std::vector<std::uint64_t> generations;
   double quickest_exchange = std::numeric_limits<double>::infinity();
   for (int i = 0; i < p; ++i) {
     ByteReader r(
@@ -526,15 +629,20 @@ Result<Network> Communicator::agree() {
     const double b = std::bit_cast<double>(r.u64());
     const std::uint64_t rails = r.u64();
     const double exchange = static_cast<double>(r.u64()) * 1e-9;
-    if (!r.ok() || !std::isfinite(b) || b < 0 || !(exchange >= 0 && exchange < 60))
+    generations.push_back(r.u64());
+    if (!r.ok() || !std::isfinite(b) || b < 0 || !(exchange >= 0 && exchange <= 3600))
       return Status(ErrorCode::kProtocol,
                     fmt::format("the bandwidth agreement of degraded mode: rank {} sent a "
                                 "malformed record (bandwidth {}, exchange {} s)",
                                 i, b, exchange));
     net.bandwidth.push_back(b);
     net.rails_up.push_back(rails);
+    // An exchange that waited for a late rank says nothing of the network: only a quick one
+    // counts (the quickest is taken below).
     if (exchange > 0) quickest_exchange = std::min(quickest_exchange, exchange);
   }
+  agreed_generations_ = std::move(generations);
+  ++agreements_;
   net.bandwidth = settle_bandwidths(net.bandwidth, net.rails_up);
   // The last rank to reach the exchange waited least: its time is the network's, the others'
   // include the wait for it. A phase of a plan costs about two of those (a request to send, then
@@ -579,7 +687,7 @@ Status Communicator::check_agreement(const CollDesc& d, Algo algo) {
 }
 
 Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers& b,
-                             const std::function<std::string()>& what) {
+                             const std::function<std::string()>& what, const Gossip* gossip) {
   const int p = size();
   const bool root = rank() == d.root;
   const bool barrier = d.op == CollOp::kBarrier;
@@ -621,6 +729,11 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   }
   if (plan.scratch_bytes > 0 || staged) {
     R2CCL_ASSIGN_OR_RETURN(bscratch.region, scratch(stage_at + stage_bytes));
+  }
+  if (gossip) {
+    const std::uint64_t mine = link_generation_;
+    std::memcpy(bscratch.region->base + gossip->at + 8 * static_cast<std::size_t>(rank()), &mine,
+                8);
   }
   if (staged) {
     if (sb > 0) bsend.region = bscratch.region;
@@ -691,6 +804,10 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
     }
   }
   if (staged && rb > 0) std::memcpy(recv, ptr(Ref{Buf::kRecv, 0}), rb);
+  if (gossip) {
+    gossip_.resize(static_cast<std::size_t>(p));
+    std::memcpy(gossip_.data(), bscratch.region->base + gossip->at, 8 * gossip_.size());
+  }
   return Status::ok();
 }
 

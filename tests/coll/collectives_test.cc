@@ -275,6 +275,60 @@ TEST_P(Collectives, DegradedPlansMatchTheReference) {
   }
 }
 
+// Degraded mode agrees on the first large all-reduce and then only after some rank's links
+// changed: the call that carries the change runs on the old table, the next one agrees, and every
+// rank agrees at the same call. Every result is checked.
+TEST(Agreement, OnlyWhenSomeRanksLinksChanged) {
+  constexpr int p = 4;
+  auto comms = test::make_comms(p, {{"R2CCL_DEGRADED_MIN_BYTES", "4K"}});
+  ASSERT_EQ(comms.size(), static_cast<std::size_t>(p));
+  constexpr int kCalls = 9, kChangeAt = 4;  // rank 2 loses a rail before its 5th call
+  std::vector<std::vector<std::uint64_t>> agreements(p);
+  std::vector<std::vector<std::uint64_t>> rails_of_2(p);
+  std::mutex m;
+  std::vector<std::string> errors;
+  test::on_all(comms, [&](int r, Communicator& c) {
+    int calls = 0;
+    c.set_link_source([r, &calls] {
+      if (r == 2 && calls >= kChangeAt) return Communicator::LinkEstimate{0.5e9, 0b01};
+      return Communicator::LinkEstimate{1e9, 0b11};
+    });
+    std::vector<std::int32_t> in(4096), out(4096);
+    for (; calls < kCalls; ++calls) {
+      for (std::size_t i = 0; i < in.size(); ++i)
+        in[i] = static_cast<std::int32_t>(i) * (r + 1) + calls;
+      Status st = c.all_reduce(in.data(), out.data(), in.size(), DataType::kI32, RedOp::kSum);
+      std::lock_guard<std::mutex> lock(m);
+      if (!st) {
+        errors.push_back(fmt::format("rank {} call {}: {}", r, calls, st.message()));
+        return;
+      }
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        const auto want = static_cast<std::int32_t>(i) * (p * (p + 1) / 2) + p * calls;
+        if (out[i] != want) {
+          errors.push_back(
+              fmt::format("rank {} call {}: element {} is {}, not {}", r, calls, i, out[i], want));
+          break;
+        }
+      }
+      agreements[static_cast<std::size_t>(r)].push_back(c.agreements());
+      rails_of_2[static_cast<std::size_t>(r)].push_back(c.agreed_network().rails_up.at(2));
+    }
+  });
+  for (const auto& e : errors)
+    ADD_FAILURE() << e;
+  ASSERT_TRUE(errors.empty());
+  for (int r = 0; r < p; ++r) {
+    std::vector<std::uint64_t> want_agreements, want_rails;
+    for (int call = 0; call < kCalls; ++call) {
+      want_agreements.push_back(call <= kChangeAt ? 1 : 2);
+      want_rails.push_back(call <= kChangeAt ? 0b11 : 0b01);
+    }
+    EXPECT_EQ(agreements[static_cast<std::size_t>(r)], want_agreements) << "rank " << r;
+    EXPECT_EQ(rails_of_2[static_cast<std::size_t>(r)], want_rails) << "rank " << r;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Range(2, 9),
                          [](const ::testing::TestParamInfo<int>& p) {
                            return fmt::format("p{}", p.param);

@@ -114,6 +114,9 @@ INSTANTIATE_TEST_SUITE_P(
                     BadValue{"R2CCL_IB_GID_INDEX", "-2", "an integer from 0 to 65535"},
                     BadValue{"R2CCL_CHUNK_SIZE", "abc", "a size from 4K to 64M"},
                     BadValue{"R2CCL_CHUNK_SIZE", "1K", "a size from 4K to 64M"},
+                    BadValue{"R2CCL_DEGRADED_PROBE_BYTES", "4K",
+                             "0 (no probe) or a size from 64K to 1G"},
+                    BadValue{"R2CCL_DEGRADED_PROBE_BYTES", "2G", "a size from 0 to 1G"},
                     BadValue{"R2CCL_RAIL_WINDOW", "4K", "a size from 512K to 1G"}),
     [](const testing::TestParamInfo<BadValue>& i) {
       std::string n = std::string(i.param.name).substr(6) + "_" + std::to_string(i.index);

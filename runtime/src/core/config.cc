@@ -113,14 +113,20 @@ constexpr ConfigEntry kTable[] = {
      "degraded mode below), `ring`, `oneshot`, `twoshot`, or an all-reduce plan of degraded mode: "
      "`balance`, `r2cc`, `weighted`."},
     {"R2CCL_DEGRADED_ALGO", "auto",
-     "Degraded mode: before an all-reduce of at least `R2CCL_DEGRADED_MIN_BYTES` the ranks agree "
-     "on each one's bandwidth (each rail up counted at a nominal 10 Gbit/s, a degraded one at its "
-     "weight; NIC line rates are not read); where they differ, the "
-     "all-reduce runs `balance` (the ring), `r2cc` (R2CC-AllReduce) or `weighted` (shards weighted "
-     "by bandwidth), `auto` choosing by the cost model; `off`: no agreement, no re-planning."},
+     "Degraded mode: the ranks agree on each one's bandwidth (each rail up at its NIC's line "
+     "rate from sysfs, 10 Gbit/s where none is known, a degraded one at its weight, capped by the "
+     "timed probe) before the first all-reduce of at least `R2CCL_DEGRADED_MIN_BYTES` and again "
+     "after some rank's rails changed; where they differ, the all-reduce runs `balance` (the "
+     "ring), `r2cc` (R2CC-AllReduce) or `weighted` (shards weighted by bandwidth), `auto` "
+     "choosing by the cost model; `off`: no agreement, no re-planning."},
     {"R2CCL_DEGRADED_MIN_BYTES", "1M",
-     "The smallest all-reduce (bytes per rank) for which the ranks agree on their bandwidths "
-     "(one small exchange each time)."},
+     "The smallest all-reduce (bytes per rank) that degraded mode plans. Each one carries every "
+     "rank's count of its rail changes (8 bytes to each rank, in its first step); a count that "
+     "changed makes the next one agree first."},
+    {"R2CCL_DEGRADED_PROBE_BYTES", "4M",
+     "At each agreement every rank sends this much to the ranks one and two ahead of it and times "
+     "it, so that a rank slow on every NIC alike (shaped, congested) is seen; 0: no probe, line "
+     "rates only (64K–1G or 0; the same on every rank)."},
     {"R2CCL_CHECK", "0",
      "`1`: before every collective the ranks compare operation, count, type, reduction and root "
      "(one small exchange) and all fail with an error naming the mismatch."},
@@ -421,6 +427,11 @@ Result<Config> parse_config(const EnvLookup& env) {
   };
   R2CCL_RETURN_IF_ERROR(
       size_var("R2CCL_DEGRADED_MIN_BYTES", 0, std::size_t{1} << 40, c.degraded_min_bytes));
+  R2CCL_RETURN_IF_ERROR(
+      size_var("R2CCL_DEGRADED_PROBE_BYTES", 0, std::size_t{1} << 30, c.degraded_probe_bytes));
+  if (c.degraded_probe_bytes > 0 && c.degraded_probe_bytes < (64u << 10))
+    return bad("R2CCL_DEGRADED_PROBE_BYTES", *get("R2CCL_DEGRADED_PROBE_BYTES"),
+               "0 (no probe) or a size from 64K to 1G");
   R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
   if (c.provider == "verbs") c.rail_window = 8u << 20;
   // A variable bounded by another follows it when it is not set itself.

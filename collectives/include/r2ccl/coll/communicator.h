@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -86,17 +87,21 @@ class Communicator {
   struct LinkEstimate {
     double bandwidth = 0;     // bytes per second over all its usable rails
     std::uint64_t rails = 0;  // its usable rails (bit i: rail i)
+    bool operator==(const LinkEstimate&) const = default;
   };
   // This rank's estimate from its rails: those up to some peer count fully, those the channel
-  // found degraded at their weight against their siblings, each at one nominal rate. A rank
-  // slow on every rail alike is not seen this way (rates measured per rail are too noisy to
-  // compare across ranks); set_link_source can say so.
+  // found degraded at their weight against their siblings (in steps of 1/32), each at its NIC's
+  // line rate (sysfs; 10 Gbit/s where none is known). A rank slow on every rail alike (shaped)
+  // is seen by the timed probe of the agreement (R2CCL_DEGRADED_PROBE_BYTES), not here.
   LinkEstimate measure_links() const;
   // Where the estimate comes from instead (an embedder that knows its NICs better; tests). Call
   // it before the collectives, from the thread that runs them.
   void set_link_source(std::function<LinkEstimate()> source) { link_source_ = std::move(source); }
   // The table the ranks agreed on before the last large all-reduce (empty before any).
   const Network& agreed_network() const { return agreed_; }
+  // How many times the ranks have agreed (the first large all-reduce, then after some rank's
+  // links changed).
+  std::uint64_t agreements() const { return agreements_; }
 
  private:
   explicit Communicator(std::unique_ptr<Fabric> fabric);
@@ -119,8 +124,18 @@ class Communicator {
   // The algorithm for an all-reduce on the agreed table.
   Algo degraded_algo(const CollDesc& d) const;
   // `what` names the operation in an error's context (built only on error).
+  // `gossip`: the plan carries every rank's link generation (add_gossip); this rank's goes out
+  // and everyone's comes back into gossip_.
+  struct Gossip {
+    std::size_t at = 0;  // scratch offset of the p generations
+  };
   Status execute(const Plan& plan, const CollDesc& d, const Buffers& b,
-                 const std::function<std::string()>& what);
+                 const std::function<std::string()>& what, const Gossip* gossip = nullptr);
+  // Adds the generation exchange to the first step of `plan` (8 bytes to and from every rank).
+  Gossip add_gossip(Plan& plan) const;
+  // The timed probe of the agreement: `bytes` to the ranks 1 and 2 ahead, from those behind; the
+  // faster of the two rounds, in bytes per second (0 when it is off or failed).
+  Result<double> probe(std::size_t bytes);
   // Operations whose buffers are at most this large run in the scratch region (staged).
   static constexpr std::size_t kStageLimit = 64 * 1024;
   Result<RegionPtr> scratch(std::size_t bytes);
@@ -160,9 +175,23 @@ class Communicator {
     Algo algo = Algo::kAuto;
     Network net;
     Plan plan;
+    bool gossip = false;
+    Gossip where;
   } last_plan_;
   Network agreed_;
   double exchange_s_ = 0;  // how long this rank's last agreement exchange took
+  // Agreement only when some rank's links changed: each rank counts the changes of its own
+  // estimate (link_generation_), every large all-reduce carries every rank's count to every
+  // other, and a count that differs from the one agreed on makes the next large all-reduce
+  // agree first. Every rank sees the same counts, so every rank decides alike.
+  std::optional<LinkEstimate> last_estimate_;
+  std::uint64_t link_generation_ = 0;
+  bool agreement_due_ = true;
+  std::vector<std::uint64_t> agreed_generations_, gossip_;
+  std::uint64_t agreements_ = 0;
+  // Each rail's line rate (bytes per second), read once.
+  static constexpr double kNominalRailBps = 1.25e9;
+  mutable std::vector<double> line_bps_;
   std::function<LinkEstimate()> link_source_;
 };
 

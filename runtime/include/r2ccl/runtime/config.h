@@ -75,6 +75,7 @@ struct Config {
   // first and, where they differ, run the plan degraded_algo names (auto: the cost model's).
   std::string degraded_algo = "auto";  // auto | off | balance | r2cc | weighted
   std::size_t degraded_min_bytes = 1u << 20;
+  std::size_t degraded_probe_bytes = 4u << 20;  // the agreement's timed probe; 0: none
 };
 
 struct ConfigEntry {
