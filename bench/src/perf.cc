@@ -62,8 +62,9 @@ struct Options {
   std::string type = "float";
   std::string redop = "sum";
   int root = 0;
-  bool staged = false;  // device-memory path with the host stand-in for a device
-  bool graph = false;   // with --staged: each size captured once and replayed
+  bool staged = false;      // device-memory path with the host stand-in for a device
+  bool graph = false;       // with --staged: each size captured once and replayed
+  bool registered = false;  // --register
 };
 
 // One reading of every rail's counters (--rail-samples), taken between rounds.
@@ -247,8 +248,10 @@ class Collective final : public Bench {
  public:
   // staged: through StagedComm with the host stand-in for a device (its stream a HostStream);
   // graph: each size's call captured once and replayed from then on.
+  // registered: the buffers are registered with the communicator once (register_buffer), so
+  // that no operation registers them itself.
   Collective(Communicator& c, CollOp op, DataType t, RedOp r, int root, std::size_t max_bytes,
-             bool staged, bool graph)
+             bool staged, bool graph, bool registered)
       : c_(c),
         op_(op),
         t_(t),
@@ -257,13 +260,22 @@ class Collective final : public Bench {
         send_(max_bytes + 64),
         recv_(max_bytes + 64),
         staged_(staged),
-        graph_(graph) {}
+        graph_(graph),
+        registered_(registered) {}
 
   Status init() override {
     if (root_ < 0 || root_ >= c_.size())
       return {r2ccl::ErrorCode::kInvalidArgument,
               fmt::format("root {} is out of range (0..{})", root_, c_.size() - 1)};
     R2CCL_RETURN_IF_ERROR(uses_redop() ? r2ccl::coll::check_type_and_op(t_, r_) : Status::ok());
+    if (registered_) {
+      if (staged_)
+        return {r2ccl::ErrorCode::kInvalidArgument, "--register applies to host collectives only"};
+      for (auto* v : {&send_, &recv_}) {
+        auto h = c_.register_buffer(v->data(), v->size());
+        if (!h) return h.status().with_context("--register");
+      }
+    }
     if (!staged_) return Status::ok();
     r2ccl::coll::StagedComm::Options options;
     options.chunk_bytes = c_.config().gpu_staging_chunk;
@@ -302,6 +314,7 @@ class Collective final : public Bench {
     if (net.bandwidth.empty()) return nullptr;
     return {{"bandwidth_bps", net.bandwidth},
             {"rails_up", net.rails_up},
+            {"agreements", c_.agreements()},
             {"latency_s", net.latency_s},
             {"degraded", r2ccl::coll::is_degraded(net)},
             {"plan", algo()}};
@@ -415,7 +428,7 @@ class Collective final : public Bench {
   RedOp r_;
   int root_;
   std::vector<std::byte> send_, recv_;
-  bool staged_ = false, graph_ = false;
+  bool staged_ = false, graph_ = false, registered_ = false;
   std::unique_ptr<r2ccl::coll::StagedComm> staged_comm_;
   std::unique_ptr<r2ccl::coll::HostStream> stream_;  // after the communicator: goes first
   std::map<std::size_t, std::unique_ptr<r2ccl::coll::HostGraph>> graphs_;
@@ -479,8 +492,8 @@ int run(const Options& o) {
     for (CollOp c : {CollOp::kAllReduce, CollOp::kAllGather, CollOp::kReduceScatter,
                      CollOp::kBroadcast, CollOp::kReduce})
       if (r2ccl::coll::coll_op_name(c) == o.op) op = c;
-    made =
-        std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb, o.staged, o.graph);
+    made = std::make_unique<Collective>(**comm, op, *type, *redop, o.root, *maxb, o.staged, o.graph,
+                                        o.registered);
   }
   Bench& bench = *made;
   if (Status st = bench.init(); !st) {
@@ -523,7 +536,15 @@ int run(const Options& o) {
   std::vector<r2ccl::RailSnapshot> before, after;
   std::vector<r2ccl::RailEvent> events;  // as of the end of the timed work (not the peer's exit)
   double last_seconds = 0;
-  std::vector<double> op_us;       // --latency: this size's operations, one by one
+  std::vector<double> op_us;  // --latency: this size's operations, one by one
+  // --duration: each verified round's start (seconds into the size's run), time and plan, as
+  // this rank saw them.
+  struct Round {
+    double start_s, wall_s, seconds;
+    std::string algo;
+  };
+  constexpr std::size_t kMaxRounds = 100000;
+  std::vector<Round> rounds;
   std::vector<std::string> tails;  // --latency: the percentile lines, printed after the table
   for (int i = 0; i < o.settle && exit_code == 0; ++i)
     if (Status st = bench.run_once(bench.round_bytes(*minb)); !st) {
@@ -551,6 +572,8 @@ int run(const Options& o) {
       bool stop = false;
       while (!stop && error.empty()) {
         std::string failed;
+        const auto round_start = Clock::now();
+        const double round_wall = static_cast<double>(wall_now_ns()) * 1e-9;
         if (o.check) {
           auto w = bench.checked(bytes, ++round);
           if (w)
@@ -571,6 +594,10 @@ int run(const Options& o) {
           }
         } else {
           ++good_rounds;
+          if (rounds.size() < kMaxRounds)
+            rounds.push_back({std::chrono::duration<double>(round_start - t0).count(), round_wall,
+                              std::chrono::duration<double>(Clock::now() - round_start).count(),
+                              bench.algo()});
         }
         ++iters;
         if (!o.samples_path.empty() && Clock::now() - sampled >= kSampleEvery &&
@@ -613,6 +640,16 @@ int run(const Options& o) {
         wrong = *w;
       else
         error = w.status().to_string();
+    }
+    if (!rounds.empty()) {
+      auto& list = report["rounds"] = nlohmann::json::array();
+      for (const auto& r : rounds)
+        list.push_back({{"bytes", bytes},
+                        {"start_s", r.start_s},
+                        {"wall_s", r.wall_s},
+                        {"seconds", r.seconds},
+                        {"algo", r.algo}});
+      rounds.clear();
     }
     auto g = gather(f, seconds / iters, wrong, error);
     if (!g) {
@@ -801,12 +838,16 @@ int main(int argc, char** argv) {
                "collectives through the staged device path (StagedComm), with host threads "
                "standing in for the GPU and its stream");
   app.add_flag("--graph", o.graph, "with --staged: each size's call captured once and replayed");
+  app.add_flag("--register", o.registered,
+               "register the buffers with the communicator once, before the first operation");
   app.add_flag("--rails", o.rails, "print per-rail bytes and throughput");
   app.add_option("--json", o.json_path, "write the results as JSON (rank 0)");
   auto* duration =
       app.add_option("--duration", o.duration,
                      "run each size for this many seconds instead of -n iterations; with -c 1 "
-                     "every iteration is verified")
+                     "every iteration is verified; --json lists every round (rank 0's start, time, "
+                     "plan) of the "
+                     "last size")
           ->check(CLI::PositiveNumber);
   app.add_flag("--latency", o.latency,
                "time every timed operation and print percentiles (p1 p50 p90 p99 max) on rank 0")
