@@ -56,6 +56,41 @@ int chunks_for(double transfer_s, double latency_s, std::size_t max_chunks) {
       std::min<std::size_t>(static_cast<std::size_t>(c), std::max<std::size_t>(max_chunks, 1)));
 }
 
+// A pipeline no deeper than it pays for: every chunk is a round of messages among all the ranks
+// (p^2 of them for the weighted plan), so the fewest chunks (of 1, 2, 4, ...) whose predicted
+// time is within `slack` of the deepest pipeline's (`most`) is taken. `seconds(c)`: the
+// predicted time with c chunks.
+template <class Seconds>
+int fewest_chunks(int most, double slack, Seconds seconds) {
+  if (most <= 1) return most;
+  const double best = seconds(most);
+  for (int c = 1; c < most; c *= 2)
+    if (seconds(c) <= best * (1 + slack)) return c;
+  return most;
+}
+constexpr double kWeightedSlack = 0.01;
+// R2CC-AllReduce keeps to R²CCL's model (whose exchange is pipelined without end) within 0.3%.
+constexpr double kR2ccSlack = 0.003;
+
+// The weighted plan's time with `chunks` equal chunks, each rank's shard of a chunk its share of
+// it (the plan's rounding to whole elements left out): a step of the reduce-scatter alone, then
+// chunks - 1 steps of a reduce-scatter beside an all-gather, then an all-gather alone.
+double weighted_seconds(const std::vector<double>& b, const std::vector<double>& shares,
+                        double bytes, double latency_s, int chunks) {
+  const std::size_t p = b.size();
+  double rs = 0, both = 0, ag = 0;
+  for (std::size_t i = 0; i < p; ++i) {
+    const double mine = shares[i] * bytes;  // per unit of data (one chunk = bytes / chunks)
+    const double rs_out = bytes - mine, rs_in = static_cast<double>(p - 1) * mine;
+    const double ag_out = static_cast<double>(p - 1) * mine, ag_in = bytes - mine;
+    rs = std::max(rs, std::max(rs_out, rs_in) / b[i]);
+    ag = std::max(ag, std::max(ag_out, ag_in) / b[i]);
+    both = std::max(both, std::max(rs_out + ag_out, rs_in + ag_in) / b[i]);
+  }
+  const double c = chunks;
+  return (c + 1) * latency_s + (rs + (c - 1) * both + ag) / c;
+}
+
 // ---- weighted: shard offsets of every chunk
 
 struct WeightedLayout {
@@ -177,8 +212,13 @@ R2ccLayout r2cc_layout(const CollDesc& d, const std::vector<double>& b, double l
   l.tail = tail;
   l.b_degraded = b[static_cast<std::size_t>(slow)];
   l.b_healthy = bh;
-  l.chunks = chunks_for(static_cast<double>(tail * elem) / l.b_degraded, latency_s,
-                        tail / static_cast<std::size_t>(p - 1));
+  // The exchange's pipeline: deep enough that its fill costs at most kR2ccSlack of the whole,
+  // each of its chunks being a round of h^2 messages among the healthy ranks.
+  const double tail_s = static_cast<double>(tail * elem) / l.b_degraded;
+  const double rest_s = 2.0 * (p - 1) / p * static_cast<double>(l.main * elem) / l.b_degraded;
+  l.chunks =
+      fewest_chunks(chunks_for(tail_s, latency_s, tail / static_cast<std::size_t>(p - 1)),
+                    kR2ccSlack, [&](int k) { return rest_s + (k + 1) * (latency_s + tail_s / k); });
   if (rails_up.size() == b.size()) {
     std::uint64_t healthy = Step::kAllRails;
     for (int i : l.healthy)
@@ -419,8 +459,14 @@ double lower_bound_seconds(const CollDesc& d, const Network& net) {
 
 int weighted_chunks(const CollDesc& d, const Network& net) {
   const int p = static_cast<int>(net.bandwidth.size());
-  return chunks_for(lower_bound_seconds(d, net), net.latency_s,
-                    d.count / static_cast<std::size_t>(std::max(p, 1)));
+  const int most = chunks_for(lower_bound_seconds(d, net), net.latency_s,
+                              d.count / static_cast<std::size_t>(std::max(p, 1)));
+  if (p < 2 || most <= 1) return most;
+  const auto b = rates_of(&net, p);
+  const auto shares = weighted_shares(b);
+  const double bytes = static_cast<double>(d.count * type_size(d.type));
+  return fewest_chunks(most, kWeightedSlack,
+                       [&](int c) { return weighted_seconds(b, shares, bytes, net.latency_s, c); });
 }
 
 int r2cc_chunks(const CollDesc& d, const Network& net) {

@@ -42,6 +42,10 @@ struct RankState {
   std::vector<std::uint32_t> posted;  // per pair: its steps posted so far
   std::size_t lanes_left = 0;
   double finish = 0;
+  // The channels of this rank's last message sent (a ring sends to one peer over and over).
+  int memo_peer = -1;
+  std::uint64_t memo_rails = 0;
+  std::vector<int> memo_units;
 };
 
 std::uint64_t pair_key(int peer, bool is_send) {
@@ -111,6 +115,7 @@ class Sim {
     cap_.assign(ports, 0);
     count_.assign(ports, 0);
     port_mark_.assign(ports, 0);
+    messages_in_.reserve(static_cast<std::size_t>(p_) * 8);
     for (int r = 0; r < p_; ++r)
       R2CCL_RETURN_IF_ERROR(post_ready(r));
     while (true) {
@@ -168,7 +173,7 @@ class Sim {
   void prepare(int r, const Plan& plan) {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
     std::unordered_map<std::uint64_t, std::uint32_t> pair_index;
-    std::vector<std::uint32_t> next;
+    std::vector<std::uint32_t> next, seen_in;  // per pair: steps so far, last phase seen in + 1
     rs.phases.reserve(plan.phases.size());
     for (const auto& ph : plan.phases) {
       PhaseInfo info{ph.lane,
@@ -183,13 +188,17 @@ class Sim {
         const bool is_send = s.kind == Step::Kind::kSend;
         auto [it, fresh] = pair_index.try_emplace(pair_key(s.peer, is_send),
                                                   static_cast<std::uint32_t>(next.size()));
-        if (fresh) next.push_back(0);
+        if (fresh) {
+          next.push_back(0);
+          seen_in.push_back(0);
+        }
         const std::uint32_t k = it->second;
         const std::uint32_t ord = next[k]++;
         rs.comm.push_back({s.peer, is_send, k, ord, s.bytes, s.rails});
         ++info.count;
-        const auto begin = rs.firsts.begin() + info.pairs;
-        if (std::none_of(begin, rs.firsts.end(), [&](const auto& f) { return f.first == k; })) {
+        const auto phase_mark = static_cast<std::uint32_t>(rs.phases.size()) + 1;
+        if (seen_in[k] != phase_mark) {
+          seen_in[k] = phase_mark;
           rs.firsts.emplace_back(k, ord);
           ++info.npairs;
         }
@@ -316,7 +325,10 @@ class Sim {
     fl.live = true;
     ++fl.version;
     fl.units.clear();
-    if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
+    auto& sender = ranks_[static_cast<std::size_t>(key.src)];
+    if (sender.memo_peer == key.dst && sender.memo_rails == m.rails) {
+      fl.units = sender.memo_units;
+    } else if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
       fl.units.push_back(
           unit_of(port(key.src, groups_.size(), false), port(key.dst, groups_.size(), true)));
     } else {
@@ -331,6 +343,9 @@ class Sim {
         return Status(ErrorCode::kInvalidArgument,
                       fmt::format("no rail is up at both rank {} and rank {}", key.src, key.dst));
     }
+    sender.memo_peer = key.dst;
+    sender.memo_rails = m.rails;
+    sender.memo_units = fl.units;
     for (int u : fl.units) {
       units_[static_cast<std::size_t>(u)].flows.push_back(f);
       touch(units_[static_cast<std::size_t>(u)].out_port);
@@ -419,7 +434,10 @@ class Sim {
   // repeat); then every message on a channel gets an equal part of its rate.
   void rates() {
     // The connected part of the port-channel graph around the changed ports.
-    std::vector<int> ports, units;
+    auto& ports = scratch_ports_;
+    auto& units = scratch_units_;
+    ports.clear();
+    units.clear();
     for (int p : dirty_ports_) {
       port_mark_[static_cast<std::size_t>(p)] = 2;
       ports.push_back(p);
@@ -447,14 +465,20 @@ class Sim {
     }
     for (int u : units)
       units_[static_cast<std::size_t>(u)].fixed = false;
-    using Entry = std::pair<double, int>;
-    std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+    // A min-heap of (fair share, port) in a vector kept between calls.
+    auto& heap = scratch_heap_;
+    heap.clear();
+    const auto push = [&](double share, int port) {
+      heap.emplace_back(share, port);
+      std::push_heap(heap.begin(), heap.end(), std::greater<>{});
+    };
     for (int p : ports)
       if (count_[static_cast<std::size_t>(p)] > 0)
-        heap.emplace(cap_[static_cast<std::size_t>(p)] / count_[static_cast<std::size_t>(p)], p);
+        push(cap_[static_cast<std::size_t>(p)] / count_[static_cast<std::size_t>(p)], p);
     while (!heap.empty()) {
-      auto [s, p] = heap.top();
-      heap.pop();
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>{});
+      auto [s, p] = heap.back();
+      heap.pop_back();
       const auto up = static_cast<std::size_t>(p);
       if (count_[up] == 0 || s != cap_[up] / count_[up]) continue;  // stale
       for (int u : port_units_[up]) {
@@ -465,12 +489,13 @@ class Sim {
         const int other = un.out_port == p ? un.in_port : un.out_port;
         const auto uo = static_cast<std::size_t>(other);
         cap_[uo] = std::max(0.0, cap_[uo] - un.rate);
-        if (--count_[uo] > 0) heap.emplace(cap_[uo] / count_[uo], other);
+        if (--count_[uo] > 0) push(cap_[uo] / count_[uo], other);
       }
       count_[up] = 0;
     }
     // Every message on these channels: its bytes so far at the old rate, then the new rate.
-    std::vector<int> changed;
+    auto& changed = scratch_changed_;
+    changed.clear();
     for (int u : units) {
       Unit& un = units_[static_cast<std::size_t>(u)];
       un.fixed = false;
@@ -497,6 +522,9 @@ class Sim {
   int p_;
   std::vector<RankState> ranks_;
   std::unordered_map<MessageKey, Message, MessageHash> messages_in_;
+  // rates()'s working lists, kept between calls.
+  std::vector<int> scratch_ports_, scratch_units_, scratch_changed_;
+  std::vector<std::pair<double, int>> scratch_heap_;
   std::vector<Flow> flows_;
   std::vector<int> free_flows_;
   std::vector<Unit> units_;
