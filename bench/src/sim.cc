@@ -175,6 +175,89 @@ int sweep(const Setting& base, const std::string& csv_path) {
   return 0;
 }
 
+// The messages one rank sends in its plan of `algo` (the most of a healthy rank's and a failed
+// node's first rank's).
+std::size_t sends_per_rank(const Setting& s, Algo algo) {
+  const Cluster c = cluster_of(s);
+  const Network net = c.network();
+  const CollDesc d = allreduce_of(s);
+  std::size_t most = 0;
+  for (int node : {c.failed.empty() ? 0 : c.failed[0],
+                   c.failed.empty() || c.failed[0] != 0 ? 0 : c.nodes - 1}) {
+    const int r = node * c.gpus;
+    auto plan = c.gpus > 1 ? make_hierarchical_plan(d, r, c.nodes, c.gpus, algo, &net)
+                           : make_plan(d, r, c.ranks(), algo, &net);
+    if (!plan) continue;
+    std::size_t n = 0;
+    for (const auto& ph : plan->phases)
+      for (const auto& st : ph.comm)
+        n += st.kind == Step::Kind::kSend && st.bytes > 0 ? 1 : 0;
+    most = std::max(most, n);
+  }
+  return most;
+}
+
+// Every plan against the job's size: nodes doubling from 2 until `max_ranks` ranks, the cost
+// model's time of each plan, the lower bound, the messages each rank sends, and the simulated
+// time (with the simulator's own wall time) up to `sim_ranks` ranks.
+int scale_sweep(const Setting& base, int max_ranks, int sim_ranks, const std::string& csv_path) {
+  std::FILE* csv = open_csv(csv_path);
+  if (!csv_path.empty() && !csv) return 1;
+  std::FILE* out = csv ? csv : stdout;
+  fmt::print(out,
+             "nodes,gpus,ranks,x,fault_free,lower_bound,balance,r2cc,weighted,auto,"
+             "sends_balance,sends_r2cc,sends_weighted,sim_balance,sim_r2cc,sim_weighted,"
+             "wall_balance,wall_r2cc,wall_weighted\n");
+  for (int nodes = 2; nodes * base.cluster.gpus <= max_ranks; nodes *= 2) {
+    Setting s = base;
+    s.cluster.nodes = nodes;
+    s.failed.clear();
+    s.failed_nodes = std::min(base.failed_nodes, nodes);
+    const Cluster c = cluster_of(s);
+    const CollDesc d = allreduce_of(s);
+    const Network net = c.network();
+    // The bound of the traffic across nodes (each local index's share of the message among the
+    // nodes), plus what the steps inside a node take at the least.
+    Setting flat = s;
+    flat.cluster.gpus = 1;
+    flat.bytes = s.bytes / static_cast<std::size_t>(s.cluster.gpus);
+    Cluster fc = cluster_of(flat);
+    fc.nic_bps = c.nic_bps / c.gpus;
+    const double inside = predict(s, Algo::kBalance) -
+                          predict_seconds(Algo::kBalance, allreduce_of(flat), fc.network());
+    const double bound = inside + lower_bound_seconds(allreduce_of(flat), fc.network());
+    double model[3], sim[3] = {0, 0, 0}, wall[3] = {0, 0, 0};
+    std::size_t sends[3];
+    int i = 0;
+    for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
+      model[i] = predict(s, a);
+      sends[i] = sends_per_rank(s, a);
+      if (c.ranks() <= sim_ranks) {
+        const auto w0 = std::chrono::steady_clock::now();
+        auto o = seconds(s, a);
+        wall[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+        if (!o) {
+          fmt::print(stderr, "r2ccl-sim: {} at {} nodes: {}\n", algo_name(a), nodes,
+                     o.status().message());
+          if (csv) std::fclose(csv);
+          return 1;
+        }
+        sim[i] = *o;
+      }
+      ++i;
+    }
+    const auto opt = [](double v) { return v > 0 ? fmt::format("{:.6g}", v) : std::string(); };
+    fmt::print(out,
+               "{},{},{},{:.4f},{:.6g},{:.6g},{:.6g},{:.6g},{:.6g},{},{},{},{},{},{},{},{},{},{}\n",
+               nodes, s.cluster.gpus, c.ranks(), s.lost, fault_free_ring(s), bound, model[0],
+               model[1], model[2], algo_name(auto_choice(d, net)), sends[0], sends[1], sends[2],
+               opt(sim[0]), opt(sim[1]), opt(sim[2]), opt(wall[0]), opt(wall[1]), opt(wall[2]));
+    std::fflush(out);
+  }
+  if (csv) std::fclose(csv);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -216,6 +299,14 @@ int main(int argc, char** argv) {
   app.add_flag("--grid", paper_grid,
                "R²CCL's model grid: n in {3,8,16,64} x X in {1/8,1/4,1/3,1/2}, one rank per node");
   app.add_flag("--sweep", do_sweep, "time against the bandwidth lost, every algorithm (CSV)");
+  int scale_ranks = 0, sim_ranks = 1024;
+  app.add_option("--scale", scale_ranks,
+                 "every plan against the job's size (CSV): nodes doubling from 2 up to this many "
+                 "ranks, the cost model, the lower bound, the messages each rank sends, and the "
+                 "simulation up to --sim-ranks")
+      ->check(CLI::Range(2, 1 << 20));
+  app.add_option("--sim-ranks", sim_ranks, "with --scale: simulate jobs of at most this many ranks")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--csv", csv, "write the grid or sweep as CSV to this file");
   std::string plan_from;
   app.add_option("--plan-from", plan_from,
@@ -270,6 +361,7 @@ int main(int argc, char** argv) {
   }
   if (paper_grid) return grid(s, csv);
   if (do_sweep) return sweep(s, csv);
+  if (scale_ranks > 0) return scale_sweep(s, scale_ranks, sim_ranks, csv);
 
   const Cluster cl = cluster_of(s);
   const CollDesc d = allreduce_of(s);
