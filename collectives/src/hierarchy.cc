@@ -84,7 +84,12 @@ Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int 
       r.offset += base;
     }
   };
+  // Each lane but the first starts only once the reduce-scatter inside the node is done (lane 0
+  // runs after it anyway): its first phase joins.
+  std::vector<bool> started(across.lanes, false);
   for (auto& ph : across.phases) {
+    if (split && ph.lane > 0 && !started[ph.lane]) ph.join = true;
+    if (ph.lane < started.size()) started[ph.lane] = true;
     for (auto& s : ph.comm) {
       s.peer = s.peer * gpus + local;
       move(s.kind == Step::Kind::kRecv ? s.dst : s.a);

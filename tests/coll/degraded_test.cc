@@ -6,10 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <deque>
 #include <map>
 
 #include "r2ccl/coll/degraded.h"
+#include "r2ccl/coll/reduce.h"
 #include "r2ccl/coll/sim.h"
+#include "r2ccl/coll/verify.h"
 
 namespace r2ccl::coll {
 namespace {
@@ -65,6 +69,199 @@ TEST(DegradedPlans, PairUpAndFinishInTheSimulatorForEveryShape) {
             ASSERT_TRUE(res.is_ok()) << what << ": " << res.status().message();
             EXPECT_GT(res->seconds, 0) << what;
           }
+}
+
+// Runs every rank's plan on memory, by the executor's rules (a lane's phases in order, lanes
+// side by side, a join waits for every earlier phase, a phase is posted only after every earlier
+// phase with a message to or from the same peer in the same direction; a pair's messages match
+// in plan order), and returns each rank's receive buffer. A message moves once both ends posted
+// it; a phase's reductions run once its messages moved. Fails the test on a hang.
+std::vector<std::vector<std::byte>> run_on_memory(const std::vector<Plan>& plans, const CollDesc& d,
+                                                  const std::vector<std::vector<std::byte>>& in,
+                                                  const std::string& what) {
+  const int p = static_cast<int>(plans.size());
+  const std::size_t elem = type_size(d.type);
+  struct Rank {
+    std::vector<std::byte> buf[3];
+    std::vector<std::vector<std::uint32_t>> lanes;
+    std::vector<std::size_t> cursor;
+    std::vector<int> state;  // per phase: 0 waiting, 1 posted, 2 done
+    std::vector<std::size_t> pending;
+    std::vector<std::vector<std::uint32_t>> after;
+  };
+  std::vector<Rank> ranks(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& rk = ranks[static_cast<std::size_t>(r)];
+    const Plan& plan = plans[static_cast<std::size_t>(r)];
+    rk.buf[0] = in[static_cast<std::size_t>(r)];
+    rk.buf[1].assign(d.count * elem, std::byte{0xee});
+    if (d.in_place) rk.buf[1] = rk.buf[0];
+    rk.buf[2].assign(plan.scratch_bytes, std::byte{0xdd});
+    rk.lanes.resize(plan.lanes);
+    rk.cursor.assign(plan.lanes, 0);
+    rk.state.assign(plan.phases.size(), 0);
+    rk.pending.assign(plan.phases.size(), 0);
+    rk.after.resize(plan.phases.size());
+    std::map<std::pair<int, bool>, std::uint32_t> last;
+    for (std::uint32_t i = 0; i < plan.phases.size(); ++i) {
+      rk.lanes.at(plan.phases[i].lane).push_back(i);
+      for (const auto& st : plan.phases[i].comm) {
+        if (st.bytes == 0) continue;
+        auto [it, fresh] = last.try_emplace({st.peer, st.kind == Step::Kind::kSend}, i);
+        if (!fresh && it->second != i) {
+          rk.after[i].push_back(it->second);
+          it->second = i;
+        }
+      }
+    }
+  }
+  // The buffer a step's reference names (in place: the send buffer is the receive buffer).
+  const auto ptr = [&](int r, const Ref& ref) {
+    auto& rk = ranks[static_cast<std::size_t>(r)];
+    const int b = d.in_place && ref.buf == Buf::kSend ? 1 : static_cast<int>(ref.buf);
+    return rk.buf[b].data() + ref.offset;
+  };
+  struct Posted {
+    int rank;
+    std::uint32_t phase;
+    const Step* step;
+  };
+  std::map<std::pair<int, int>, std::deque<Posted>> sends, recvs;  // by (sender, receiver)
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      auto& rk = ranks[static_cast<std::size_t>(r)];
+      const Plan& plan = plans[static_cast<std::size_t>(r)];
+      for (std::size_t l = 0; l < rk.lanes.size(); ++l) {
+        if (rk.cursor[l] >= rk.lanes[l].size()) continue;
+        const std::uint32_t i = rk.lanes[l][rk.cursor[l]];
+        const Phase& ph = plan.phases[i];
+        if (rk.state[i] == 0) {
+          bool ok = std::all_of(rk.after[i].begin(), rk.after[i].end(),
+                                [&](std::uint32_t j) { return rk.state[j] >= 1; });
+          if (ph.join)
+            for (std::uint32_t j = 0; j < i && ok; ++j)
+              ok = rk.state[j] == 2;
+          if (!ok) continue;
+          rk.state[i] = 1;
+          progress = true;
+          for (const auto& st : ph.comm) {
+            if (st.bytes == 0) continue;
+            ++rk.pending[i];
+            const bool out = st.kind == Step::Kind::kSend;
+            auto& q = out ? sends[{r, st.peer}] : recvs[{st.peer, r}];
+            q.push_back({r, i, &st});
+            auto& s = sends[out ? std::pair{r, st.peer} : std::pair{st.peer, r}];
+            auto& v = recvs[out ? std::pair{r, st.peer} : std::pair{st.peer, r}];
+            while (!s.empty() && !v.empty()) {
+              const Posted a = s.front(), b = v.front();
+              s.pop_front();
+              v.pop_front();
+              EXPECT_EQ(a.step->bytes, b.step->bytes) << what;
+              std::memcpy(ptr(b.rank, b.step->dst), ptr(a.rank, a.step->a),
+                          std::min(a.step->bytes, b.step->bytes));
+              --ranks[static_cast<std::size_t>(a.rank)].pending[a.phase];
+              --ranks[static_cast<std::size_t>(b.rank)].pending[b.phase];
+            }
+          }
+        }
+        if (rk.state[i] == 1 && rk.pending[i] == 0) {
+          for (const auto& st : ph.compute) {
+            if (st.bytes == 0) continue;
+            if (st.kind == Step::Kind::kReduce)
+              coll::reduce(ptr(r, st.dst), ptr(r, st.a), ptr(r, st.b), st.bytes / elem, d.type,
+                           d.redop);
+            if (st.kind == Step::Kind::kCopy) std::memmove(ptr(r, st.dst), ptr(r, st.a), st.bytes);
+            if (st.kind == Step::Kind::kAvg) finish_avg(ptr(r, st.dst), st.bytes / elem, d.type, p);
+          }
+          rk.state[i] = 2;
+          ++rk.cursor[l];
+          progress = true;
+        }
+      }
+    }
+  }
+  std::vector<std::vector<std::byte>> out;
+  for (int r = 0; r < p; ++r) {
+    const auto& rk = ranks[static_cast<std::size_t>(r)];
+    for (std::size_t l = 0; l < rk.lanes.size(); ++l)
+      if (rk.cursor[l] < rk.lanes[l].size()) {
+        ADD_FAILURE() << what << ": rank " << r << " hangs in lane " << l << " at phase "
+                      << rk.lanes[l][rk.cursor[l]] + 1;
+        return {};
+      }
+    out.push_back(rk.buf[1]);
+  }
+  return out;
+}
+
+// Every rank's result against the reference, element by element.
+void expect_allreduce(const std::vector<Plan>& plans, const CollDesc& d, const std::string& what) {
+  const int p = static_cast<int>(plans.size());
+  const std::size_t elem = type_size(d.type);
+  std::vector<std::vector<std::byte>> in(static_cast<std::size_t>(p),
+                                         std::vector<std::byte>(d.count * elem));
+  for (int r = 0; r < p; ++r)
+    for (std::size_t i = 0; i < d.count; ++i)
+      set_element(in[static_cast<std::size_t>(r)].data(), i, d.type, test_value(r, i, 7, d.redop));
+  const auto out = run_on_memory(plans, d, in, what);
+  ASSERT_EQ(out.size(), static_cast<std::size_t>(p)) << what;
+  std::vector<double> inputs(static_cast<std::size_t>(p));
+  for (std::size_t i = 0; i < d.count; ++i) {
+    for (int r = 0; r < p; ++r)
+      inputs[static_cast<std::size_t>(r)] =
+          get_element(in[static_cast<std::size_t>(r)].data(), i, d.type);
+    for (int r = 0; r < p; ++r)
+      if (!matches_reduction(out[static_cast<std::size_t>(r)].data() + i * elem, inputs, d.type,
+                             d.redop)) {
+        ADD_FAILURE() << what << ": rank " << r << " element " << i << " is "
+                      << get_element(out[static_cast<std::size_t>(r)].data(), i, d.type);
+        return;
+      }
+  }
+}
+
+// The degraded plans at sizes the loopback tests cannot reach (up to 96 ranks, and nodes of
+// several ranks), run on memory: every element on every rank is the reduction of the inputs.
+TEST(DegradedPlans, ComputeTheRightSumsAtScale) {
+  for (int p : {16, 33, 96})
+    for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
+      for (double slow : {0.5, 0.875})
+        for (std::size_t count : {5u, 4099u}) {
+          Network net;
+          for (int r = 0; r < p; ++r) {
+            const bool hit = r == p / 3 || (a == Algo::kWeighted && r == p - 1);
+            net.bandwidth.push_back(hit ? slow * 1e9 : 1e9);
+            net.rails_up.push_back(hit && slow < 0.6 ? 0b0011 : 0b1111);
+          }
+          const CollDesc d{CollOp::kAllReduce, count, DataType::kI32, RedOp::kSum, 0, count == 5};
+          std::vector<Plan> plans;
+          for (int r = 0; r < p; ++r) {
+            auto plan = make_plan(d, r, p, a, &net);
+            ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+            plans.push_back(std::move(*plan));
+          }
+          expect_allreduce(plans, d,
+                           fmt::format("{} p={} slow={} count={}", algo_name(a), p, slow, count));
+        }
+  Cluster c;
+  c.nodes = 12;
+  c.gpus = 4;
+  c.failed = {5};
+  c.lost_nics = 3;
+  c.intra_bps = 1e11;
+  const Network net = c.network();
+  for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
+    const CollDesc d{CollOp::kAllReduce, 5003, DataType::kF32, RedOp::kAvg, 0, false};
+    std::vector<Plan> plans;
+    for (int r = 0; r < c.ranks(); ++r) {
+      auto plan = make_hierarchical_plan(d, r, c.nodes, c.gpus, a, &net);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      plans.push_back(std::move(*plan));
+    }
+    expect_allreduce(plans, d, fmt::format("hierarchical {} 12x4 avg", algo_name(a)));
+  }
 }
 
 TEST(DegradedPlans, HierarchicalPlansPairUp) {
