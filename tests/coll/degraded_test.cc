@@ -409,6 +409,26 @@ TEST(DegradedModel, WeightedSharesMakeTrafficFollowBandwidth) {
   EXPECT_EQ(weighted_shares({1, 1, 1, 0.5})[3], 0);
 }
 
+// The agreement's settling: a rank measured faster than the rest, or within 30% of the (lower)
+// median, counts as the median; one well under it, or with rails lost, is degraded by that much.
+TEST(DegradedModel, SettlingKeepsOnlyRanksWellUnderTheOthers) {
+  const std::vector<std::uint64_t> four(4, 0b1111);
+  auto net = [](std::vector<double> b) {
+    Network n;
+    n.bandwidth = std::move(b);
+    return n;
+  };
+  const auto fast_one = settle_bandwidths({2.2e9, 1.3e9, 1.4e9, 1.0e9}, four);
+  EXPECT_EQ(fast_one, std::vector<double>(4, 1.3e9));  // the lower median
+  EXPECT_FALSE(is_degraded(net(fast_one)));
+  const auto shaped = settle_bandwidths({1.0e9, 0.5e9, 1.1e9, 0.95e9}, four);
+  EXPECT_TRUE(is_degraded(net(shaped)));
+  EXPECT_NEAR(shaped[1] / shaped[0], 0.5, 1.0 / 32);
+  const auto lost =
+      settle_bandwidths({1.0e9, 0.52e9, 1.0e9, 1.0e9}, {0b1111, 0b0011, 0b1111, 0b1111});
+  EXPECT_DOUBLE_EQ(lost[1] / lost[0], 0.5);
+}
+
 TEST(DegradedModel, LatencyDecidesThePipelineAndTheChoiceIsTheCheapest) {
   Cluster c;
   c.nodes = 8;

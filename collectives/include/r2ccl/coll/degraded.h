@@ -41,9 +41,10 @@ inline constexpr double kDegradedBelow = 0.95;
 bool is_degraded(const Network& net);
 
 // The ranks' bandwidths as the agreement settles them, the same on every rank: rates per usable
-// rail within 30% of the median rank's count as the median's (measured rates wander with the
-// traffic pattern), a rank's bandwidth is its rate times its usable rails (so a lost NIC shows
-// exactly), and within 10% of the fastest counts as the fastest, below that in steps of 1/32.
+// rail within 30% of the (lower) median rank's, or above it, count as the median's (measured rates
+// wander with the traffic pattern; only a rank well under the others is degraded), a rank's
+// bandwidth is its rate times its usable rails (so a lost NIC shows exactly), and within 10% of the
+// fastest counts as the fastest, below that in steps of 1/32.
 std::vector<double> settle_bandwidths(const std::vector<double>& measured,
                                       const std::vector<std::uint64_t>& rails);
 
