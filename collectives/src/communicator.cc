@@ -118,12 +118,24 @@ std::optional<double> line_rate_bps(const RailNic& nic) {
 
 // Registrations of the caller's buffers for one operation.
 // The regions of one operation: a buffer inside one of the communicator's registered buffers
-// uses it; any other is registered for the operation and deregistered after it.
+// uses it; any other above `cached_above` bytes comes from the registration cache where the
+// communicator has one (held for the operation: an entry dropped meanwhile is deregistered after
+// it); the rest is registered for the operation and deregistered after it. Small buffers (often
+// on the stack) and device memory never go through the cache.
 struct Registered {
+  using Lookup = std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)>;
+  Registered(Fabric& f, Lookup l, RegistrationCache* c, std::size_t above)
+      : fabric(f), lookup(std::move(l)), cache(c), cached_above(above) {}
+  Registered(const Registered&) = delete;
+  Registered& operator=(const Registered&) = delete;
   Fabric& fabric;
-  std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)> lookup;
+  Lookup lookup;
+  RegistrationCache* cache = nullptr;
+  std::size_t cached_above = 0;
   std::vector<RegionPtr> regions;
+  boost::container::small_vector<RegistrationCache::Lease, 2> leases;
   ~Registered() {
+    leases.clear();
     for (auto& r : regions)
       (void)fabric.deregister_memory(r);
   }
@@ -132,6 +144,12 @@ struct Registered {
                                                 MemoryAccess access) {
     if (!p || bytes == 0) return std::pair<RegionPtr, std::size_t>{};
     if (auto hit = lookup(p, bytes); hit.first) return hit;
+    if (cache && bytes > cached_above && cuda_memory_of(p) == nullptr) {
+      R2CCL_ASSIGN_OR_RETURN(auto lease, cache->acquire(p, bytes, access));
+      std::pair<RegionPtr, std::size_t> at{lease.region(), lease.offset()};
+      leases.push_back(std::move(lease));
+      return at;
+    }
     R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes, access));
     regions.push_back(r);
     return std::pair<RegionPtr, std::size_t>{r, 0};
@@ -317,12 +335,31 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Config& config,
   R2CCL_ASSIGN_OR_RETURN(auto fabric, Fabric::create(config, boot));
   std::unique_ptr<Communicator> c(new Communicator(std::move(fabric)));
   c->requested_algo_ = algo;
+  // The registration cache only where a registration that outlives its buffer stays correct
+  // (the provider's registrations follow the mappings, tcp), unless R2CCL_REG_CACHE says
+  // otherwise; a pinning provider (verbs) registers each operation's buffers for it alone.
+  Fabric* f = c->fabric_.get();
+  const std::uint32_t caps = f->provider_capabilities();
+  if (registration_cache_applies(config.reg_cache, caps)) {
+    if (config.reg_cache == "on" && (caps & kCapRegistrationFollowsMappings) == 0)
+      R2CCL_INFO(
+          "R2CCL_REG_CACHE=on with a provider whose registrations pin pages: buffers passed to "
+          "collectives must be invalidated (invalidate_cache, r2cclCommInvalidateCache) before "
+          "they are freed");
+    c->reg_cache_ = std::make_unique<RegistrationCache>(
+        RegistrationCache::Limits{kRegCacheEntries, config.reg_cache_bytes},
+        [f](void* base, std::size_t n, MemoryAccess access) {
+          return f->register_memory(base, n, access);
+        },
+        [f](const RegionPtr& region) { return f->deregister_memory(region); });
+  }
   return c;
 }
 
 Communicator::Communicator(std::unique_ptr<Fabric> fabric) : fabric_(std::move(fabric)) {}
 
 Communicator::~Communicator() {
+  reg_cache_.reset();
   if (scratch_region_) (void)fabric_->deregister_memory(scratch_region_);
 }
 
@@ -717,7 +754,8 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   auto& bsend = bound[static_cast<int>(Buf::kSend)];
   auto& brecv = bound[static_cast<int>(Buf::kRecv)];
   auto& bscratch = bound[static_cast<int>(Buf::kScratch)];
-  Registered reg{*fabric_, [this](const void* at, std::size_t n) { return registered(at, n); }, {}};
+  const auto lookup = [this](const void* at, std::size_t n) { return registered(at, n); };
+  Registered reg(*fabric_, lookup, reg_cache_.get(), kStageLimit);
   // Small operations run in this communicator's own registered memory: the caller's buffers
   // are copied in and the result copied out, which costs less than registering them (a system
   // call and pinning under verbs) for each operation.
@@ -877,7 +915,8 @@ Status Communicator::group_end() {
 }
 
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
-  Registered reg{*fabric_, [this](const void* at, std::size_t n) { return registered(at, n); }, {}};
+  const auto lookup = [this](const void* at, std::size_t n) { return registered(at, n); };
+  Registered reg(*fabric_, lookup, reg_cache_.get(), kStageLimit);
   R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
   Transfers transfers;
   for (const auto& o : list) {
@@ -955,6 +994,8 @@ Result<Communicator::BufferHandle> Communicator::register_buffer(void* base, std
   R2CCL_ASSIGN_OR_RETURN(auto region,
                          fabric_->register_memory(base, bytes, MemoryAccess::kRemoteWrite));
   buffers_.emplace(b, region);
+  // Operations on it use this registration from now on: cached ones of its range go.
+  if (reg_cache_) (void)reg_cache_->invalidate(base, bytes);
   return static_cast<BufferHandle>(region->id);
 }
 
@@ -970,7 +1011,13 @@ Status Communicator::deregister_buffer(BufferHandle handle) {
     region = std::move(it->second);
     buffers_.erase(it);
   }
+  // The buffer is likely freed next: nothing cached may name its range either.
+  if (reg_cache_) (void)reg_cache_->invalidate(region->base, region->length);
   return fabric_->deregister_memory(region);
+}
+
+std::size_t Communicator::invalidate_cache(const void* base, std::size_t bytes) {
+  return reg_cache_ ? reg_cache_->invalidate(base, bytes) : 0;
 }
 
 std::pair<RegionPtr, std::size_t> Communicator::registered(const void* p, std::size_t bytes) const {

@@ -231,6 +231,12 @@ static void* rank_main(void* arg) {
       failed(rank, "grouped send/recv past the eager limit", "wrong data");
       break;
     }
+  /* Their cached registrations go before the memory does. */
+  OK(rank, comm, r2cclCommInvalidateCache(comm, big_out, sizeof(int32_t) * BIG));
+  OK(rank, comm, r2cclCommInvalidateCache(comm, big_in, sizeof(int32_t) * BIG));
+  refused(rank, NULL, "invalidating without a communicator",
+          r2cclCommInvalidateCache(NULL, big_in, 4), r2cclInvalidArgument,
+          "r2cclCommInvalidateCache: comm is NULL");
   free(big_out);
   free(big_in);
 

@@ -117,7 +117,10 @@ INSTANTIATE_TEST_SUITE_P(
                     BadValue{"R2CCL_DEGRADED_PROBE_BYTES", "4K",
                              "0 (no probe) or a size from 64K to 1G"},
                     BadValue{"R2CCL_DEGRADED_PROBE_BYTES", "2G", "a size from 0 to 1G"},
-                    BadValue{"R2CCL_RAIL_WINDOW", "4K", "a size from 512K to 1G"}),
+                    BadValue{"R2CCL_RAIL_WINDOW", "4K", "a size from 512K to 1G"},
+                    BadValue{"R2CCL_REG_CACHE", "sometimes", "auto, on or off"},
+                    BadValue{"R2CCL_REG_CACHE_BYTES", "64K", "a size from 1M to 256G"},
+                    BadValue{"R2CCL_REG_CACHE_BYTES", "1T", "a size from 1M to 256G"}),
     [](const testing::TestParamInfo<BadValue>& i) {
       std::string n = std::string(i.param.name).substr(6) + "_" + std::to_string(i.index);
       return n;
@@ -156,6 +159,21 @@ TEST(Config, BoundedVariablesFollowTheirBoundWhenUnset) {
   ASSERT_FALSE(both.is_ok());
   EXPECT_NE(both.status().message().find("R2CCL_PROBE_TIMEOUT"), std::string::npos)
       << both.status().message();
+}
+
+TEST(Config, RegistrationCache) {
+  auto d = parse_config(test::env_of({}));
+  ASSERT_TRUE(d.is_ok());
+  EXPECT_EQ(d->reg_cache, "auto");
+  EXPECT_EQ(d->reg_cache_bytes, std::size_t{1} << 30);
+  auto c =
+      parse_config(test::env_of({{"R2CCL_REG_CACHE", " On "}, {"R2CCL_REG_CACHE_BYTES", "4G"}}));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->reg_cache, "on");
+  EXPECT_EQ(c->reg_cache_bytes, std::size_t{4} << 30);
+  auto off = parse_config(test::env_of({{"R2CCL_REG_CACHE", "off"}}));
+  ASSERT_TRUE(off.is_ok());
+  EXPECT_EQ(off->reg_cache, "off");
 }
 
 // docs/CONFIGURATION.md is the reference the code generates, byte for byte.

@@ -120,6 +120,9 @@ TEST_F(VerbsProviderTest, DevicesAreMatchedToTheirInterfaces) {
   EXPECT_FALSE(n.netdev.empty());
   EXPECT_FALSE(n.address.empty());
   EXPECT_EQ(a_->name(), "verbs");
+  // ibv_reg_mr pins the pages: the collectives' registration cache stays off under verbs unless
+  // R2CCL_REG_CACHE=on.
+  EXPECT_EQ(a_->capabilities() & kCapRegistrationFollowsMappings, 0u);
 }
 
 TEST_F(VerbsProviderTest, WritesAndControlMessagesArriveIntactBothWays) {

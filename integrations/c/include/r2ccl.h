@@ -156,6 +156,12 @@ r2cclResult_t r2cclCommBindDevice(r2cclComm_t comm, int device);
 /* A buffer used again and again (ncclCommRegister): registered once on every rail. */
 r2cclResult_t r2cclCommRegister(const r2cclComm_t comm, void* buff, size_t size, void** handle);
 r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle);
+/* Host buffers above 64 KiB that are not registered keep their registrations for later calls
+ * (R2CCL_REG_CACHE; by default only with providers whose registrations pin nothing, such as tcp).
+ * This drops those of [buff, buff + size): with R2CCL_REG_CACHE=on under verbs, call it before
+ * freeing or unmapping memory passed to a call. Harmless otherwise; any thread, also after an
+ * abort. */
+r2cclResult_t r2cclCommInvalidateCache(const r2cclComm_t comm, const void* buff, size_t size);
 
 /* ---- collectives: `count` in elements; in place when sendbuff == recvbuff (all-gather:
  * sendbuff == recvbuff + rank * count; reduce-scatter: recvbuff == sendbuff + rank * count). */

@@ -438,6 +438,13 @@ r2cclResult_t r2cclCommDeregister(const r2cclComm_t comm, void* handle) {
   });
 }
 
+r2cclResult_t r2cclCommInvalidateCache(const r2cclComm_t comm, const void* buff, size_t size) {
+  return with_comm(comm, "r2cclCommInvalidateCache", [&](const Held& c) {
+    (void)c->comm->host().invalidate_cache(buff, size);
+    return r2cclSuccess;
+  });
+}
+
 r2cclResult_t r2cclGetCudaSupport(int* supported) {
   if (supported == nullptr)
     return fail(nullptr, r2cclInvalidArgument, "r2cclGetCudaSupport: supported is NULL");

@@ -883,7 +883,9 @@ class TcpProvider final : public Provider {
   std::string_view name() const override { return "tcp"; }
   std::uint32_t api_version() const override { return kProviderApiVersion; }
   std::uint32_t capabilities() const override {
-    return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure;
+    // Registrations are ranges the loop thread copies from and into at transfer time.
+    return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure |
+           kCapRegistrationFollowsMappings;
   }
   const std::vector<RailNic>& devices() const override { return devices_; }
 

@@ -127,6 +127,18 @@ constexpr ConfigEntry kTable[] = {
      "At each agreement every rank sends this much to the ranks one and two ahead of it and times "
      "it, so that a rank slow on every NIC alike (shaped, congested) is seen; 0: no probe, line "
      "rates only (64K–1G or 0; the same on every rank)."},
+    {"R2CCL_REG_CACHE", "auto",
+     "Host buffers over 64K of collectives and send/recv that are not inside one registered "
+     "with `r2cclCommRegister` keep their registrations for the next call (at most 64 buffers, "
+     "LRU, whole 4K pages) instead of registering on every NIC each call. `auto`: where the "
+     "provider's registrations name "
+     "addresses, not pinned pages (`tcp`), so that a freed and reused buffer stays correct; "
+     "`verbs` pins, and registers per call. `on`: also with `verbs` — the application promises to "
+     "call `r2cclCommInvalidateCache` (or deregister) before it frees or unmaps a buffer it passed "
+     "to a collective, or a later call may move stale pages. `off`: register per call."},
+    {"R2CCL_REG_CACHE_BYTES", "1G",
+     "The most memory the registration cache keeps registered (1M–256G); a buffer larger than this "
+     "is registered for its call only."},
     {"R2CCL_CHECK", "0",
      "`1`: before every collective the ranks compare operation, count, type, reduction and root "
      "(one small exchange) and all fail with an error naming the mismatch."},
@@ -528,6 +540,16 @@ Result<Config> parse_config(const EnvLookup& env) {
       return bad("R2CCL_DEGRADED_ALGO", *v, "auto, off, balance, r2cc or weighted");
     c.degraded_algo = t;
   }
+  if (auto v = get("R2CCL_REG_CACHE")) {
+    std::string t = trim(*v);
+    std::transform(t.begin(), t.end(), t.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    if (t != "auto" && t != "on" && t != "off")
+      return bad("R2CCL_REG_CACHE", *v, "auto, on or off");
+    c.reg_cache = t;
+  }
+  R2CCL_RETURN_IF_ERROR(
+      size_var("R2CCL_REG_CACHE_BYTES", 1u << 20, std::size_t{256} << 30, c.reg_cache_bytes));
   if (auto v = get("R2CCL_CHECK")) {
     const std::string t = trim(*v);
     if (t != "0" && t != "1") return bad("R2CCL_CHECK", *v, "0 or 1");

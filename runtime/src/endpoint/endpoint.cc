@@ -808,6 +808,10 @@ ProviderCounters Endpoint::provider_counters() const {
   return provider_->counters();
 }
 
+std::uint32_t Endpoint::provider_capabilities() const {
+  return provider_->capabilities();
+}
+
 std::size_t Endpoint::rails_to(int peer) const {
   std::lock_guard lock(peers_mutex_);
   const Channel* c = channel(peer);
@@ -828,6 +832,10 @@ Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length, Memo
 Status Endpoint::deregister_memory(const RegionPtr& region) {
   if (!region) return {ErrorCode::kInvalidArgument, "deregister_memory: null region"};
   return registry_->deregister_region(region->id);
+}
+
+std::size_t Endpoint::registered_regions() const {
+  return registry_->size();
 }
 
 Status Endpoint::check_args(int peer, const RegionPtr& region, std::size_t offset,

@@ -463,4 +463,8 @@ ProviderCounters Fabric::provider_counters() const {
   return endpoint_->provider_counters();
 }
 
+std::uint32_t Fabric::provider_capabilities() const {
+  return endpoint_->provider_capabilities();
+}
+
 }  // namespace r2ccl

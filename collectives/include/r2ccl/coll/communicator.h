@@ -19,6 +19,7 @@
 
 #include "r2ccl/coll/degraded.h"
 #include "r2ccl/coll/plan.h"
+#include "r2ccl/coll/reg_cache.h"
 #include "r2ccl/coll/types.h"
 #include "r2ccl/runtime/fabric.h"
 
@@ -72,6 +73,18 @@ class Communicator {
   using BufferHandle = std::uint64_t;
   Result<BufferHandle> register_buffer(void* base, std::size_t bytes);
   Status deregister_buffer(BufferHandle handle);
+
+  // Other buffers above the staging size (64 KiB) keep their registrations for later operations
+  // in the registration cache (coll/reg_cache.h; R2CCL_REG_CACHE, R2CCL_REG_CACHE_BYTES) where
+  // the provider's registrations follow the address space's mappings (tcp): a buffer freed and
+  // allocated again is then reached as it is now. Where they pin pages (verbs), operations
+  // register their buffers for themselves alone unless R2CCL_REG_CACHE=on, with which the
+  // application must call invalidate_cache (or deregister_buffer) before it frees or unmaps
+  // memory it passed to an operation. Any thread; an operation in flight keeps what it uses
+  // registered until it ends. Returns how many cached registrations it dropped.
+  std::size_t invalidate_cache(const void* base, std::size_t bytes);
+  // The cache (its statistics, for tests and benchmarks); null where the communicator has none.
+  const RegistrationCache* registration_cache() const { return reg_cache_.get(); }
 
   // Fails what is in flight and everything after with an error; the object stays safe to destroy.
   // Any thread may call it (a watchdog's), also while a collective blocks.
@@ -151,6 +164,9 @@ class Communicator {
   LatencyHistogram& duration(CollOp op, Algo algo);
 
   std::unique_ptr<Fabric> fabric_;
+  // After fabric_: it deregisters through it when destroyed.
+  static constexpr std::size_t kRegCacheEntries = 64;
+  std::unique_ptr<RegistrationCache> reg_cache_;
   Algo requested_algo_ = Algo::kAuto;
   Algo last_algo_ = Algo::kAuto;
   std::uint64_t epoch_ = 0;   // collectives called so far: each runs in its own message epoch

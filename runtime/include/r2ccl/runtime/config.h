@@ -76,6 +76,11 @@ struct Config {
   std::string degraded_algo = "auto";  // auto | off | balance | r2cc | weighted
   std::size_t degraded_min_bytes = 1u << 20;
   std::size_t degraded_probe_bytes = 4u << 20;  // the agreement's timed probe; 0: none
+  // The registration cache of the host collectives (coll/reg_cache.h): auto (where the provider's
+  // registrations follow the mappings, tcp), on (also a pinning provider: the application
+  // invalidates what it frees), off (register every operation's buffers for it alone).
+  std::string reg_cache = "auto";
+  std::size_t reg_cache_bytes = std::size_t{1} << 30;  // registered bytes it keeps at most
 };
 
 struct ConfigEntry {

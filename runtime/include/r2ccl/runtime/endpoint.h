@@ -159,6 +159,8 @@ class Endpoint {
                                     MemoryAccess access = MemoryAccess::kRemoteWrite,
                                     const DeviceMemory* device = nullptr);
   Status deregister_memory(const RegionPtr& region);
+  // Regions registered now (MemoryRegistry::size).
+  std::size_t registered_regions() const;
   // Sends and receives posted from now on belong to `epoch` of their pair's messages, or to a
   // later one: each pair's first message of a new epoch starts its numbering afresh on both
   // sides, so what was posted in an earlier epoch never pairs with it. Epochs only grow; both
@@ -201,6 +203,8 @@ class Endpoint {
 
   std::vector<RailSnapshot> rail_snapshot() const;
   ProviderCounters provider_counters() const;
+  // The provider's ProviderCapability flags.
+  std::uint32_t provider_capabilities() const;
   std::vector<RailEvent> rail_events() const;
   std::vector<RailTelemetryView> rail_telemetry() const;
   const LatencyHistogram& failover_detection() const { return failover_detection_; }

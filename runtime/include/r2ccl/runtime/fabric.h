@@ -65,7 +65,11 @@ class Fabric {
   // lets peers write into it; kLocal (send-only buffers) does not.
   Result<RegionPtr> register_memory(void* base, std::size_t length,
                                     MemoryAccess access = MemoryAccess::kRemoteWrite);
+  // Deregisters at once, whatever is in flight: the tcp provider closes a rail whose data is
+  // still landing in the region. Deregister only what no operation still uses.
   Status deregister_memory(const RegionPtr& region);
+  // Regions registered now (this rank's, every user's).
+  std::size_t registered_regions() const { return endpoint_->registered_regions(); }
 
   // Starts an epoch of every pair's messages (Endpoint::set_epoch): the collectives start one
   // per operation.
@@ -114,6 +118,8 @@ class Fabric {
 
   std::vector<RailSnapshot> rail_snapshot() const;
   ProviderCounters provider_counters() const;
+  // The provider's ProviderCapability flags (the same provider serves every rail).
+  std::uint32_t provider_capabilities() const;
   // Rail state changes with wall-clock times (failed, replay_started, readmitted, ...).
   std::vector<RailEvent> rail_events() const;
   // Every rail's live telemetry (plain atomics), for collectors that read it at scrape time.

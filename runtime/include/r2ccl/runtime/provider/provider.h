@@ -47,6 +47,14 @@ enum ProviderCapability : std::uint32_t {
   kCapBackPressure = 1u << 2,
   // Writes land in the peer's memory without its CPU (RDMA); else the peer's provider copies.
   kCapRemoteDirectWrite = 1u << 3,
+  // A registration names a virtual address range, not the pages behind it: every transfer reads
+  // or writes whatever the range maps at that moment (the provider copies with the CPU, or the
+  // NIC faults pages in on demand, verbs' IBV_ACCESS_ON_DEMAND). Memory freed and mapped again
+  // at the same address is then safe to reach through an old registration, so a registration
+  // can be cached past the buffer's lifetime. Without it a registration pins the pages it found
+  // (ibv_reg_mr): after free() and a new malloc() at the same address, a transfer through the
+  // old registration would move the old pages' bytes.
+  kCapRegistrationFollowsMappings = 1u << 4,
 };
 
 // Who is connecting, carried in a rail's first frame and checked by the acceptor.
