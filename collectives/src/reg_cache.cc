@@ -18,6 +18,17 @@ bool registration_cache_applies(std::string_view mode, std::uint32_t provider_ca
 }
 
 struct RegistrationCache::Slot {
+  // A new registration, with the lease of the operation that made it.
+  Slot(RegionPtr r, std::uintptr_t from, std::uintptr_t to, MemoryAccess a, std::uint64_t tick,
+       bool in_entries)
+      : region(std::move(r)),
+        lo(from),
+        hi(to),
+        access(a),
+        leases(1),
+        used(tick),
+        cached(in_entries) {}
+
   RegionPtr region;
   std::uintptr_t lo = 0, hi = 0;  // the registered range
   MemoryAccess access = MemoryAccess::kLocal;
@@ -101,14 +112,8 @@ Result<RegistrationCache::Lease> RegistrationCache::acquire(const void* p, std::
       auto region = register_(const_cast<void*>(p), bytes, access);
       if (!region) return region.status();
       ++stats_.registrations;
-      auto slot = std::make_shared<Slot>();
-      slot->region = std::move(*region);
-      slot->lo = a;
-      slot->hi = end;
-      slot->access = access;
-      slot->leases = 1;
-      slot->cached = false;
-      lease.slot_ = std::move(slot);
+      lease.slot_ = std::make_shared<Slot>(std::move(*region), a, end, access, tick_,
+                                           /*in_entries=*/false);
       return Result<Lease>(std::move(lease));
     }
     // The entries overlapping [lo, hi): from the one before lo's that reaches past lo, to the
@@ -139,13 +144,8 @@ Result<RegistrationCache::Lease> RegistrationCache::acquire(const void* p, std::
       drop(i, now);
       i = next;
     }
-    auto slot = std::make_shared<Slot>();
-    slot->region = std::move(*region);
-    slot->lo = rlo;
-    slot->hi = rhi;
-    slot->access = access;
-    slot->leases = 1;
-    slot->used = tick_;
+    auto slot = std::make_shared<Slot>(std::move(*region), rlo, rhi, access, tick_,
+                                       /*in_entries=*/true);
     entries_.emplace(rlo, slot);
     bytes_ += rhi - rlo;
     // The bounds: the least recently used go (never the new one).
