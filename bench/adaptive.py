@@ -23,7 +23,6 @@ Prints a Markdown table per check and PASS or FAIL. Exit status: 0 PASS, 1 FAIL,
 77 no testbed here.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -58,16 +57,12 @@ def main() -> int:
     out = []
 
     def job(tb, tag, args, env=None, faults=(), timeout=600):
-        js = str(work / f"{tag}.json")
-        boot = f"{tb.mgmt_addr(0)}:{t.random_port()}"
-        procs = t.perf_ranks(HOSTS, boot, ["allreduce", "-d", "int32", "-c", "1", *args],
-                             hosts=list(range(HOSTS)), extra_env=env or {}, json_path=js)
-        res = t.launch_ranks(procs + list(faults), testbed=tb, timeout=timeout)
-        if [r.returncode for r in res[:HOSTS]] != [0] * HOSTS or t.CHECK_LINE not in res[0].stdout:
-            problems.append(f"{tag}: the job failed or was not verified:\n" + t.describe(res[:HOSTS]))
-            return None, res
-        with open(js) as f:
-            return json.load(f), res
+        rep, res, wrong = t.perf_job(tb, HOSTS, ["allreduce", "-d", "int32", "-c", "1", *args],
+                                     str(work / f"{tag}.json"), extra_env=env, faults=faults,
+                                     timeout=timeout)
+        if wrong:
+            problems.append(f"{tag}: {wrong}")
+        return rep, res
 
     def timed(rep):
         return rep["results"][-1]["time_us"] * 1e-6, rep["results"][-1]["algo"]

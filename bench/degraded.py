@@ -21,7 +21,6 @@ and the automatic choice was the fastest plan (or within 5% of it) in every sett
 Exit status: 0 PASS, 1 FAIL, 2 usage, 77 no testbed here.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -70,19 +69,13 @@ def main() -> int:
     def job(tb, plan: str, tag: str, faults=()):
         nonlocal runs
         runs += 1
-        js = str(work / f"{tag}.json")
         args = ["allreduce", "-d", "int32", "-b", str(size), "-e", str(size), "-n", str(a.iters),
                 "-w", "1", "-c", "1"]
-        boot = f"{tb.mgmt_addr(0)}:{t.random_port()}"
-        procs = t.perf_ranks(HOSTS, boot, args, hosts=list(range(HOSTS)),
-                             extra_env={"R2CCL_ALGO": plan}, json_path=js)
-        procs += list(faults)
-        res = t.launch_ranks(procs, testbed=tb, timeout=600)
-        if [r.returncode for r in res[:HOSTS]] != [0] * HOSTS or t.CHECK_LINE not in res[0].stdout:
-            problems.append(f"{tag}: the job failed or was not verified:\n" + t.describe(res[:HOSTS]))
-            return None
-        with open(js) as f:
-            return json.load(f)
+        rep, _, wrong = t.perf_job(tb, HOSTS, args, str(work / f"{tag}.json"),
+                                   extra_env={"R2CCL_ALGO": plan}, faults=faults)
+        if wrong:
+            problems.append(f"{tag}: {wrong}")
+        return rep
 
     def sim(nic_gbps: float, latency_us: float, lost: int, shaped: bool, plan: str,
             plan_from: str) -> float:

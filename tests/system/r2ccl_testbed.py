@@ -397,6 +397,21 @@ def perf_ranks(nranks: int, bootstrap: str, args: Sequence[str], *, hosts: Optio
     return out
 
 
+def perf_job(tb: "Testbed", nranks: int, args: Sequence[str], json_path: str, *,
+             extra_env: Optional[Dict[str, str]] = None, faults: Sequence[Proc] = (),
+             timeout: float = 600.0):
+    """r2ccl-perf with rank r on testbed host r, rank 0 writing `json_path`, beside the `faults`
+    Procs.  Returns (rank 0's JSON report, results, None), or (None, results, what went wrong)
+    where a rank failed or rank 0 did not verify its results."""
+    boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+    procs = perf_ranks(nranks, boot, args, hosts=list(range(nranks)), extra_env=extra_env,
+                       json_path=json_path)
+    res = launch_ranks(procs + list(faults), testbed=tb, timeout=timeout)
+    if [r.returncode for r in res[:nranks]] != [0] * nranks or CHECK_LINE not in res[0].stdout:
+        return None, res, "the job failed or was not verified:\n" + describe(res[:nranks])
+    return load_json(json_path), res, None
+
+
 def loopback_nics(rank: int, k: int) -> str:
     """R2CCL_NICS for `rank` on loopback: 127.0.0.(10*(rank+1)+i), i = 1..k."""
     return ",".join(f"127.0.0.{10 * (rank + 1) + i}" for i in range(1, k + 1))
