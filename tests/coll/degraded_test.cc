@@ -36,6 +36,18 @@ void expect_pairs(const std::vector<Plan>& plans, const std::string& what) {
   EXPECT_EQ(sent, received) << what;
 }
 
+// Every rank's plan, make(rank) for ranks 0..p-1; the first failure otherwise.
+template <class Make>
+Result<std::vector<Plan>> every_rank(int p, Make&& make) {
+  std::vector<Plan> plans;
+  for (int r = 0; r < p; ++r) {
+    auto plan = make(r);
+    if (!plan) return plan.status().with_context(fmt::format("rank {}'s plan", r));
+    plans.push_back(std::move(*plan));
+  }
+  return plans;
+}
+
 TEST(DegradedPlans, PairUpAndFinishInTheSimulatorForEveryShape) {
   for (int p : {2, 3, 4, 5, 8})
     for (int slow : {0, p / 2, p - 1})
@@ -53,13 +65,12 @@ TEST(DegradedPlans, PairUpAndFinishInTheSimulatorForEveryShape) {
             }
             const std::string what = fmt::format("{} p={} slow={} shape={} count={}", algo_name(a),
                                                  p, slow, shape, count);
-            std::vector<Plan> plans;
-            for (int r = 0; r < p; ++r) {
-              auto plan = make_plan(allreduce(count), r, p, a, &net);
-              ASSERT_TRUE(plan.is_ok()) << what;
-              EXPECT_EQ(plan->algo, a) << what;
-              plans.push_back(std::move(*plan));
-            }
+            auto made =
+                every_rank(p, [&](int r) { return make_plan(allreduce(count), r, p, a, &net); });
+            ASSERT_TRUE(made.is_ok()) << what << ": " << made.status().message();
+            const std::vector<Plan>& plans = *made;
+            for (const Plan& plan : plans)
+              EXPECT_EQ(plan.algo, a) << what;
             expect_pairs(plans, what);
             SimNetwork sn;
             for (int r = 0; r < p; ++r)
@@ -236,13 +247,9 @@ TEST(DegradedPlans, ComputeTheRightSumsAtScale) {
             net.rails_up.push_back(hit && slow < 0.6 ? 0b0011 : 0b1111);
           }
           const CollDesc d{CollOp::kAllReduce, count, DataType::kI32, RedOp::kSum, 0, count == 5};
-          std::vector<Plan> plans;
-          for (int r = 0; r < p; ++r) {
-            auto plan = make_plan(d, r, p, a, &net);
-            ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-            plans.push_back(std::move(*plan));
-          }
-          expect_allreduce(plans, d,
+          auto plans = every_rank(p, [&](int r) { return make_plan(d, r, p, a, &net); });
+          ASSERT_TRUE(plans.is_ok()) << plans.status().message();
+          expect_allreduce(*plans, d,
                            fmt::format("{} p={} slow={} count={}", algo_name(a), p, slow, count));
         }
   Cluster c;
@@ -254,13 +261,10 @@ TEST(DegradedPlans, ComputeTheRightSumsAtScale) {
   const Network net = c.network();
   for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
     const CollDesc d{CollOp::kAllReduce, 5003, DataType::kF32, RedOp::kAvg, 0, false};
-    std::vector<Plan> plans;
-    for (int r = 0; r < c.ranks(); ++r) {
-      auto plan = make_hierarchical_plan(d, r, c.nodes, c.gpus, a, &net);
-      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-      plans.push_back(std::move(*plan));
-    }
-    expect_allreduce(plans, d, fmt::format("hierarchical {} 12x4 avg", algo_name(a)));
+    auto plans = every_rank(
+        c.ranks(), [&](int r) { return make_hierarchical_plan(d, r, c.nodes, c.gpus, a, &net); });
+    ASSERT_TRUE(plans.is_ok()) << plans.status().message();
+    expect_allreduce(*plans, d, fmt::format("hierarchical {} 12x4 avg", algo_name(a)));
   }
 }
 
@@ -275,15 +279,13 @@ TEST(DegradedPlans, HierarchicalPlansPairUp) {
   const Network net = c.network();
   for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
     for (std::size_t count : {5u, 1000u, 99999u}) {
-      std::vector<Plan> plans;
-      for (int r = 0; r < c.ranks(); ++r) {
-        auto plan = make_hierarchical_plan(allreduce(count), r, c.nodes, c.gpus, a, &net);
-        ASSERT_TRUE(plan.is_ok());
-        plans.push_back(std::move(*plan));
-      }
       const std::string what = fmt::format("{} count={}", algo_name(a), count);
-      expect_pairs(plans, what);
-      auto res = simulate(plans, c.sim_network());
+      auto plans = every_rank(c.ranks(), [&](int r) {
+        return make_hierarchical_plan(allreduce(count), r, c.nodes, c.gpus, a, &net);
+      });
+      ASSERT_TRUE(plans.is_ok()) << what << ": " << plans.status().message();
+      expect_pairs(*plans, what);
+      auto res = simulate(*plans, c.sim_network());
       ASSERT_TRUE(res.is_ok()) << what << ": " << res.status().message();
     }
 }
