@@ -181,9 +181,16 @@ std::size_t sends_per_rank(const Setting& s, Algo algo) {
   const Cluster c = cluster_of(s);
   const Network net = c.network();
   const CollDesc d = allreduce_of(s);
+  // The first failed node's first rank, and a healthy node's (the plans differ only there).
+  std::vector<int> nodes;
+  for (int node = 0; node < c.nodes; ++node)
+    if (std::find(c.failed.begin(), c.failed.end(), node) == c.failed.end()) {
+      nodes.push_back(node);
+      break;
+    }
+  if (!c.failed.empty()) nodes.push_back(c.failed[0]);
   std::size_t most = 0;
-  for (int node : {c.failed.empty() ? 0 : c.failed[0],
-                   c.failed.empty() || c.failed[0] != 0 ? 0 : c.nodes - 1}) {
+  for (int node : nodes) {
     const int r = node * c.gpus;
     auto plan = c.gpus > 1 ? make_hierarchical_plan(d, r, c.nodes, c.gpus, algo, &net)
                            : make_plan(d, r, c.ranks(), algo, &net);

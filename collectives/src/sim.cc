@@ -42,10 +42,6 @@ struct RankState {
   std::vector<std::uint32_t> posted;  // per pair: its steps posted so far
   std::size_t lanes_left = 0;
   double finish = 0;
-  // The channels of this rank's last message sent (a ring sends to one peer over and over).
-  int memo_peer = -1;
-  std::uint64_t memo_rails = 0;
-  std::vector<int> memo_units;
 };
 
 std::uint64_t pair_key(int peer, bool is_send) {
@@ -325,10 +321,7 @@ class Sim {
     fl.live = true;
     ++fl.version;
     fl.units.clear();
-    auto& sender = ranks_[static_cast<std::size_t>(key.src)];
-    if (sender.memo_peer == key.dst && sender.memo_rails == m.rails) {
-      fl.units = sender.memo_units;
-    } else if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
+    if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
       fl.units.push_back(
           unit_of(port(key.src, groups_.size(), false), port(key.dst, groups_.size(), true)));
     } else {
@@ -343,9 +336,6 @@ class Sim {
         return Status(ErrorCode::kInvalidArgument,
                       fmt::format("no rail is up at both rank {} and rank {}", key.src, key.dst));
     }
-    sender.memo_peer = key.dst;
-    sender.memo_rails = m.rails;
-    sender.memo_units = fl.units;
     for (int u : fl.units) {
       units_[static_cast<std::size_t>(u)].flows.push_back(f);
       touch(units_[static_cast<std::size_t>(u)].out_port);
