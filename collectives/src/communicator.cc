@@ -335,6 +335,10 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Config& config,
   R2CCL_ASSIGN_OR_RETURN(auto fabric, Fabric::create(config, boot));
   std::unique_ptr<Communicator> c(new Communicator(std::move(fabric)));
   c->requested_algo_ = algo;
+  // The rails' line rates, for degraded mode's estimate of this rank's links (the first 64).
+  const auto& nics = c->fabric_->nics();
+  for (std::size_t i = 0; i < std::min<std::size_t>(nics.size(), 64); ++i)
+    c->line_bps_.push_back(line_rate_bps(nics[i]).value_or(kNominalRailBps));
   // The registration cache only where a registration that outlives its buffer stays correct
   // (the provider's registrations follow the mappings, tcp), unless R2CCL_REG_CACHE says
   // otherwise; a pinning provider (verbs) registers each operation's buffers for it alone.
@@ -575,13 +579,7 @@ Algo Communicator::degraded_algo(const CollDesc& d) const {
 }
 
 Communicator::LinkEstimate Communicator::measure_links() const {
-  const auto& nics = fabric_->nics();
-  const std::size_t k = std::min<std::size_t>(nics.size(), 64);
-  if (line_bps_.size() != k) {
-    line_bps_.clear();
-    for (std::size_t i = 0; i < k; ++i)
-      line_bps_.push_back(line_rate_bps(nics[i]).value_or(kNominalRailBps));
-  }
+  const std::size_t k = line_bps_.size();
   // A rail counts where it is up to some peer: fully, or, where the channel found it degraded
   // (well under its sibling rails), at its weight against the fastest of them, in steps of 1/32
   // (so that a weight that wanders a little is not a change of the rank's links).
@@ -608,7 +606,13 @@ Communicator::LinkEstimate Communicator::measure_links() const {
 Result<double> Communicator::probe(std::size_t bytes) {
   const int p = size();
   if (bytes == 0 || p < 2) return 0.0;
-  R2CCL_ASSIGN_OR_RETURN(auto region, scratch(2 * bytes));
+  // A buffer of its own, gone after the agreement (the scratch buffer stays for good).
+  std::vector<std::byte> buf(2 * bytes);
+  Registered reg(
+      *fabric_, [](const void*, std::size_t) { return std::pair<RegionPtr, std::size_t>{}; },
+      nullptr, 0);
+  R2CCL_ASSIGN_OR_RETURN(auto at, reg.add(buf.data(), buf.size(), MemoryAccess::kRemoteWrite));
+  const RegionPtr& region = at.first;
   double best = 0;
   for (int shift : {1, 2}) {
     if (shift == 2 && p < 3) break;

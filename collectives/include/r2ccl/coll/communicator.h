@@ -207,7 +207,7 @@ class Communicator {
   std::uint64_t agreements_ = 0;
   // Each rail's line rate (bytes per second), read once.
   static constexpr double kNominalRailBps = 1.25e9;
-  mutable std::vector<double> line_bps_;
+  std::vector<double> line_bps_;
   std::function<LinkEstimate()> link_source_;
 };
 
