@@ -48,6 +48,7 @@ struct Options {
   std::string low_latency = "default", one_shot = "default", nccl_min = "default";
   int blocks = 128, low_latency_blocks = 128;
   bool tune = true;
+  bool share_gpu = false;
   std::size_t low_latency_max = 0;  // parsed from low_latency
 };
 
@@ -189,9 +190,7 @@ int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& ca
       fmt::print(stderr, "rank {}: cannot allocate 2 x {} bytes\n", me, count * e);
       return -1;
     }
-    for (gpu::NvlinkAlgo algo :
-         {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot, gpu::NvlinkAlgo::kTwoShot,
-          gpu::NvlinkAlgo::kPush, gpu::NvlinkAlgo::kNccl}) {
+    for (gpu::NvlinkAlgo algo : gpu::kNvlinkAlgos) {
       if (algo == gpu::NvlinkAlgo::kNccl && (!nv.has_nccl() || p == 1)) continue;
       Status st = round_trip(nv, s, src.p, in, dst.p, got, [&] {
         return nv.all_reduce(src.p, dst.p, count, t, RedOp::kSum, s, algo);
@@ -348,9 +347,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
     const std::size_t e = r2ccl::coll::type_size(t);
     for (RedOp op : {RedOp::kSum, RedOp::kProd, RedOp::kMin, RedOp::kMax, RedOp::kAvg}) {
       if (op == RedOp::kAvg && !r2ccl::coll::is_float(t)) continue;
-      for (gpu::NvlinkAlgo algo :
-           {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot, gpu::NvlinkAlgo::kTwoShot,
-            gpu::NvlinkAlgo::kPush, gpu::NvlinkAlgo::kNccl}) {
+      for (gpu::NvlinkAlgo algo : gpu::kNvlinkAlgos) {
         if (algo == gpu::NvlinkAlgo::kNccl && (!nv.has_nccl() || p == 1)) continue;
         for (std::size_t count : counts) {
           for (int variant = 0; variant < 4; ++variant) {
@@ -412,8 +409,9 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
   }
   if (me == 0)
     fmt::print(
-        "check: {} ranks, {} cases per rank (all-reduce: types x reductions x low-latency/"
-        "one-shot/two-shot/push/nccl x sizes x in place/out of place x eager/graph, and 1 GiB "
+        "check: {} ranks, {} cases per rank (all-reduce: types x reductions x low-latency "
+        "one- and two-shot/one-shot/two-shot/push/nccl x sizes x in place/out of place x "
+        "eager/graph, and 1 GiB "
         "sums; "
         "all-gather, reduce-scatter, broadcast, reduce, send/recv: the same on the kernels and "
         "on NCCL): {}\n",
@@ -473,9 +471,10 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
   }
   DeviceMem buf(max_bytes), out(max_bytes);
   (void)cudaMemset(buf.p, 0, max_bytes);
-  const gpu::NvlinkAlgo algos[] = {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kOneShot,
-                                   gpu::NvlinkAlgo::kTwoShot, gpu::NvlinkAlgo::kPush,
-                                   gpu::NvlinkAlgo::kAuto};
+  const gpu::NvlinkAlgo algos[] = {
+      gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kLowLatencyTwoShot,
+      gpu::NvlinkAlgo::kOneShot,    gpu::NvlinkAlgo::kTwoShot,
+      gpu::NvlinkAlgo::kPush,       gpu::NvlinkAlgo::kAuto};
   constexpr int kTimed = static_cast<int>(std::size(algos));
   if (me == 0) {
     int dev = 0;
@@ -493,9 +492,9 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
       table += fmt::format(" {} up to {},", gpu::nvlink_algo_name(algo), upto);
     fmt::print("# auto: {}\n", table.empty() ? std::string(" the thresholds (--no-tune)")
                                              : table.substr(0, table.size() - 1) + ", and beyond");
-    fmt::print("{:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>11}\n", "bytes", "ll us",
-               "1shot us", "2shot us", "push us", "auto us", "nccl us", "ratio", "auto GB/s",
-               "nccl GB/s");
+    fmt::print("{:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>11}\n", "bytes",
+               "ll us", "ll2 us", "1shot us", "2shot us", "push us", "auto us", "nccl us", "ratio",
+               "auto GB/s", "nccl GB/s");
   }
   int rc = 0;
   for (std::size_t bytes = min_bytes; bytes <= max_bytes && rc == 0;
@@ -504,10 +503,14 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
     const int iters = static_cast<int>(std::clamp<double>(
         o.iters * (static_cast<double>(std::size_t{1} << 20) / static_cast<double>(bytes)), 5,
         o.iters));
-    double t[kTimed] = {NAN, NAN, NAN, NAN, NAN};
+    double t[kTimed];
+    std::fill(std::begin(t), std::end(t), NAN);
     Status st = Status::ok();
     for (int k = 0; k < kTimed && st; ++k) {
-      if (algos[k] == gpu::NvlinkAlgo::kLowLatency && bytes > o.low_latency_max) continue;
+      if ((algos[k] == gpu::NvlinkAlgo::kLowLatency ||
+           algos[k] == gpu::NvlinkAlgo::kLowLatencyTwoShot) &&
+          bytes > o.low_latency_max)
+        continue;
       auto r = time_graph(s, o.graph_calls, iters, [&] {
         return nv.all_reduce(buf.p, out.p, count, DataType::kBF16, RedOp::kSum, s, algos[k]);
       });
@@ -533,10 +536,10 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
     const double bus = 2.0 * (p - 1) / p * static_cast<double>(bytes);
     if (me == 0)
       fmt::print(
-          "{:>10} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>7.2f} {:>11.1f} "
-          "{:>11.1f}\n",
-          bytes, t[0] * 1e6, t[1] * 1e6, t[2] * 1e6, t[3] * 1e6, t[4] * 1e6, theirs * 1e6,
-          t[4] / theirs, bus / t[4] / 1e9, bus / theirs / 1e9);
+          "{:>10} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.2f} {:>7.2f} "
+          "{:>11.1f} {:>11.1f}\n",
+          bytes, t[0] * 1e6, t[1] * 1e6, t[2] * 1e6, t[3] * 1e6, t[4] * 1e6, t[5] * 1e6,
+          theirs * 1e6, t[5] / theirs, bus / t[5] / 1e9, bus / theirs / 1e9);
   }
   if (nc) (void)ncclCommDestroy(nc);
   return rc;
@@ -569,6 +572,8 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-tune", o.tune,
                "auto: the thresholds (--low-latency-max, --one-shot-max, --nccl-min) instead of "
                "the table measured when the communicator is made (--bench)");
+  app.add_flag("--share-gpu", o.share_gpu,
+               "let ranks share a GPU (kernels checked on fewer GPUs than ranks; slow, no NCCL)");
   CLI11_PARSE(app, argc, argv);
   if (!o.check && !o.bench) {
     fmt::print(stderr, "r2ccl-gpu-perf: say --check, --bench or both\n");
@@ -613,6 +618,7 @@ int main(int argc, char** argv) {
     small.low_latency_max = std::size_t{64} << 10;
     small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
     small.tune = false;
+    small.share_gpu = o.share_gpu;
     auto nv = gpu::NvlinkComm::create(**host, device, small);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
@@ -637,6 +643,7 @@ int main(int argc, char** argv) {
     opts.low_latency_blocks = o.low_latency_blocks;
     opts.nccl_min_bytes = *ncclmin;
     opts.tune = o.tune;
+    opts.share_gpu = o.share_gpu;
     auto nv = gpu::NvlinkComm::create(**host, device, opts);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());

@@ -44,11 +44,17 @@ std::string_view nvlink_algo_name(NvlinkAlgo a) {
       return "push";
     case NvlinkAlgo::kNccl:
       return "nccl";
+    case NvlinkAlgo::kLowLatencyTwoShot:
+      return "low-latency-two-shot";
   }
   return "?";
 }
 
 namespace {
+
+bool low_latency(NvlinkAlgo a) {
+  return a == NvlinkAlgo::kLowLatency || a == NvlinkAlgo::kLowLatencyTwoShot;
+}
 
 // What each rank tells the others when the communicator is made.
 struct Card {
@@ -61,6 +67,7 @@ struct Card {
   std::int32_t low_latency_blocks = 0;
   std::int32_t ok = 0;    // 0: this rank could not allocate (the others then fail too)
   std::int32_t nccl = 0;  // NCCL loads here
+  std::int32_t share_gpu = 0;
 };
 
 }  // namespace
@@ -93,6 +100,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   card.low_latency_max = options.low_latency_max;
   card.low_latency_blocks = options.low_latency_blocks;
   card.nccl_min_bytes = options.nccl_min_bytes;
+  card.share_gpu = options.share_gpu ? 1 : 0;
   // Allocate first, exchange whatever happened: a rank that failed must not leave the others
   // waiting in the all-gather.
   Status local = cuda_status(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device));
@@ -159,16 +167,19 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
                     fmt::format("nvlink: rank {} could not set up its GPU memory", r));
     if (k.staging_bytes != card.staging_bytes || k.blocks != card.blocks ||
         k.low_latency_max != card.low_latency_max ||
-        k.low_latency_blocks != card.low_latency_blocks || k.nccl_min_bytes != card.nccl_min_bytes)
+        k.low_latency_blocks != card.low_latency_blocks ||
+        k.nccl_min_bytes != card.nccl_min_bytes || k.share_gpu != card.share_gpu)
       return Status(
           ErrorCode::kInvalidArgument,
           fmt::format("nvlink: rank {} has other options than rank {}: staging {} and "
                       "{} bytes, blocks {} and {}, low-latency up to {} and {} bytes in "
-                      "{} and {} blocks, NCCL from {} and {} bytes",
+                      "{} and {} blocks, NCCL from {} and {} bytes, GPUs shared {} and {}",
                       r, c->rank_, k.staging_bytes, card.staging_bytes, k.blocks, card.blocks,
                       k.low_latency_max, card.low_latency_max, k.low_latency_blocks,
-                      card.low_latency_blocks, k.nccl_min_bytes, card.nccl_min_bytes));
-    if (r != c->rank_ && std::memcmp(k.uuid, card.uuid, sizeof card.uuid) == 0)
+                      card.low_latency_blocks, k.nccl_min_bytes, card.nccl_min_bytes,
+                      k.share_gpu != 0, card.share_gpu != 0));
+    if (r != c->rank_ && !options.share_gpu &&
+        std::memcmp(k.uuid, card.uuid, sizeof card.uuid) == 0)
       return Status(ErrorCode::kInvalidArgument,
                     fmt::format("nvlink: ranks {} and {} are on the same GPU", r, c->rank_));
   }
@@ -197,7 +208,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
 #ifdef R2CCL_HAVE_NCCL
   // NCCL where every rank has it. One rank has nothing to exchange: no NCCL (whose one-rank
   // average also left the tail of unaligned buffers unwritten in 2.28.3).
-  bool everyone_nccl = true;
+  bool everyone_nccl = !options.share_gpu;
   for (const Card& k : cards)
     everyone_nccl = everyone_nccl && k.nccl != 0;
   if (everyone_nccl) {
@@ -522,9 +533,8 @@ double graph_seconds(cudaStream_t s, int calls, int replays, Call&& call) {
 
 Status NvlinkComm::tune() {
   constexpr std::size_t kSmallest = std::size_t{8} << 10, kLargest = std::size_t{64} << 20;
-  const NvlinkAlgo algos[] = {NvlinkAlgo::kLowLatency, NvlinkAlgo::kOneShot, NvlinkAlgo::kTwoShot,
-                              NvlinkAlgo::kPush, NvlinkAlgo::kNccl};
-  constexpr std::size_t kAlgos = std::size(algos);
+  const auto& algos = kNvlinkAlgos;
+  constexpr std::size_t kAlgos = std::size(kNvlinkAlgos);
   std::vector<std::size_t> sizes;
   for (std::size_t b = kSmallest; b <= kLargest; b *= 2)
     sizes.push_back(b);
@@ -547,7 +557,8 @@ Status NvlinkComm::tune() {
       const int replays = sizes[i] >= (std::size_t{8} << 20) ? 2 : 5;
       for (std::size_t k = 0; k < kAlgos; ++k) {
         const NvlinkAlgo algo = algos[k];
-        if (algo == NvlinkAlgo::kLowLatency && sizes[i] > options_.low_latency_max) continue;
+        if (low_latency(algo) && sizes[i] > options_.low_latency_max) continue;
+        if (algo == NvlinkAlgo::kLowLatencyTwoShot && size_ <= 2) continue;  // one-shot's traffic
         if (algo == NvlinkAlgo::kNccl && (nccl_ == nullptr || options_.nccl_min_bytes == 0))
           continue;
         seconds[i * kAlgos + k] = graph_seconds(s, 10, replays, [&] {
@@ -604,27 +615,30 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
                          : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
                                        nccl_available().message())};
     }
-    const bool low_latency = algo == NvlinkAlgo::kLowLatency;
+    const bool ll = low_latency(algo);
     // push: a half holds a slot per rank of the longest slice, then the whole call.
     const std::size_t per_call =
-        low_latency ? options_.low_latency_max / elem
+        ll ? options_.low_latency_max / elem
         : algo == NvlinkAlgo::kPush
             ? (options_.staging_bytes / 16 - static_cast<std::size_t>(size_)) / 2 * (16 / elem)
             : options_.staging_bytes / elem;
     detail::NvlinkArgs a;
     base_args(a);
     a.divide_by = op == RedOp::kAvg ? size_ : 0;
-    a.two_shot = algo == NvlinkAlgo::kTwoShot;
     a.push = algo == NvlinkAlgo::kPush;
     for (std::size_t done = 0; done < count; done += per_call) {
       const std::size_t n = std::min(per_call, count - done);
       a.send = static_cast<const std::byte*>(send) + done * elem;
       a.recv = static_cast<std::byte*>(recv) + done * elem;
       a.count = n;
+      // The low-latency two-shot kernel needs a line of every rank's slice (nvlink_kernels.h).
+      a.two_shot =
+          algo == NvlinkAlgo::kTwoShot || (algo == NvlinkAlgo::kLowLatencyTwoShot &&
+                                           n * elem >= 8 * static_cast<std::size_t>(size_));
       // Always each kernel's full grid: every thread block counts every call (nvlink_kernels.h).
       R2CCL_RETURN_IF_ERROR(cuda_status(
-          low_latency ? detail::launch_low_latency(a, type, op, options_.low_latency_blocks, stream)
-                      : detail::launch_nvlink(a, type, op, options_.blocks, stream),
+          ll ? detail::launch_low_latency(a, type, op, options_.low_latency_blocks, stream)
+             : detail::launch_nvlink(a, type, op, options_.blocks, stream),
           fmt::format("nvlink all-reduce of {} {} ({})", n, type_name(type), redop_name(op))));
     }
     return Status::ok();

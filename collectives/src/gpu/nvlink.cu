@@ -411,59 +411,76 @@ __device__ __forceinline__ void load8(const std::byte* base, std::size_t off, st
   }
 }
 
-template <class T, RedOp Op>
-__global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
-  using A = typename Acc<T>::type;
-  constexpr int kPer = 8 / static_cast<int>(sizeof(T));  // elements per line
-  __shared__ std::uint32_t failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  const std::uint32_t flag = call_number(a, kLowLatencyCounters);
-  const std::size_t half = (flag & 1u) * a.ll_bytes;
-  auto area = [&](int owner, int sender) {
-    return reinterpret_cast<uint4*>(a.block[owner] + a.ll_offset +
-                                    static_cast<std::size_t>(sender) * 2 * a.ll_bytes + half);
-  };
-  const std::size_t bytes = a.count * sizeof(T);
-  const std::size_t lines = (bytes + 7) / 8;
-  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  const auto* in = static_cast<const std::byte*>(a.send);
-  auto* out = static_cast<std::byte*>(a.recv);
-  const bool in8 = reinterpret_cast<std::uintptr_t>(in) % 8 == 0;
-  const bool out8 = reinterpret_cast<std::uintptr_t>(out) % 8 == 0;
-
-  for (std::size_t l = first; l < lines; l += stride) {
-    std::uint32_t d[2];
-    load8(in, l * 8, bytes - l * 8 < 8 ? bytes - l * 8 : 8, in8, d);
-    for (int q = 0; q < a.nranks; ++q)
-      if (q != a.rank) ll_store(area(q, a.rank) + l, d[0], d[1], flag);
+// Waits until the line carries `flag` and gives its data; false where the kernel gives up (the
+// reason in `failed`, shared by the block).
+__device__ __forceinline__ bool ll_wait(const NvlinkArgs& a, const uint4* line, std::uint32_t flag,
+                                        std::uint32_t (&d)[2], std::uint32_t& failed) {
+  std::uint32_t spins = 0;
+  while (!ll_load(line, flag, d[0], d[1])) {
+    if (const std::uint32_t why = give_up(a, ++spins); why != 0) {
+      atomicCAS(&failed, 0u, why);
+      return false;
+    }
   }
-  for (std::size_t l = first; l < lines; l += stride) {
-    const std::size_t n = bytes - l * 8 < 8 ? bytes - l * 8 : 8;
+  return true;
+}
+
+// The low-latency kernels' view of a call: 8-byte lines of input and output, and the areas.
+struct LowLatencyCall {
+  const NvlinkArgs& a;
+  std::uint32_t flag;
+  std::size_t bytes, lines, first, stride;
+  const std::byte* in;
+  std::byte* out;
+  bool in8, out8;
+
+  __device__ LowLatencyCall(const NvlinkArgs& args, std::size_t elem)
+      : a(args),
+        flag(call_number(args, kLowLatencyCounters)),
+        bytes(args.count * elem),
+        lines((bytes + 7) / 8),
+        first(static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x),
+        stride(static_cast<std::size_t>(gridDim.x) * blockDim.x),
+        in(static_cast<const std::byte*>(args.send)),
+        out(static_cast<std::byte*>(args.recv)),
+        in8(reinterpret_cast<std::uintptr_t>(args.send) % 8 == 0),
+        out8(reinterpret_cast<std::uintptr_t>(args.recv) % 8 == 0) {}
+
+  // What `sender` writes into `owner`'s memory, in this call's half.
+  __device__ uint4* area(int owner, int sender) const {
+    return reinterpret_cast<uint4*>(a.block[owner] + a.ll_offset +
+                                    static_cast<std::size_t>(sender) * 2 * a.ll_bytes +
+                                    (flag & 1u) * a.ll_bytes);
+  }
+  __device__ std::size_t size(std::size_t l) const { return bytes - l * 8 < 8 ? bytes - l * 8 : 8; }
+  __device__ void input(std::size_t l, std::uint32_t (&d)[2]) const {
+    load8(in, l * 8, size(l), in8, d);
+  }
+  __device__ void output(std::size_t l, const std::uint32_t (&d)[2]) const {
+    if (size(l) == 8 && out8)
+      *reinterpret_cast<uint2*>(out + l * 8) = make_uint2(d[0], d[1]);
+    else
+      memcpy(out + l * 8, d, size(l));
+  }
+  // Line l reduced over every rank in rank order (this rank's from its input, the others' as
+  // they arrive in its area); false where the kernel gives up.
+  template <class T, RedOp Op>
+  __device__ bool reduce(std::size_t l, std::uint32_t (&result)[2], std::uint32_t& failed) const {
+    using A = typename Acc<T>::type;
+    constexpr int kPer = 8 / static_cast<int>(sizeof(T));
     A acc[kPer];
     for (int r = 0; r < a.nranks; ++r) {
       std::uint32_t d[2];
-      if (r == a.rank) {
-        load8(in, l * 8, n, in8, d);
-      } else {
-        const uint4* line = area(a.rank, r) + l;
-        std::uint32_t spins = 0;
-        while (!ll_load(line, flag, d[0], d[1])) {
-          if (const std::uint32_t why = give_up(a, ++spins); why != 0) {
-            atomicCAS(&failed, 0u, why);
-            break;
-          }
-        }
-        if (failed != 0) break;
-      }
+      if (r == a.rank)
+        input(l, d);
+      else if (!ll_wait(a, area(a.rank, r) + l, flag, d, failed))
+        return false;
       T e[kPer];
       memcpy(e, d, sizeof e);
 #pragma unroll
       for (int j = 0; j < kPer; ++j)
         acc[j] = r == 0 ? widen(e[j]) : apply<Op>(acc[j], widen(e[j]));
     }
-    if (failed != 0) break;
     T e[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -472,22 +489,81 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
       }
       e[j] = narrow<T>(acc[j]);
     }
-    if (n == 8 && out8) {
-      uint2 v;
-      memcpy(&v, e, sizeof v);
-      *reinterpret_cast<uint2*>(out + l * 8) = v;
-    } else {
-      memcpy(out + l * 8, e, n);
+    memcpy(result, e, sizeof e);
+    return true;
+  }
+  // The call's end for the block: counted, or the reason recorded for the host.
+  __device__ void finish(std::uint32_t& failed) const {
+    if (threadIdx.x == 0)
+      if (const std::uint32_t why = died(a); why != 0) atomicCAS(&failed, 0u, why);
+    __syncthreads();
+    if (failed != 0) {
+      if (threadIdx.x == 0) record_error(a, failed);
+      return;
+    }
+    finish_call(a, kLowLatencyCounters, flag);
+  }
+};
+
+// One-shot: every rank's input to every peer, each rank reduces all of it.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
+  __shared__ std::uint32_t failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const LowLatencyCall c(a, sizeof(T));
+  for (std::size_t l = c.first; l < c.lines; l += c.stride) {
+    std::uint32_t d[2];
+    c.input(l, d);
+    for (int q = 0; q < a.nranks; ++q)
+      if (q != a.rank) ll_store(c.area(q, a.rank) + l, d[0], d[1], c.flag);
+  }
+  for (std::size_t l = c.first; l < c.lines && failed == 0; l += c.stride) {
+    std::uint32_t d[2];
+    if (!c.template reduce<T, Op>(l, d, failed)) break;
+    c.output(l, d);
+  }
+  c.finish(failed);
+}
+
+// Two-shot: slice q of every rank's input to rank q, which reduces it and sends the result to
+// every rank, in (data, flag) lines both ways (no barrier). A rank writes lines of its own slice
+// (results) and of the receiver's slice (inputs) into the receiver's area from it: never the same
+// line. Every rank hears from every peer in every call (each slice has a line: lines >= nranks),
+// which keeps the halves safe to reuse as in the one-shot kernel.
+template <class T, RedOp Op>
+__global__ void __launch_bounds__(512) low_latency_two_shot(NvlinkArgs a) {
+  __shared__ std::uint32_t failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const LowLatencyCall c(a, sizeof(T));
+  const int p = a.nranks;
+  auto begin = [&](int q) { return c.lines * static_cast<std::size_t>(q) / p; };
+  for (int k = 1; k < p; ++k) {
+    const int q = (a.rank + k) % p;  // every rank starts on a different peer
+    for (std::size_t l = begin(q) + c.first; l < begin(q + 1); l += c.stride) {
+      std::uint32_t d[2];
+      c.input(l, d);
+      ll_store(c.area(q, a.rank) + l, d[0], d[1], c.flag);
     }
   }
-  if (threadIdx.x == 0)
-    if (const std::uint32_t why = died(a); why != 0) atomicCAS(&failed, 0u, why);
-  __syncthreads();
-  if (failed != 0) {
-    if (threadIdx.x == 0) record_error(a, failed);
-    return;
+  for (std::size_t l = begin(a.rank) + c.first; l < begin(a.rank + 1) && failed == 0;
+       l += c.stride) {
+    std::uint32_t d[2];
+    if (!c.template reduce<T, Op>(l, d, failed)) break;
+    for (int k = 1; k < p; ++k)
+      ll_store(c.area((a.rank + k) % p, a.rank) + l, d[0], d[1], c.flag);
+    c.output(l, d);
   }
-  finish_call(a, kLowLatencyCounters, flag);
+  for (int k = 1; k < p && failed == 0; ++k) {
+    const int q = (a.rank + k) % p;
+    for (std::size_t l = begin(q) + c.first; l < begin(q + 1) && failed == 0; l += c.stride) {
+      std::uint32_t d[2];
+      if (!ll_wait(a, c.area(a.rank, q) + l, c.flag, d, failed)) break;
+      c.output(l, d);
+    }
+  }
+  c.finish(failed);
 }
 
 }  // namespace
@@ -522,8 +598,12 @@ cudaError_t launch_gather(const NvlinkArgs& args, int blocks, cudaStream_t strea
 cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
                                cudaStream_t stream) {
   return dispatch(t, op, [&](auto type, auto red) {
-    low_latency<typename decltype(type)::type, decltype(red)::value>
-        <<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    using T = typename decltype(type)::type;
+    constexpr RedOp kOp = decltype(red)::value;
+    if (args.two_shot)
+      low_latency_two_shot<T, kOp><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
+    else
+      low_latency<T, kOp><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(args);
     return cudaGetLastError();
   });
 }

@@ -63,8 +63,8 @@ struct NvlinkArgs {
   std::size_t ll_bytes = 0;       // per sending rank and half: twice the data it carries
   int rank = 0;
   int nranks = 1;
-  int divide_by = 0;  // avg: divide by the number of ranks
-  bool two_shot = false;
+  int divide_by = 0;       // avg: divide by the number of ranks
+  bool two_shot = false;   // the staged two-shot kernel, or the low-latency two-shot one
   bool push = false;       // two-shot by pushing (nvlink.cu: nvlink_push_two_shot)
   int root = -1;           // reduce: the one rank that writes the result; broadcast: the source
   std::size_t stride = 0;  // elements between the ranks' blocks: of send (reduce-scatter), of
@@ -73,9 +73,11 @@ struct NvlinkArgs {
 
 cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
                           cudaStream_t stream);
-// The low-latency one-shot kernel: every rank writes its input into every peer's low-latency area
-// as (data, flag) pairs, and reduces what arrives in its own; no barrier. count * element size
-// must fit ll_bytes / 2.
+// The low-latency kernels, no barrier: every rank writes its input into every peer's low-latency
+// area as (data, flag) pairs and reduces what arrives in its own (one-shot); or, with two_shot,
+// writes slice q of it to rank q, which reduces its slice and writes the result to every rank the
+// same way (count * element size must be at least 8 * nranks). count * element size must fit
+// ll_bytes / 2.
 cudaError_t launch_low_latency(const NvlinkArgs& args, DataType t, RedOp op, int blocks,
                                cudaStream_t stream);
 

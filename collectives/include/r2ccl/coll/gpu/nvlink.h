@@ -10,6 +10,9 @@
 //   low-latency: every rank writes its input into every peer's memory as (data, flag) pairs and
 //             reduces what arrives in its own; no barrier, no staging copy (the smallest
 //             messages);
+//   low-latency two-shot: the same lines, slice q of every rank's input to rank q, which reduces
+//             it and sends the result to every rank; no barrier, 2(p-1)/p of the data sent
+//             twice over instead of p-1 times it (mid sizes on more than two GPUs);
 //   one-shot: every rank reads all of every peer's chunk (small messages: one barrier);
 //   two-shot: rank r reduces the r-th part, then every rank gathers the others' parts (two
 //             barriers, 2(p-1)/p of the data read per rank instead of p-1 times it);
@@ -66,7 +69,20 @@ struct NvlinkHostWords;
 inline constexpr int kMaxNvlinkRanks = 8;
 inline constexpr int kMaxNvlinkBlocks = 128;
 
-enum class NvlinkAlgo : std::uint8_t { kAuto, kLowLatency, kOneShot, kTwoShot, kPush, kNccl };
+enum class NvlinkAlgo : std::uint8_t {
+  kAuto,
+  kLowLatency,
+  kOneShot,
+  kTwoShot,
+  kPush,
+  kNccl,
+  kLowLatencyTwoShot
+};
+// Every algorithm kAuto chooses from, in the order tune() measures them.
+inline constexpr NvlinkAlgo kNvlinkAlgos[] = {
+    NvlinkAlgo::kLowLatency, NvlinkAlgo::kLowLatencyTwoShot,
+    NvlinkAlgo::kOneShot,    NvlinkAlgo::kTwoShot,
+    NvlinkAlgo::kPush,       NvlinkAlgo::kNccl};
 std::string_view nvlink_algo_name(NvlinkAlgo a);
 
 // OK where NCCL can be used (NvlinkAlgo::kNccl, Options::nccl_min_bytes, send/recv): this build
@@ -96,6 +112,10 @@ class NvlinkComm {
     // Measure the table at create() (a CUDA graph per algorithm and size, replayed a few times)
     // rather than use the thresholds above. Where nccl_min_bytes is 0, NCCL is not a candidate.
     bool tune = true;
+    // Let ranks share a GPU, for checking the kernels on a machine of fewer GPUs than ranks: the
+    // ranks' kernels take turns on it (slow), and NCCL, which refuses such a communicator, is not
+    // used. Every rank must say the same.
+    bool share_gpu = false;
   };
   // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
   // exchanges and opens the IPC handles. Errors name the rank and what failed (two ranks on one
