@@ -236,6 +236,25 @@ def test_split_register_and_async_error():
     close_all(cs)
 
 
+def test_a_cached_registration_dropped_and_the_memory_used_again():
+    cs = comms(2)
+
+    def body(r, c):
+        t = torch.full((1 << 18,), float(r + 1))  # 1 MiB: its registration is cached
+        first = c.all_reduce(t).clone()
+        c.invalidate_cache(t)
+        t.copy_(torch.arange(1 << 18, dtype=torch.float32) * (r + 1))
+        c.all_reduce(t, t)
+        with pytest.raises(TypeError, match="tensor"):
+            c.invalidate_cache("not a tensor")
+        return first, t
+
+    for first, t in each(cs, body):
+        assert torch.equal(first, torch.full((1 << 18,), 3.0))
+        assert torch.equal(t, torch.arange(1 << 18, dtype=torch.float32) * 3)
+    close_all(cs)
+
+
 def test_abort_from_another_thread_ends_a_blocked_receive():
     cs = comms(2)
     errors = []

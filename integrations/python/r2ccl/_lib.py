@@ -111,6 +111,7 @@ _FUNCTIONS = {
     "r2cclCommBindDevice": (_res, [_comm, _c.c_int]),
     "r2cclCommRegister": (_res, [_comm, _p, _size, _c.POINTER(_p)]),
     "r2cclCommDeregister": (_res, [_comm, _p]),
+    "r2cclCommInvalidateCache": (_res, [_comm, _p, _size]),
     "r2cclAllReduce": (_res, [_p, _p, _size, _c.c_int, _c.c_int, _comm, _p]),
     "r2cclBroadcast": (_res, [_p, _p, _size, _c.c_int, _c.c_int, _comm, _p]),
     "r2cclReduce": (_res, [_p, _p, _size, _c.c_int, _c.c_int, _c.c_int, _comm, _p]),

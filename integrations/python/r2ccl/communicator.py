@@ -320,6 +320,18 @@ class Communicator:
         handle = self._live()
         self._call(self._lib.r2cclCommDeregister(handle, ctypes.c_void_p(registration)), "CommDeregister", handle)
 
+    def invalidate_cache(self, tensor: torch.Tensor) -> None:
+        """Drops the registrations the communicator keeps for the tensor's memory (host tensors
+        over 64 KiB passed to calls keep theirs, R2CCL_REG_CACHE). Needed only with
+        R2CCL_REG_CACHE=on under verbs, before the memory is freed; harmless otherwise."""
+        checked(tensor, "tensor")
+        handle = self._live()
+        self._call(
+            self._lib.r2cclCommInvalidateCache(handle, _ptr(tensor), tensor.numel() * tensor.element_size()),
+            "CommInvalidateCache",
+            handle,
+        )
+
     def async_error(self) -> R2cclError | None:
         """The first asynchronous error (a peer left, no rail survived, an abort), or None."""
         handle = self._live()
