@@ -565,9 +565,10 @@ int main(int argc, char** argv) {
   app.add_option("--nccl-min", o.nccl_min, "auto: NCCL from this size, 0 never (--bench)");
   app.add_option("--one-shot-max", o.one_shot,
                  "auto: one-shot up to this size, 0 by rank count (--bench)");
-  app.add_option("--blocks", o.blocks, "thread blocks of the staged kernels (--bench)");
+  app.add_option("--blocks", o.blocks, "thread blocks of the staged kernels");
   app.add_option("--low-latency-blocks", o.low_latency_blocks,
-                 "thread blocks of the low-latency kernel (--bench)");
+                 "thread blocks of the low-latency kernels (with --share-gpu, the ranks' grids "
+                 "must fit the GPU together: their kernels wait for each other)");
   app.add_flag("!--no-nccl", o.nccl, "leave NCCL out (--bench)");
   app.add_flag("!--no-tune", o.tune,
                "auto: the thresholds (--low-latency-max, --one-shot-max, --nccl-min) instead of "
@@ -619,6 +620,8 @@ int main(int argc, char** argv) {
     small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
     small.tune = false;
     small.share_gpu = o.share_gpu;
+    small.blocks = o.blocks;
+    small.low_latency_blocks = o.low_latency_blocks;
     auto nv = gpu::NvlinkComm::create(**host, device, small);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
