@@ -507,10 +507,7 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
     std::fill(std::begin(t), std::end(t), NAN);
     Status st = Status::ok();
     for (int k = 0; k < kTimed && st; ++k) {
-      if ((algos[k] == gpu::NvlinkAlgo::kLowLatency ||
-           algos[k] == gpu::NvlinkAlgo::kLowLatencyTwoShot) &&
-          bytes > o.low_latency_max)
-        continue;
+      if (gpu::low_latency(algos[k]) && bytes > o.low_latency_max) continue;
       auto r = time_graph(s, o.graph_calls, iters, [&] {
         return nv.all_reduce(buf.p, out.p, count, DataType::kBF16, RedOp::kSum, s, algos[k]);
       });

@@ -116,46 +116,6 @@ std::optional<double> line_rate_bps(const RailNic& nic) {
   return std::nullopt;
 }
 
-// Registrations of the caller's buffers for one operation.
-// The regions of one operation: a buffer inside one of the communicator's registered buffers
-// uses it; any other above `cached_above` bytes comes from the registration cache where the
-// communicator has one (held for the operation: an entry dropped meanwhile is deregistered after
-// it); the rest is registered for the operation and deregistered after it. Small buffers (often
-// on the stack) and device memory never go through the cache.
-struct Registered {
-  using Lookup = std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)>;
-  Registered(Fabric& f, Lookup l, RegistrationCache* c, std::size_t above)
-      : fabric(f), lookup(std::move(l)), cache(c), cached_above(above) {}
-  Registered(const Registered&) = delete;
-  Registered& operator=(const Registered&) = delete;
-  Fabric& fabric;
-  Lookup lookup;
-  RegistrationCache* cache = nullptr;
-  std::size_t cached_above = 0;
-  std::vector<RegionPtr> regions;
-  boost::container::small_vector<RegistrationCache::Lease, 2> leases;
-  ~Registered() {
-    leases.clear();
-    for (auto& r : regions)
-      (void)fabric.deregister_memory(r);
-  }
-  // The region and the buffer's offset in it.
-  Result<std::pair<RegionPtr, std::size_t>> add(const void* p, std::size_t bytes,
-                                                MemoryAccess access) {
-    if (!p || bytes == 0) return std::pair<RegionPtr, std::size_t>{};
-    if (auto hit = lookup(p, bytes); hit.first) return hit;
-    if (cache && bytes > cached_above && cuda_memory_of(p) == nullptr) {
-      R2CCL_ASSIGN_OR_RETURN(auto lease, cache->acquire(p, bytes, access));
-      std::pair<RegionPtr, std::size_t> at{lease.region(), lease.offset()};
-      leases.push_back(std::move(lease));
-      return at;
-    }
-    R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes, access));
-    regions.push_back(r);
-    return std::pair<RegionPtr, std::size_t>{r, 0};
-  }
-};
-
 // One transfer of a round: a receive into or a send from [offset, offset+bytes) of a region.
 struct Transfer {
   bool recv = false;
@@ -315,6 +275,55 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
 }
 
 }  // namespace
+
+// Registrations of the caller's buffers for one operation.
+// The regions of one operation: a buffer inside one of the communicator's registered buffers
+// uses it; any other above `cached_above` bytes comes from the registration cache where the
+// communicator has one (held for the operation: an entry dropped meanwhile is deregistered after
+// it); the rest is registered for the operation and deregistered after it. Small buffers (often
+// on the stack) and device memory never go through the cache. Without a lookup and a cache,
+// every buffer is registered for the operation.
+struct Registered {
+  using Lookup = std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)>;
+  explicit Registered(Fabric& f, Lookup l = {}, RegistrationCache* c = nullptr,
+                      std::size_t above = 0)
+      : fabric(f), lookup(std::move(l)), cache(c), cached_above(above) {}
+  Registered(const Registered&) = delete;
+  Registered& operator=(const Registered&) = delete;
+  Fabric& fabric;
+  Lookup lookup;
+  RegistrationCache* cache = nullptr;
+  std::size_t cached_above = 0;
+  std::vector<RegionPtr> regions;
+  boost::container::small_vector<RegistrationCache::Lease, 2> leases;
+  ~Registered() {
+    leases.clear();
+    for (auto& r : regions)
+      (void)fabric.deregister_memory(r);
+  }
+  // The region and the buffer's offset in it.
+  Result<std::pair<RegionPtr, std::size_t>> add(const void* p, std::size_t bytes,
+                                                MemoryAccess access) {
+    if (!p || bytes == 0) return std::pair<RegionPtr, std::size_t>{};
+    if (lookup)
+      if (auto hit = lookup(p, bytes); hit.first) return hit;
+    if (cache && bytes > cached_above && cuda_memory_of(p) == nullptr) {
+      R2CCL_ASSIGN_OR_RETURN(auto lease, cache->acquire(p, bytes, access));
+      std::pair<RegionPtr, std::size_t> at{lease.region(), lease.offset()};
+      leases.push_back(std::move(lease));
+      return at;
+    }
+    R2CCL_ASSIGN_OR_RETURN(auto r, fabric.register_memory(const_cast<void*>(p), bytes, access));
+    regions.push_back(r);
+    return std::pair<RegionPtr, std::size_t>{r, 0};
+  }
+};
+
+Registered Communicator::operation_registrations() {
+  return Registered(
+      *fabric_, [this](const void* at, std::size_t n) { return registered(at, n); },
+      reg_cache_.get(), kStageLimit);
+}
 
 Result<std::unique_ptr<Communicator>> Communicator::from_env() {
   R2CCL_ASSIGN_OR_RETURN(auto cfg, parse_config(process_env()));
@@ -608,9 +617,7 @@ Result<double> Communicator::probe(std::size_t bytes) {
   if (bytes == 0 || p < 2) return 0.0;
   // A buffer of its own, gone after the agreement (the scratch buffer stays for good).
   std::vector<std::byte> buf(2 * bytes);
-  Registered reg(
-      *fabric_, [](const void*, std::size_t) { return std::pair<RegionPtr, std::size_t>{}; },
-      nullptr, 0);
+  Registered reg(*fabric_);
   R2CCL_ASSIGN_OR_RETURN(auto at, reg.add(buf.data(), buf.size(), MemoryAccess::kRemoteWrite));
   const RegionPtr& region = at.first;
   double best = 0;
@@ -758,8 +765,7 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   auto& bsend = bound[static_cast<int>(Buf::kSend)];
   auto& brecv = bound[static_cast<int>(Buf::kRecv)];
   auto& bscratch = bound[static_cast<int>(Buf::kScratch)];
-  const auto lookup = [this](const void* at, std::size_t n) { return registered(at, n); };
-  Registered reg(*fabric_, lookup, reg_cache_.get(), kStageLimit);
+  Registered reg = operation_registrations();
   // Small operations run in this communicator's own registered memory: the caller's buffers
   // are copied in and the result copied out, which costs less than registering them (a system
   // call and pinning under verbs) for each operation.
@@ -919,8 +925,7 @@ Status Communicator::group_end() {
 }
 
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
-  const auto lookup = [this](const void* at, std::size_t n) { return registered(at, n); };
-  Registered reg(*fabric_, lookup, reg_cache_.get(), kStageLimit);
+  Registered reg = operation_registrations();
   R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
   Transfers transfers;
   for (const auto& o : list) {

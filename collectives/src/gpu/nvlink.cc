@@ -52,10 +52,6 @@ std::string_view nvlink_algo_name(NvlinkAlgo a) {
 
 namespace {
 
-bool low_latency(NvlinkAlgo a) {
-  return a == NvlinkAlgo::kLowLatency || a == NvlinkAlgo::kLowLatencyTwoShot;
-}
-
 // What each rank tells the others when the communicator is made.
 struct Card {
   cudaIpcMemHandle_t handle{};

@@ -25,6 +25,8 @@
 
 namespace r2ccl::coll {
 
+struct Registered;
+
 class Communicator {
  public:
   // From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP, or mpirun's).
@@ -181,6 +183,8 @@ class Communicator {
   std::map<const std::byte*, RegionPtr> buffers_;
   // The registered buffer holding [p, p + bytes), with p's offset in it; null when none does.
   std::pair<RegionPtr, std::size_t> registered(const void* p, std::size_t bytes) const;
+  // An operation's registrations: the registered buffers, then the cache, then its own.
+  Registered operation_registrations();
   std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
   // The plan of the last collective: the next one is usually the same operation (a serving
   // loop, a benchmark), and building a plan costs as much as a small message's round trip.

@@ -84,6 +84,11 @@ inline constexpr NvlinkAlgo kNvlinkAlgos[] = {
     NvlinkAlgo::kOneShot,    NvlinkAlgo::kTwoShot,
     NvlinkAlgo::kPush,       NvlinkAlgo::kNccl};
 std::string_view nvlink_algo_name(NvlinkAlgo a);
+// The algorithms of the low-latency protocol (flags in the data), bounded by
+// Options::low_latency_max.
+constexpr bool low_latency(NvlinkAlgo a) {
+  return a == NvlinkAlgo::kLowLatency || a == NvlinkAlgo::kLowLatencyTwoShot;
+}
 
 // OK where NCCL can be used (NvlinkAlgo::kNccl, Options::nccl_min_bytes, send/recv): this build
 // knows NCCL's interface and the library loads; otherwise why not.
