@@ -11,12 +11,15 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "r2ccl/coll/communicator.h"
@@ -338,7 +341,114 @@ int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const cha
   return wrong;
 }
 
-int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s) {
+// The low-latency flags across their wrap at 2^32 calls, the calls in between skipped
+// (NvlinkComm::skip_low_latency_calls): the lines that large calls wrote just after one refresh,
+// left alone by small calls through the next two refreshes and the wrap, must not pass for the
+// lines of the large calls 2^32 calls later, whose last rank starts 50 ms late (so the others
+// read their areas before it writes them). Both low-latency kernels; int32 sums.
+int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, std::size_t ll_max,
+               int& cases) {
+  const int p = host.size(), me = host.rank();
+  if (p < 2) return 0;
+  constexpr std::uint64_t kPeriod = std::uint64_t{1} << 31;  // the refresh period
+  const std::size_t big = ll_max / 4, small = 64;
+  DeviceMem src(big * 4), dst(big * 4);
+  int wrong = 0;
+  for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kLowLatencyTwoShot}) {
+    int seed = 0;
+    auto call = [&](std::size_t count, bool late, std::uint64_t number) -> int {
+      ++seed;
+      auto element = [&](std::size_t i, int rank) {
+        return static_cast<std::int32_t>(
+            (i * 31 + static_cast<std::size_t>(rank) * 7 + static_cast<std::size_t>(seed) * 1009) %
+            1000);
+      };
+      std::vector<std::int32_t> in(count), want(count, 0), got(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        in[i] = element(i, me);
+        for (int r = 0; r < p; ++r)
+          want[i] += element(i, r);
+      }
+      Status st = cuda(cudaMemcpy(src.p, in.data(), count * 4, cudaMemcpyHostToDevice), "copy in");
+      if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (st && late && me == p - 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (st) st = nv.all_reduce(src.p, dst.p, count, DataType::kI32, RedOp::kSum, s, algo);
+      if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      if (st) st = nv.check();
+      if (st)
+        st = cuda(cudaMemcpy(got.data(), dst.p, count * 4, cudaMemcpyDeviceToHost), "copy out");
+      ++cases;
+      const std::string what = fmt::format(
+          "wrap: {} int32 sum count {} as call {} mod 2^32{}", gpu::nvlink_algo_name(algo), count,
+          number % (std::uint64_t{1} << 32), late ? ", the last rank late" : "");
+      if (!st) {
+        fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
+        return -1;
+      }
+      std::size_t bad = 0, first_bad = 0;
+      for (std::size_t i = 0; i < count; ++i)
+        if (got[i] != want[i] && bad++ == 0) first_bad = i;
+      if (bad == 0) return 0;
+      fmt::print(stderr, "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
+                 me, what, bad, count, first_bad, got[first_bad], want[first_bad]);
+      return 1;
+    };
+    auto count_now = [&]() -> std::optional<std::uint64_t> {
+      auto now = nv.skip_low_latency_calls(0);
+      if (!now) {
+        fmt::print(stderr, "rank {}: {}\n", me, now.status().to_string());
+        return std::nullopt;
+      }
+      return *now;
+    };
+    // Calls [first, first + n) (numbered without the wrap): `count` elements each.
+    auto calls = [&](std::uint64_t first, int n, std::size_t count, bool late) -> int {
+      int bad = 0;
+      for (int k = 0; k < n; ++k) {
+        const int r = call(count, late, first + static_cast<std::uint64_t>(k));
+        if (r < 0) return -1;
+        bad += r;
+      }
+      return bad;
+    };
+    // Skips to just before call `next` (numbered without the wrap; the count is modulo 2^32).
+    auto skip_to = [&](std::uint64_t next) -> bool {
+      auto now = count_now();
+      if (!now) return false;
+      const auto n = static_cast<std::uint32_t>((next - 1 - *now) % (std::uint64_t{1} << 32));
+      auto r = nv.skip_low_latency_calls(n);
+      if (!r) fmt::print(stderr, "rank {}: {}\n", me, r.status().to_string());
+      return static_cast<bool>(r);
+    };
+    auto now = count_now();
+    if (!now) return -1;
+    if (*now % kPeriod == 0) {  // the next call refreshes: make it, skipping cannot pass it
+      if (const int r = calls(*now + 1, 1, small, false); r != 0) return r;
+      now = *now + 1;
+    }
+    std::uint64_t f = (*now / kPeriod + 1) * kPeriod;  // the next refresh of half 0
+    if (f - *now < 4) f += kPeriod;
+    const struct {
+      std::uint64_t first;
+      int small_calls, large_calls;
+      bool late;
+    } rounds[] = {
+        {f - 2, 4, 2, false}, {f + kPeriod - 2, 6, 0, false}, {f + 2 * kPeriod - 2, 4, 2, true}};
+    for (const auto& round : rounds) {
+      if (!skip_to(round.first)) return -1;
+      const int a = calls(round.first, round.small_calls, small, false);
+      if (a < 0) return -1;
+      const int b = calls(round.first + static_cast<std::uint64_t>(round.small_calls),
+                          round.large_calls, big, round.late);
+      if (b < 0) return -1;
+      wrong += a + b;
+    }
+  }
+  return wrong;
+}
+
+int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s,
+          std::size_t ll_max) {
   const int p = host.size(), me = host.rank();
   const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
   const std::size_t counts[] = {0, 1, 7, 1000, 8192 + 3, 65536 + 5, chunked};
@@ -386,6 +496,10 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
       }
     }
   }
+  if (const int wrap = check_wrap(host, nv, s, ll_max, cases); wrap != 0) {
+    if (wrap < 0) return 1;
+    wrong += wrap;
+  }
   if (const int large = check_large(host, nv, s, cases); large != 0) {
     if (large < 0) return 1;
     wrong += large;
@@ -411,7 +525,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
     fmt::print(
         "check: {} ranks, {} cases per rank (all-reduce: types x reductions x low-latency "
         "one- and two-shot/one-shot/two-shot/push/nccl x sizes x in place/out of place x "
-        "eager/graph, and 1 GiB "
+        "eager/graph, both low-latency kernels across the flags' wrap, and 1 GiB "
         "sums; "
         "all-gather, reduce-scatter, broadcast, reduce, send/recv: the same on the kernels and "
         "on NCCL): {}\n",
@@ -631,7 +745,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nc.status().to_string());
       return 1;
     }
-    rc = check(**host, **nv, (*nc)->has_nccl() ? nc->get() : nullptr, s);
+    rc = check(**host, **nv, (*nc)->has_nccl() ? nc->get() : nullptr, s, small.low_latency_max);
     if (Status st = (*nc)->close(); !st) rc = 1;
     if (Status st = (*nv)->close(); !st) rc = 1;
   }

@@ -417,6 +417,37 @@ Status NvlinkComm::check() const {
   return error();
 }
 
+Result<std::uint32_t> NvlinkComm::skip_low_latency_calls(std::uint32_t calls) {
+  std::lock_guard lock(order_mutex_);
+  R2CCL_RETURN_IF_ERROR(check());
+  if (counters_ == nullptr) return 0u;
+  const CurrentDevice keep;
+  R2CCL_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
+  const auto blocks = static_cast<std::size_t>(options_.low_latency_blocks);
+  std::vector<std::uint32_t> count(blocks);
+  std::uint32_t* words = counters_ + detail::kLowLatencyCounters;
+  R2CCL_RETURN_IF_ERROR(cuda_status(
+      cudaMemcpy(count.data(), words, blocks * sizeof(std::uint32_t), cudaMemcpyDeviceToHost),
+      "skip_low_latency_calls: reading the counts"));
+  const std::uint32_t now = count[0];
+  if (std::any_of(count.begin(), count.end(), [&](std::uint32_t c) { return c != now; }))
+    return Status(ErrorCode::kInternal,
+                  "skip_low_latency_calls: the thread blocks' low-latency call counts differ");
+  // The next refresh after `now`: the next call numbered 0 or 1 modulo kRefreshPeriod.
+  const std::uint32_t m = now % detail::kRefreshPeriod;
+  const std::uint32_t to_refresh = m == 0 ? 1 : detail::kRefreshPeriod - m;
+  if (calls >= to_refresh)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("skip_low_latency_calls: call {} of the {} skipped after call {} "
+                              "refreshes the low-latency lines",
+                              now + to_refresh, calls, now));
+  std::fill(count.begin(), count.end(), now + calls);
+  R2CCL_RETURN_IF_ERROR(cuda_status(
+      cudaMemcpy(words, count.data(), blocks * sizeof(std::uint32_t), cudaMemcpyHostToDevice),
+      "skip_low_latency_calls: writing the counts"));
+  return now + calls;
+}
+
 template <class F>
 Status NvlinkComm::ordered(const char* what, cudaStream_t stream, F&& enqueue) {
   std::lock_guard lock(order_mutex_);

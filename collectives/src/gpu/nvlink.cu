@@ -453,6 +453,17 @@ struct LowLatencyCall {
                                     (flag & 1u) * a.ll_bytes);
   }
   __device__ std::size_t size(std::size_t l) const { return bytes - l * 8 < 8 ? bytes - l * 8 : 8; }
+  // At a refresh call (low_latency_refresh): every line of this half in every peer's area from
+  // this rank that `read(line, peer)` says the peer does not read in this call gets this call's
+  // flag (and no data), so that no line keeps a flag for 2^32 calls.
+  template <class Read>
+  __device__ void refresh(Read read) const {
+    if (!low_latency_refresh(flag)) return;
+    const std::size_t capacity = a.ll_bytes / 16;
+    for (std::size_t l = first; l < capacity; l += stride)
+      for (int q = 0; q < a.nranks; ++q)
+        if (q != a.rank && !read(l, q)) ll_store(area(q, a.rank) + l, 0, 0, flag);
+  }
   __device__ void input(std::size_t l, std::uint32_t (&d)[2]) const {
     load8(in, l * 8, size(l), in8, d);
   }
@@ -512,6 +523,7 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const LowLatencyCall c(a, sizeof(T));
+  c.refresh([&](std::size_t l, int) { return l < c.lines; });
   for (std::size_t l = c.first; l < c.lines; l += c.stride) {
     std::uint32_t d[2];
     c.input(l, d);
@@ -539,6 +551,10 @@ __global__ void __launch_bounds__(512) low_latency_two_shot(NvlinkArgs a) {
   const LowLatencyCall c(a, sizeof(T));
   const int p = a.nranks;
   auto begin = [&](int q) { return c.lines * static_cast<std::size_t>(q) / p; };
+  // Rank q reads its slice (the inputs) and this rank's (the results) from this rank.
+  c.refresh([&](std::size_t l, int q) {
+    return (l >= begin(q) && l < begin(q + 1)) || (l >= begin(a.rank) && l < begin(a.rank + 1));
+  });
   for (int k = 1; k < p; ++k) {
     const int q = (a.rank + k) % p;  // every rank starts on a different peer
     for (std::size_t l = begin(q) + c.first; l < begin(q + 1); l += c.stride) {

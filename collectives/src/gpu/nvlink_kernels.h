@@ -36,6 +36,15 @@ inline constexpr std::size_t kDeadOffset = offsetof(NvlinkFlags, dead);
 // host's refusal of later calls see to it that nothing runs on the disagreeing counts).
 inline constexpr std::size_t kLowLatencyCounters = kNvlinkBlocks;
 inline constexpr std::size_t kCounterWords = 2 * kNvlinkBlocks;
+// The low-latency flags are call numbers modulo 2^32, so a line left alone for 2^32 calls (one
+// beyond every call's size since, or never written and still 0) would match again. The call
+// numbered k * 2^31 (half 0) and the one after it (half 1) therefore rewrite every line of their
+// half in every peer that the call itself does not read: from then until the next such call, a
+// line's flag is one of the numbers of the calls since, never the current one before it lands.
+inline constexpr std::uint32_t kRefreshPeriod = 1u << 31;
+__host__ __device__ constexpr bool low_latency_refresh(std::uint32_t flag) {
+  return flag % kRefreshPeriod <= 1;
+}
 
 // Host memory mapped into the device (cudaHostAllocMapped): what the host and the kernels tell
 // each other without a copy or a synchronisation.

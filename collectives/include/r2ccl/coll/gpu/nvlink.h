@@ -178,6 +178,13 @@ class NvlinkComm {
   // Waits for this communicator's last call, then error().
   Status check() const;
 
+  // For tests of the low-latency flags' wrap at 2^32 calls: waits for the last call, counts
+  // `calls` more low-latency calls as if each had run and written no line, and gives the count
+  // reached (with 0: the count so far). Every rank must skip the same number between the same
+  // calls. Refused where the calls skipped include a refresh (every 2^31 calls, which real calls
+  // make), or the counts of the thread blocks differ.
+  Result<std::uint32_t> skip_low_latency_calls(std::uint32_t calls);
+
   // Fails the communicator at once, from any thread: spinning kernels give up, every rank's
   // later calls are refused (this rank writes the dead word into every rank's memory). The
   // memory stays allocated: peers may still write into it. Teardown follows in close() or the
