@@ -346,15 +346,20 @@ int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const cha
 // left alone by small calls through the next two refreshes and the wrap, must not pass for the
 // lines of the large calls 2^32 calls later, whose last rank starts 50 ms late (so the others
 // read their areas before it writes them). Both low-latency kernels; int32 sums.
-int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, std::size_t ll_max,
-               int& cases) {
+int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
   const int p = host.size(), me = host.rank();
   if (p < 2) return 0;
   constexpr std::uint64_t kPeriod = std::uint64_t{1} << 31;  // the refresh period
-  const std::size_t big = ll_max / 4, small = 64;
-  DeviceMem src(big * 4), dst(big * 4);
+  constexpr gpu::NvlinkAlgo kAlgos[] = {gpu::NvlinkAlgo::kLowLatency,
+                                        gpu::NvlinkAlgo::kLowLatencyTwoShot};
+  const std::size_t small = 64;
+  std::size_t most = 0;
+  for (gpu::NvlinkAlgo algo : kAlgos)
+    most = std::max(most, nv.low_latency_limit(algo));
+  DeviceMem src(most), dst(most);
   int wrong = 0;
-  for (gpu::NvlinkAlgo algo : {gpu::NvlinkAlgo::kLowLatency, gpu::NvlinkAlgo::kLowLatencyTwoShot}) {
+  for (gpu::NvlinkAlgo algo : kAlgos) {
+    const std::size_t big = nv.low_latency_limit(algo) / 4;  // int32: the kernel's largest call
     int seed = 0;
     auto call = [&](std::size_t count, bool late, std::uint64_t number) -> int {
       ++seed;
@@ -447,8 +452,7 @@ int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, std::siz
   return wrong;
 }
 
-int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s,
-          std::size_t ll_max) {
+int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s) {
   const int p = host.size(), me = host.rank();
   const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
   const std::size_t counts[] = {0, 1, 7, 1000, 8192 + 3, 65536 + 5, chunked};
@@ -496,7 +500,7 @@ int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaSt
       }
     }
   }
-  if (const int wrap = check_wrap(host, nv, s, ll_max, cases); wrap != 0) {
+  if (const int wrap = check_wrap(host, nv, s, cases); wrap != 0) {
     if (wrap < 0) return 1;
     wrong += wrap;
   }
@@ -621,7 +625,7 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
     std::fill(std::begin(t), std::end(t), NAN);
     Status st = Status::ok();
     for (int k = 0; k < kTimed && st; ++k) {
-      if (gpu::low_latency(algos[k]) && bytes > o.low_latency_max) continue;
+      if (gpu::low_latency(algos[k]) && bytes > nv.low_latency_limit(algos[k])) continue;
       auto r = time_graph(s, o.graph_calls, iters, [&] {
         return nv.all_reduce(buf.p, out.p, count, DataType::kBF16, RedOp::kSum, s, algos[k]);
       });
@@ -745,7 +749,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nc.status().to_string());
       return 1;
     }
-    rc = check(**host, **nv, (*nc)->has_nccl() ? nc->get() : nullptr, s, small.low_latency_max);
+    rc = check(**host, **nv, (*nc)->has_nccl() ? nc->get() : nullptr, s);
     if (Status st = (*nc)->close(); !st) rc = 1;
     if (Status st = (*nv)->close(); !st) rc = 1;
   }

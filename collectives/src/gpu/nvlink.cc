@@ -515,6 +515,12 @@ void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
   a.ll_bytes = 2 * options_.low_latency_max;
 }
 
+std::size_t NvlinkComm::low_latency_limit(NvlinkAlgo algo) const {
+  if (!low_latency(algo)) return 0;
+  return detail::low_latency_bytes(2 * options_.low_latency_max, size_,
+                                   algo == NvlinkAlgo::kLowLatencyTwoShot);
+}
+
 NvlinkAlgo NvlinkComm::choose(std::size_t bytes) const {
   if (!table_.empty()) {
     for (const auto& [upto, algo] : table_)
@@ -584,7 +590,7 @@ Status NvlinkComm::tune() {
       const int replays = sizes[i] >= (std::size_t{8} << 20) ? 2 : 5;
       for (std::size_t k = 0; k < kAlgos; ++k) {
         const NvlinkAlgo algo = algos[k];
-        if (low_latency(algo) && sizes[i] > options_.low_latency_max) continue;
+        if (low_latency(algo) && sizes[i] > low_latency_limit(algo)) continue;
         if (algo == NvlinkAlgo::kLowLatencyTwoShot && size_ <= 2) continue;  // one-shot's traffic
         if (algo == NvlinkAlgo::kNccl && (nccl_ == nullptr || options_.nccl_min_bytes == 0))
           continue;
@@ -645,7 +651,7 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
     const bool ll = low_latency(algo);
     // push: a half holds a slot per rank of the longest slice, then the whole call.
     const std::size_t per_call =
-        ll ? options_.low_latency_max / elem
+        ll ? low_latency_limit(algo) / elem
         : algo == NvlinkAlgo::kPush
             ? (options_.staging_bytes / 16 - static_cast<std::size_t>(size_)) / 2 * (16 / elem)
             : options_.staging_bytes / elem;

@@ -475,8 +475,10 @@ struct LowLatencyCall {
   }
   // Line l reduced over every rank in rank order (this rank's from its input, the others' as
   // they arrive in its area); false where the kernel gives up.
+  // `at`: where the line is in the areas.
   template <class T, RedOp Op>
-  __device__ bool reduce(std::size_t l, std::uint32_t (&result)[2], std::uint32_t& failed) const {
+  __device__ bool reduce(std::size_t l, std::size_t at, std::uint32_t (&result)[2],
+                         std::uint32_t& failed) const {
     using A = typename Acc<T>::type;
     constexpr int kPer = 8 / static_cast<int>(sizeof(T));
     A acc[kPer];
@@ -484,7 +486,7 @@ struct LowLatencyCall {
       std::uint32_t d[2];
       if (r == a.rank)
         input(l, d);
-      else if (!ll_wait(a, area(a.rank, r) + l, flag, d, failed))
+      else if (!ll_wait(a, area(a.rank, r) + at, flag, d, failed))
         return false;
       T e[kPer];
       memcpy(e, d, sizeof e);
@@ -532,17 +534,19 @@ __global__ void __launch_bounds__(512) low_latency(NvlinkArgs a) {
   }
   for (std::size_t l = c.first; l < c.lines && failed == 0; l += c.stride) {
     std::uint32_t d[2];
-    if (!c.template reduce<T, Op>(l, d, failed)) break;
+    if (!c.template reduce<T, Op>(l, l, d, failed)) break;
     c.output(l, d);
   }
   c.finish(failed);
 }
 
 // Two-shot: slice q of every rank's input to rank q, which reduces it and sends the result to
-// every rank, in (data, flag) lines both ways (no barrier). A rank writes lines of its own slice
-// (results) and of the receiver's slice (inputs) into the receiver's area from it: never the same
-// line. Every rank hears from every peer in every call (each slice has a line: lines >= nranks),
-// which keeps the halves safe to reuse as in the one-shot kernel.
+// every rank, in (data, flag) lines both ways (no barrier). In the area a sender has at a
+// receiver, the receiver's slice of the sender's input takes the first `slot` lines and the
+// sender's slice of the result the next `slot` (slot: the longest slice), so calls up to nranks/2
+// times the one-shot kernel's size fit the same area. Every rank hears from every peer in every
+// call (each slice has a line: lines >= nranks), which keeps the halves safe to reuse as in the
+// one-shot kernel.
 template <class T, RedOp Op>
 __global__ void __launch_bounds__(512) low_latency_two_shot(NvlinkArgs a) {
   __shared__ std::uint32_t failed;
@@ -551,31 +555,33 @@ __global__ void __launch_bounds__(512) low_latency_two_shot(NvlinkArgs a) {
   const LowLatencyCall c(a, sizeof(T));
   const int p = a.nranks;
   auto begin = [&](int q) { return c.lines * static_cast<std::size_t>(q) / p; };
-  // Rank q reads its slice (the inputs) and this rank's (the results) from this rank.
-  c.refresh([&](std::size_t l, int q) {
-    return (l >= begin(q) && l < begin(q + 1)) || (l >= begin(a.rank) && l < begin(a.rank + 1));
+  const std::size_t slot = (c.lines + p - 1) / p;
+  // Rank q reads its slice of the input and this rank's slice of the result from this rank.
+  c.refresh([&](std::size_t at, int q) {
+    return at < begin(q + 1) - begin(q) ||
+           (at >= slot && at - slot < begin(a.rank + 1) - begin(a.rank));
   });
   for (int k = 1; k < p; ++k) {
     const int q = (a.rank + k) % p;  // every rank starts on a different peer
     for (std::size_t l = begin(q) + c.first; l < begin(q + 1); l += c.stride) {
       std::uint32_t d[2];
       c.input(l, d);
-      ll_store(c.area(q, a.rank) + l, d[0], d[1], c.flag);
+      ll_store(c.area(q, a.rank) + (l - begin(q)), d[0], d[1], c.flag);
     }
   }
   for (std::size_t l = begin(a.rank) + c.first; l < begin(a.rank + 1) && failed == 0;
        l += c.stride) {
     std::uint32_t d[2];
-    if (!c.template reduce<T, Op>(l, d, failed)) break;
+    if (!c.template reduce<T, Op>(l, l - begin(a.rank), d, failed)) break;
     for (int k = 1; k < p; ++k)
-      ll_store(c.area((a.rank + k) % p, a.rank) + l, d[0], d[1], c.flag);
+      ll_store(c.area((a.rank + k) % p, a.rank) + slot + (l - begin(a.rank)), d[0], d[1], c.flag);
     c.output(l, d);
   }
   for (int k = 1; k < p && failed == 0; ++k) {
     const int q = (a.rank + k) % p;
     for (std::size_t l = begin(q) + c.first; l < begin(q + 1) && failed == 0; l += c.stride) {
       std::uint32_t d[2];
-      if (!ll_wait(a, c.area(a.rank, q) + l, c.flag, d, failed)) break;
+      if (!ll_wait(a, c.area(a.rank, q) + slot + (l - begin(q)), c.flag, d, failed)) break;
       c.output(l, d);
     }
   }

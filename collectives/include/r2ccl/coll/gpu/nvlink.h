@@ -105,8 +105,9 @@ class NvlinkComm {
   struct Options {
     std::size_t staging_bytes = std::size_t{32} << 20;  // per half; larger calls go in chunks
     int blocks = 128;                                   // thread blocks of the staged kernel
-    // The low-latency kernel takes calls up to this size; its area is twice this per rank and
-    // half, on every rank.
+    // The low-latency kernel takes calls up to this size, the low-latency two-shot kernel up
+    // to nranks/2 times it (low_latency_limit); their area is twice this per rank and half, on
+    // every rank.
     std::size_t low_latency_max = std::size_t{512} << 10;
     int low_latency_blocks = 128;
     // 0: 32 MiB for two ranks (one-shot reads every peer's whole input: for more ranks two-shot
@@ -171,6 +172,9 @@ class NvlinkComm {
   const Table& table() const { return table_; }
   // The algorithm kAuto picks for a call of `bytes`.
   NvlinkAlgo choose(std::size_t bytes) const;
+  // The largest call a low-latency algorithm runs in one kernel (larger calls go in pieces of
+  // this size; kAuto and the table use it only up to here); 0 for the other algorithms.
+  std::size_t low_latency_limit(NvlinkAlgo algo) const;
 
   // Why the communicator cannot be used any more (aborted here, or killed by another rank or by
   // the host side's failure), or OK. Reads host memory only: no synchronisation, any thread.
