@@ -427,12 +427,12 @@ int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cas
     };
     auto now = count_now();
     if (!now) return -1;
-    if (*now % kPeriod == 0) {  // the next call refreshes: make it, skipping cannot pass it
+    // Real calls while a refresh is among the next four (skipping cannot pass one): at most 5.
+    for (int k = 0; k < 6 && (*now % kPeriod == 0 || kPeriod - *now % kPeriod < 4); ++k) {
       if (const int r = calls(*now + 1, 1, small, false); r != 0) return r;
       now = *now + 1;
     }
-    std::uint64_t f = (*now / kPeriod + 1) * kPeriod;  // the next refresh of half 0
-    if (f - *now < 4) f += kPeriod;
+    const std::uint64_t f = (*now / kPeriod + 1) * kPeriod;  // the next refresh of half 0
     const struct {
       std::uint64_t first;
       int small_calls, large_calls;

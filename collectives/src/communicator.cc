@@ -283,7 +283,7 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
 // it); the rest is registered for the operation and deregistered after it. Small buffers (often
 // on the stack) and device memory never go through the cache. Without a lookup and a cache,
 // every buffer is registered for the operation.
-struct Registered {
+struct Communicator::Registered {
   using Lookup = std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)>;
   explicit Registered(Fabric& f, Lookup l = {}, RegistrationCache* c = nullptr,
                       std::size_t above = 0)
@@ -319,7 +319,7 @@ struct Registered {
   }
 };
 
-Registered Communicator::operation_registrations() {
+Communicator::Registered Communicator::operation_registrations() {
   return Registered(
       *fabric_, [this](const void* at, std::size_t n) { return registered(at, n); },
       reg_cache_.get(), kStageLimit);

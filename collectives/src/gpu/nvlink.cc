@@ -80,7 +80,10 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
       return Status(ErrorCode::kInvalidArgument,
                     fmt::format("nvlink: {} thread blocks (1 to {})", b, kMaxNvlinkBlocks));
   options.staging_bytes = std::max<std::size_t>(options.staging_bytes / 16 * 16, 4096);
-  options.low_latency_max = std::max<std::size_t>(options.low_latency_max / 16 * 16, 16);
+  // At least 8 bytes per rank of the most ranks: a two-shot call of fewer than 8 * p bytes runs
+  // the one-shot kernel, which must fit it.
+  options.low_latency_max =
+      std::max<std::size_t>(options.low_latency_max / 16 * 16, 8 * kMaxNvlinkRanks);
   if (options.one_shot_max == 0)
     options.one_shot_max = p <= 2 ? std::size_t{32} << 20 : std::size_t{1} << 20;
   const CurrentDevice keep;  // the caller's device, as it was, on every way out
@@ -445,6 +448,10 @@ Result<std::uint32_t> NvlinkComm::skip_low_latency_calls(std::uint32_t calls) {
   R2CCL_RETURN_IF_ERROR(cuda_status(
       cudaMemcpy(words, count.data(), blocks * sizeof(std::uint32_t), cudaMemcpyHostToDevice),
       "skip_low_latency_calls: writing the counts"));
+  // Landed before any later call, on whatever stream (a copy from pageable memory may return
+  // first, and does not order work on non-blocking streams).
+  R2CCL_RETURN_IF_ERROR(
+      cuda_status(cudaDeviceSynchronize(), "skip_low_latency_calls: cudaDeviceSynchronize"));
   return now + calls;
 }
 

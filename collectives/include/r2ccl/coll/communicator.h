@@ -25,8 +25,6 @@
 
 namespace r2ccl::coll {
 
-struct Registered;
-
 class Communicator {
  public:
   // From the launch environment (R2CCL_RANK / R2CCL_NRANKS / R2CCL_BOOTSTRAP, or mpirun's).
@@ -184,6 +182,7 @@ class Communicator {
   // The registered buffer holding [p, p + bytes), with p's offset in it; null when none does.
   std::pair<RegionPtr, std::size_t> registered(const void* p, std::size_t bytes) const;
   // An operation's registrations: the registered buffers, then the cache, then its own.
+  struct Registered;
   Registered operation_registrations();
   std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
   // The plan of the last collective: the next one is usually the same operation (a serving

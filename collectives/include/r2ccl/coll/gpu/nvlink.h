@@ -105,9 +105,9 @@ class NvlinkComm {
   struct Options {
     std::size_t staging_bytes = std::size_t{32} << 20;  // per half; larger calls go in chunks
     int blocks = 128;                                   // thread blocks of the staged kernel
-    // The low-latency kernel takes calls up to this size, the low-latency two-shot kernel up
-    // to nranks/2 times it (low_latency_limit); their area is twice this per rank and half, on
-    // every rank.
+    // The low-latency kernel takes calls up to this size (at least 64 bytes), the low-latency
+    // two-shot kernel up to nranks/2 times it (low_latency_limit); their area is twice this per
+    // rank and half, on every rank.
     std::size_t low_latency_max = std::size_t{512} << 10;
     int low_latency_blocks = 128;
     // 0: 32 MiB for two ranks (one-shot reads every peer's whole input: for more ranks two-shot
