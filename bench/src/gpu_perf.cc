@@ -368,20 +368,18 @@ int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cas
             (i * 31 + static_cast<std::size_t>(rank) * 7 + static_cast<std::size_t>(seed) * 1009) %
             1000);
       };
-      std::vector<std::int32_t> in(count), want(count, 0), got(count);
+      std::vector<std::byte> in(count * 4), want(count * 4), got(count * 4);
       for (std::size_t i = 0; i < count; ++i) {
-        in[i] = element(i, me);
+        std::int32_t sum = 0;
         for (int r = 0; r < p; ++r)
-          want[i] += element(i, r);
+          sum += element(i, r);
+        r2ccl::coll::set_element(in.data(), i, DataType::kI32, element(i, me));
+        r2ccl::coll::set_element(want.data(), i, DataType::kI32, sum);
       }
-      Status st = cuda(cudaMemcpy(src.p, in.data(), count * 4, cudaMemcpyHostToDevice), "copy in");
-      if (st) st = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      if (st && late && me == p - 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      if (st) st = nv.all_reduce(src.p, dst.p, count, DataType::kI32, RedOp::kSum, s, algo);
-      if (st) st = cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-      if (st) st = nv.check();
-      if (st)
-        st = cuda(cudaMemcpy(got.data(), dst.p, count * 4, cudaMemcpyDeviceToHost), "copy out");
+      Status st = round_trip(nv, s, src.p, in, dst.p, got, [&] {
+        if (late && me == p - 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        return nv.all_reduce(src.p, dst.p, count, DataType::kI32, RedOp::kSum, s, algo);
+      });
       ++cases;
       const std::string what = fmt::format(
           "wrap: {} int32 sum count {} as call {} mod 2^32{}", gpu::nvlink_algo_name(algo), count,
@@ -390,13 +388,7 @@ int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cas
         fmt::print(stderr, "rank {}: {}: {}\n", me, what, st.to_string());
         return -1;
       }
-      std::size_t bad = 0, first_bad = 0;
-      for (std::size_t i = 0; i < count; ++i)
-        if (got[i] != want[i] && bad++ == 0) first_bad = i;
-      if (bad == 0) return 0;
-      fmt::print(stderr, "rank {}: {}: {} of {} elements wrong, first at {} (got {}, want {})\n",
-                 me, what, bad, count, first_bad, got[first_bad], want[first_bad]);
-      return 1;
+      return verify(me, what, got, want, DataType::kI32, false);
     };
     auto count_now = [&]() -> std::optional<std::uint64_t> {
       auto now = nv.skip_low_latency_calls(0);

@@ -281,17 +281,16 @@ Status run_lanes(Fabric& fabric, const Plan& plan,
 // uses it; any other above `cached_above` bytes comes from the registration cache where the
 // communicator has one (held for the operation: an entry dropped meanwhile is deregistered after
 // it); the rest is registered for the operation and deregistered after it. Small buffers (often
-// on the stack) and device memory never go through the cache. Without a lookup and a cache,
-// every buffer is registered for the operation.
+// on the stack) and device memory never go through the cache. Without a communicator (the
+// probe's own buffer), every buffer is registered for the operation.
 struct Communicator::Registered {
-  using Lookup = std::function<std::pair<RegionPtr, std::size_t>(const void*, std::size_t)>;
-  explicit Registered(Fabric& f, Lookup l = {}, RegistrationCache* c = nullptr,
-                      std::size_t above = 0)
-      : fabric(f), lookup(std::move(l)), cache(c), cached_above(above) {}
+  explicit Registered(Fabric& f) : fabric(f) {}
+  explicit Registered(const Communicator& c)
+      : fabric(*c.fabric_), owner(&c), cache(c.reg_cache_.get()), cached_above(kStageLimit) {}
   Registered(const Registered&) = delete;
   Registered& operator=(const Registered&) = delete;
   Fabric& fabric;
-  Lookup lookup;
+  const Communicator* owner = nullptr;
   RegistrationCache* cache = nullptr;
   std::size_t cached_above = 0;
   std::vector<RegionPtr> regions;
@@ -305,8 +304,8 @@ struct Communicator::Registered {
   Result<std::pair<RegionPtr, std::size_t>> add(const void* p, std::size_t bytes,
                                                 MemoryAccess access) {
     if (!p || bytes == 0) return std::pair<RegionPtr, std::size_t>{};
-    if (lookup)
-      if (auto hit = lookup(p, bytes); hit.first) return hit;
+    if (owner)
+      if (auto hit = owner->registered(p, bytes); hit.first) return hit;
     if (cache && bytes > cached_above && cuda_memory_of(p) == nullptr) {
       R2CCL_ASSIGN_OR_RETURN(auto lease, cache->acquire(p, bytes, access));
       std::pair<RegionPtr, std::size_t> at{lease.region(), lease.offset()};
@@ -318,12 +317,6 @@ struct Communicator::Registered {
     return std::pair<RegionPtr, std::size_t>{r, 0};
   }
 };
-
-Communicator::Registered Communicator::operation_registrations() {
-  return Registered(
-      *fabric_, [this](const void* at, std::size_t n) { return registered(at, n); },
-      reg_cache_.get(), kStageLimit);
-}
 
 Result<std::unique_ptr<Communicator>> Communicator::from_env() {
   R2CCL_ASSIGN_OR_RETURN(auto cfg, parse_config(process_env()));
@@ -765,7 +758,7 @@ Status Communicator::execute(const Plan& plan, const CollDesc& d, const Buffers&
   auto& bsend = bound[static_cast<int>(Buf::kSend)];
   auto& brecv = bound[static_cast<int>(Buf::kRecv)];
   auto& bscratch = bound[static_cast<int>(Buf::kScratch)];
-  Registered reg = operation_registrations();
+  Registered reg(*this);
   // Small operations run in this communicator's own registered memory: the caller's buffers
   // are copied in and the result copied out, which costs less than registering them (a system
   // call and pinning under verbs) for each operation.
@@ -925,7 +918,7 @@ Status Communicator::group_end() {
 }
 
 Status Communicator::run_p2p(const std::vector<P2p>& list) {
-  Registered reg = operation_registrations();
+  Registered reg(*this);
   R2CCL_ASSIGN_OR_RETURN(auto empty, scratch(1));  // zero-byte messages need some region
   Transfers transfers;
   for (const auto& o : list) {

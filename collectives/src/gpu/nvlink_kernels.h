@@ -85,10 +85,9 @@ cudaError_t launch_nvlink(const NvlinkArgs& args, DataType t, RedOp op, int bloc
 // The low-latency kernels, no barrier: every rank writes its input into every peer's low-latency
 // area as (data, flag) pairs and reduces what arrives in its own (one-shot); or, with two_shot,
 // writes slice q of it to rank q, which reduces its slice and writes the result to every rank the
-// same way (count * element size must be at least 8 * nranks). count * element size must fit
-// ll_bytes / 2, or for two_shot nranks * ll_bytes / 4 (low_latency_bytes).
-// The largest call of the low-latency kernels (two_shot or not) for an area of ll_bytes per
-// sender and half.
+// same way (count * element size must be at least 8 * nranks). count * element size must be at
+// most low_latency_bytes: the largest call of the kernel (two_shot or not) for an area of ll_bytes
+// per sender and half.
 constexpr std::size_t low_latency_bytes(std::size_t ll_bytes, int nranks, bool two_shot) {
   return two_shot ? static_cast<std::size_t>(nranks) * (ll_bytes / 32) * 8 : ll_bytes / 2;
 }

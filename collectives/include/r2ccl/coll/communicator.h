@@ -183,7 +183,6 @@ class Communicator {
   std::pair<RegionPtr, std::size_t> registered(const void* p, std::size_t bytes) const;
   // An operation's registrations: the registered buffers, then the cache, then its own.
   struct Registered;
-  Registered operation_registrations();
   std::map<std::pair<CollOp, Algo>, LatencyHistogram*> durations_;
   // The plan of the last collective: the next one is usually the same operation (a serving
   // loop, a benchmark), and building a plan costs as much as a small message's round trip.
