@@ -12,58 +12,63 @@ namespace r2ccl::coll {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr std::uint32_t kNone = std::numeric_limits<std::uint32_t>::max();
 
 // One rank's plan as the simulator keeps it: flat arrays, a phase being a range of comm steps.
+// A message is named by its channel (sender, receiver) and its place among the channel's
+// messages, which both ends count alike.
 struct CommRef {
-  int peer;
-  bool is_send;
-  std::uint32_t pair;  // this rank's index of (peer, direction)
-  std::uint32_t ord;   // its place among this rank's steps with the same (peer, direction)
   std::uint64_t bytes;
   std::uint64_t rails;
+  std::uint32_t chan;
+  std::uint32_t ord;
+  bool is_send;
 };
 struct PhaseInfo {
-  std::uint32_t lane;
-  bool join;
-  std::uint32_t first, count;   // comm steps [first, first + count)
-  std::uint32_t pairs, npairs;  // (pair, first ord) entries [pairs, pairs + npairs)
-  double compute_bytes;
-  std::uint32_t remaining = 0;  // messages not yet complete
+  double compute_bytes = 0;
+  std::uint32_t lane = 0;
+  std::uint32_t first = 0, count = 0;     // comm steps [first, first + count)
+  std::uint32_t firsts = 0, nfirsts = 0;  // (channel end, first ord) entries
+  std::uint32_t remaining = 0;            // messages not yet complete
+  std::uint32_t next = kNone;             // the next phase of its lane
+  bool join = false;
   bool done = false;
 };
 struct RankState {
   std::vector<PhaseInfo> phases;
   std::vector<CommRef> comm;
-  std::vector<std::pair<std::uint32_t, std::uint32_t>> firsts;  // (pair, first ord)
-  std::vector<std::vector<std::uint32_t>> lanes;  // phase indices per lane, in plan order
-  std::vector<std::size_t> cursor;
-  std::vector<std::uint8_t> busy;
-  std::size_t done_prefix = 0;        // phases [0, done_prefix) all complete
-  std::vector<std::uint32_t> posted;  // per pair: its steps posted so far
+  // Per phase, for each channel end it uses: the end and the phase's first ord on it. The phase
+  // may be posted once every earlier step on those ends was.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> firsts;
+  std::uint32_t lane0 = 0, lanes = 0;  // its lanes in Sim::lanes_
+  std::size_t done_prefix = 0;         // phases [0, done_prefix) all complete
   std::size_t lanes_left = 0;
   double finish = 0;
 };
 
-std::uint64_t pair_key(int peer, bool is_send) {
-  return (static_cast<std::uint64_t>(peer) << 1) | (is_send ? 1 : 0);
-}
+// A lane of a rank: the phase it is at (kNone: finished), and whether that phase is posted.
+struct LaneState {
+  std::uint32_t current = kNone;
+  bool busy = false;
+};
 
 struct MessageKey {
-  int src, dst;
-  std::uint32_t ord;
-  bool operator==(const MessageKey&) const = default;
-};
-struct MessageHash {
-  std::size_t operator()(const MessageKey& k) const {
-    return std::hash<std::uint64_t>()((static_cast<std::uint64_t>(k.src) << 42) ^
-                                      (static_cast<std::uint64_t>(k.dst) << 21) ^ k.ord);
-  }
+  std::uint32_t chan, ord;
 };
 struct Message {
-  double send_ready = -1, recv_ready = -1;
-  std::uint64_t send_bytes = 0, recv_bytes = 0;
-  std::uint64_t rails = 0;
+  std::uint64_t send_bytes = 0, recv_bytes = 0, rails = 0;
   std::uint32_t send_phase = 0, recv_phase = 0;
+  bool sent = false, received = false, done = false;
+};
+// A (sender, receiver) pair: the steps each end posted, the messages from the oldest not yet
+// done on, and the rate-sharing units its messages use (one per rail group, then inside a node).
+struct Channel {
+  int src = 0, dst = 0;
+  std::uint32_t posted[2] = {0, 0};  // [0]: receives posted, [1]: sends
+  std::uint32_t head_ord = 0;        // the message at pending[head]
+  std::size_t head = 0;
+  std::vector<Message> pending;
+  std::vector<int> units;
 };
 
 // A message moving: its bytes left as of `since`, at `rate` from then on.
@@ -71,6 +76,7 @@ struct Flow {
   MessageKey key;
   double left = 0, since = 0, rate = 0;
   std::uint64_t version = 0;
+  std::uint64_t round = 0;  // the last rates() call that set its rate
   std::vector<int> units;
   bool live = false;
 };
@@ -105,15 +111,20 @@ class Sim {
       return Status(ErrorCode::kInvalidArgument,
                     fmt::format("the network describes the rails of {} ranks for {} plans",
                                 net_.rail_bps.size(), p_));
+    chan_index_ = {};
     group_rails();
     const std::size_t ports = static_cast<std::size_t>(p_) * (groups_.size() + 1) * 2;
     port_units_.resize(ports);
     cap_.assign(ports, 0);
     count_.assign(ports, 0);
     port_mark_.assign(ports, 0);
-    messages_in_.reserve(static_cast<std::size_t>(p_) * 8);
     for (int r = 0; r < p_; ++r)
       R2CCL_RETURN_IF_ERROR(post_ready(r));
+    while (!done_now_.empty()) {
+      const auto [r, lane] = done_now_.back();
+      done_now_.pop_back();
+      R2CCL_RETURN_IF_ERROR(phase_done(r, lane));
+    }
     while (true) {
       if (!dirty_ports_.empty()) rates();
       while (!finishes_.empty()) {  // drop entries of flows whose rate changed since
@@ -134,15 +145,23 @@ class Sim {
         finishes_.pop();
         Flow& fl = flows_[static_cast<std::size_t>(f)];
         if (!fl.live || fl.version != v) continue;
-        R2CCL_RETURN_IF_ERROR(finish_flow(f));
+        finish_flow(f);
       }
-      while (!events_.empty() && events_.top().t <= until) {
-        Event e = events_.top();
-        events_.pop();
-        if (e.kind == 0) {
-          R2CCL_RETURN_IF_ERROR(start_message(e.key));
+      while (true) {
+        if (!done_now_.empty()) {
+          const auto [r, lane] = done_now_.back();
+          done_now_.pop_back();
+          R2CCL_RETURN_IF_ERROR(phase_done(r, lane));
+        } else if (!events_.empty() && events_.top().t <= until) {
+          Event e = events_.top();
+          events_.pop();
+          if (e.kind == 0) {
+            R2CCL_RETURN_IF_ERROR(start_message(e.key));
+          } else {
+            R2CCL_RETURN_IF_ERROR(phase_done(e.rank, e.lane));
+          }
         } else {
-          R2CCL_RETURN_IF_ERROR(phase_done(e.rank, e.lane));
+          break;
         }
       }
     }
@@ -151,11 +170,11 @@ class Sim {
     for (int r = 0; r < p_; ++r) {
       const auto& rs = ranks_[static_cast<std::size_t>(r)];
       if (rs.lanes_left > 0) {
-        for (std::uint32_t l = 0; l < rs.lanes.size(); ++l)
-          if (rs.cursor[l] < rs.lanes[l].size())
+        for (std::uint32_t l = 0; l < rs.lanes; ++l)
+          if (const std::uint32_t at = lanes_[rs.lane0 + l].current; at != kNone)
             return Status(ErrorCode::kInternal,
                           fmt::format("the plans hang: rank {} waits in lane {} at phase {} of {}",
-                                      r, l, rs.lanes[l][rs.cursor[l]] + 1, rs.phases.size()));
+                                      r, l, at + 1, rs.phases.size()));
       }
       out.finish[static_cast<std::size_t>(r)] = rs.finish;
       out.seconds = std::max(out.seconds, rs.finish);
@@ -166,50 +185,95 @@ class Sim {
   }
 
  private:
+  std::uint32_t channel(int src, int dst) {
+    const auto key = (static_cast<std::uint64_t>(src) << 32) | static_cast<std::uint32_t>(dst);
+    auto [it, fresh] = chan_index_.try_emplace(key, static_cast<std::uint32_t>(channels_.size()));
+    if (fresh) {
+      channels_.emplace_back();
+      channels_.back().src = src;
+      channels_.back().dst = dst;
+    }
+    return it->second;
+  }
+
   void prepare(int r, const Plan& plan) {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
+    // Per (peer, direction) of this rank: its channel end, steps so far, last phase seen in + 1.
     std::unordered_map<std::uint64_t, std::uint32_t> pair_index;
-    std::vector<std::uint32_t> next, seen_in;  // per pair: steps so far, last phase seen in + 1
+    struct End {
+      std::uint32_t end, next = 0, seen_in = 0;
+    };
+    std::vector<End> ends;
+    std::vector<std::uint32_t> last, first_of;  // per lane: its last phase so far, its first
     rs.phases.reserve(plan.phases.size());
     for (const auto& ph : plan.phases) {
-      PhaseInfo info{ph.lane,
-                     ph.join,
-                     static_cast<std::uint32_t>(rs.comm.size()),
-                     0,
-                     static_cast<std::uint32_t>(rs.firsts.size()),
-                     0,
-                     0};
+      PhaseInfo info;
+      info.lane = ph.lane;
+      info.join = ph.join;
+      info.first = static_cast<std::uint32_t>(rs.comm.size());
+      info.firsts = static_cast<std::uint32_t>(rs.firsts.size());
+      const auto phase_mark = static_cast<std::uint32_t>(rs.phases.size()) + 1;
       for (const auto& s : ph.comm) {
         if (s.bytes == 0) continue;
         const bool is_send = s.kind == Step::Kind::kSend;
-        auto [it, fresh] = pair_index.try_emplace(pair_key(s.peer, is_send),
-                                                  static_cast<std::uint32_t>(next.size()));
+        const auto key = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(s.peer)) << 1) |
+                         (is_send ? 1 : 0);
+        auto [it, fresh] = pair_index.try_emplace(key, static_cast<std::uint32_t>(ends.size()));
         if (fresh) {
-          next.push_back(0);
-          seen_in.push_back(0);
+          const std::uint32_t chan = is_send ? channel(r, s.peer) : channel(s.peer, r);
+          ends.push_back({chan * 2 + (is_send ? 1 : 0)});
         }
-        const std::uint32_t k = it->second;
-        const std::uint32_t ord = next[k]++;
-        rs.comm.push_back({s.peer, is_send, k, ord, s.bytes, s.rails});
+        End& e = ends[it->second];
+        const std::uint32_t ord = e.next++;
+        rs.comm.push_back({s.bytes, s.rails, e.end >> 1, ord, is_send});
         ++info.count;
-        const auto phase_mark = static_cast<std::uint32_t>(rs.phases.size()) + 1;
-        if (seen_in[k] != phase_mark) {
-          seen_in[k] = phase_mark;
-          rs.firsts.emplace_back(k, ord);
-          ++info.npairs;
+        if (e.seen_in != phase_mark) {
+          e.seen_in = phase_mark;
+          rs.firsts.emplace_back(e.end, ord);
+          ++info.nfirsts;
         }
       }
       for (const auto& s : ph.compute)
         info.compute_bytes += static_cast<double>(s.bytes);
-      if (rs.lanes.size() <= ph.lane) rs.lanes.resize(ph.lane + 1);
-      rs.lanes[ph.lane].push_back(static_cast<std::uint32_t>(rs.phases.size()));
+      if (last.size() <= ph.lane) {
+        last.resize(ph.lane + 1, kNone);
+        first_of.resize(ph.lane + 1, kNone);
+      }
+      const auto id = static_cast<std::uint32_t>(rs.phases.size());
+      if (last[ph.lane] == kNone)
+        first_of[ph.lane] = id;
+      else
+        rs.phases[last[ph.lane]].next = id;
+      last[ph.lane] = id;
       rs.phases.push_back(info);
     }
-    rs.posted.assign(next.size(), 0);
-    rs.cursor.assign(rs.lanes.size(), 0);
-    rs.busy.assign(rs.lanes.size(), 0);
-    for (const auto& l : rs.lanes)
-      rs.lanes_left += l.empty() ? 0 : 1;
+    rs.lane0 = static_cast<std::uint32_t>(lanes_.size());
+    rs.lanes = static_cast<std::uint32_t>(last.size());
+    for (std::size_t l = 0; l < last.size(); ++l) {
+      lanes_.push_back({first_of[l], false});
+      rs.lanes_left += lanes_.back().current == kNone ? 0 : 1;
+    }
+  }
+
+  // The channel's message `ord`, made if neither end posted it yet.
+  static Message& message(Channel& c, std::uint32_t ord) {
+    const std::size_t i = c.head + (ord - c.head_ord);
+    if (i >= c.pending.size()) c.pending.resize(i + 1);
+    return c.pending[i];
+  }
+  static void retire(Channel& c, std::uint32_t ord) {
+    c.pending[c.head + (ord - c.head_ord)].done = true;
+    while (c.head < c.pending.size() && c.pending[c.head].done) {
+      ++c.head;
+      ++c.head_ord;
+    }
+    if (c.head == c.pending.size()) {
+      c.pending.clear();
+      c.head = 0;
+    } else if (c.head >= 16 && 2 * c.head >= c.pending.size()) {
+      c.pending.erase(c.pending.begin(), c.pending.begin() + static_cast<std::ptrdiff_t>(c.head));
+      c.head = 0;
+    }
   }
 
   // Posts every lane's next phase that may go now (posting one may let another lane go).
@@ -217,39 +281,41 @@ class Sim {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
     for (bool progress = true; progress;) {
       progress = false;
-      for (std::uint32_t l = 0; l < rs.lanes.size(); ++l) {
-        if (rs.busy[l] || rs.cursor[l] >= rs.lanes[l].size()) continue;
-        const std::uint32_t id = rs.lanes[l][rs.cursor[l]];
-        const PhaseInfo& ph = rs.phases[id];
+      for (std::uint32_t l = 0; l < rs.lanes; ++l) {
+        LaneState& lane = lanes_[rs.lane0 + l];
+        if (lane.busy || lane.current == kNone) continue;
+        const std::uint32_t id = lane.current;
+        PhaseInfo& ph = rs.phases[id];
         if (ph.join && rs.done_prefix < id) continue;
         bool ready = true;
-        for (std::uint32_t j = ph.pairs; j < ph.pairs + ph.npairs && ready; ++j)
-          ready = rs.posted[rs.firsts[j].first] == rs.firsts[j].second;
+        for (std::uint32_t j = ph.firsts; j < ph.firsts + ph.nfirsts && ready; ++j) {
+          const auto [end, ord] = rs.firsts[j];
+          ready = channels_[end >> 1].posted[end & 1] == ord;
+        }
         if (!ready) continue;
         progress = true;
-        rs.busy[l] = 1;
-        rs.phases[id].remaining = ph.count;
+        lane.busy = true;
+        ph.remaining = ph.count;
         for (std::uint32_t j = ph.first; j < ph.first + ph.count; ++j) {
           const CommRef& c = rs.comm[j];
-          ++rs.posted[c.pair];
-          const MessageKey key =
-              c.is_send ? MessageKey{r, c.peer, c.ord} : MessageKey{c.peer, r, c.ord};
-          Message& m = messages_in_[key];
+          Channel& ch = channels_[c.chan];
+          ++ch.posted[c.is_send ? 1 : 0];
+          Message& m = message(ch, c.ord);
           if (c.is_send) {
-            m.send_ready = now_, m.send_bytes = c.bytes, m.send_phase = id, m.rails = c.rails;
+            m.sent = true, m.send_bytes = c.bytes, m.send_phase = id, m.rails = c.rails;
           } else {
-            m.recv_ready = now_, m.recv_bytes = c.bytes, m.recv_phase = id;
+            m.received = true, m.recv_bytes = c.bytes, m.recv_phase = id;
           }
-          if (m.send_ready >= 0 && m.recv_ready >= 0) {
+          if (m.sent && m.received) {
             if (m.send_bytes != m.recv_bytes)
               return Status(ErrorCode::kInternal,
                             fmt::format("the plans disagree: message {} from rank {} to {} is {} "
                                         "bytes at the sender and {} at the receiver",
-                                        key.ord + 1, key.src, key.dst, m.send_bytes, m.recv_bytes));
+                                        c.ord + 1, ch.src, ch.dst, m.send_bytes, m.recv_bytes));
             if (net_.latency_s > 0)
-              events_.push({now_ + net_.latency_s, 0, key, 0, 0});
+              events_.push({now_ + net_.latency_s, 0, {c.chan, c.ord}, 0, 0});
             else
-              R2CCL_RETURN_IF_ERROR(start_message(key));
+              R2CCL_RETURN_IF_ERROR(start_message({c.chan, c.ord}));
           }
         }
         if (ph.count == 0) compute_done(r, id);
@@ -261,17 +327,22 @@ class Sim {
   void compute_done(int r, std::uint32_t id) {
     const auto& ph = ranks_[static_cast<std::size_t>(r)].phases[id];
     const double t = net_.reduce_bps > 0 ? ph.compute_bytes / net_.reduce_bps : 0;
-    events_.push({now_ + t, 1, {}, r, ph.lane});
+    if (t > 0)
+      events_.push({now_ + t, 1, {}, r, ph.lane});
+    else
+      done_now_.emplace_back(r, ph.lane);
   }
 
   Status phase_done(int r, std::uint32_t lane) {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
-    const std::uint32_t id = rs.lanes[lane][rs.cursor[lane]];
+    LaneState& ls = lanes_[rs.lane0 + lane];
+    const std::uint32_t id = ls.current;
     rs.phases[id].done = true;
     while (rs.done_prefix < rs.phases.size() && rs.phases[rs.done_prefix].done)
       ++rs.done_prefix;
-    rs.busy[lane] = 0;
-    if (++rs.cursor[lane] == rs.lanes[lane].size()) {
+    ls.busy = false;
+    ls.current = rs.phases[id].next;
+    if (ls.current == kNone) {
       rs.finish = std::max(rs.finish, now_);
       --rs.lanes_left;
     }
@@ -293,23 +364,24 @@ class Sim {
     return static_cast<int>(flows_.size() - 1);
   }
 
-  int unit_of(int out, int in) {
-    const auto key = (static_cast<std::uint64_t>(out) << 32) | static_cast<std::uint32_t>(in);
-    // Channels stay once made (a ring uses the same ones step after step); idle ones take no
-    // share.
-    auto [it, fresh] = unit_index_.try_emplace(key, 0);
-    if (fresh) {
+  // The channel's unit on rail group g (groups_.size(): inside the node). Units stay once made
+  // (a ring uses the same ones step after step); idle ones take no share.
+  int unit_of(Channel& ch, std::size_t g) {
+    if (ch.units.empty()) ch.units.assign(groups_.size() + 1, -1);
+    int& u = ch.units[g];
+    if (u < 0) {
+      const int out = port(ch.src, g, false), in = port(ch.dst, g, true);
       units_.push_back(Unit{out, in, {}, 0, false});
-      const int u = static_cast<int>(units_.size() - 1);
-      it->second = u;
+      u = static_cast<int>(units_.size() - 1);
       port_units_[static_cast<std::size_t>(out)].push_back(u);
       port_units_[static_cast<std::size_t>(in)].push_back(u);
     }
-    return it->second;
+    return u;
   }
 
   Status start_message(const MessageKey& key) {
-    const Message& m = messages_in_.at(key);
+    Channel& ch = channels_[key.chan];
+    const Message& m = ch.pending[ch.head + (key.ord - ch.head_ord)];
     ++messages_;
     bytes_ += static_cast<double>(m.send_bytes);
     const int f = new_flow();
@@ -321,20 +393,19 @@ class Sim {
     fl.live = true;
     ++fl.version;
     fl.units.clear();
-    if (same_node(key.src, key.dst) && net_.intra_bps > 0) {
-      fl.units.push_back(
-          unit_of(port(key.src, groups_.size(), false), port(key.dst, groups_.size(), true)));
+    if (same_node(ch.src, ch.dst) && net_.intra_bps > 0) {
+      fl.units.push_back(unit_of(ch, groups_.size()));
     } else {
       for (bool any : {false, true}) {
         for (std::size_t g = 0; g < groups_.size(); ++g)
-          if ((any || (groups_[g].rails & m.rails) != 0) && group_cap(key.src, g) > 0 &&
-              group_cap(key.dst, g) > 0)
-            fl.units.push_back(unit_of(port(key.src, g, false), port(key.dst, g, true)));
+          if ((any || (groups_[g].rails & m.rails) != 0) && group_cap(ch.src, g) > 0 &&
+              group_cap(ch.dst, g) > 0)
+            fl.units.push_back(unit_of(ch, g));
         if (!fl.units.empty()) break;
       }
       if (fl.units.empty())
         return Status(ErrorCode::kInvalidArgument,
-                      fmt::format("no rail is up at both rank {} and rank {}", key.src, key.dst));
+                      fmt::format("no rail is up at both rank {} and rank {}", ch.src, ch.dst));
     }
     for (int u : fl.units) {
       units_[static_cast<std::size_t>(u)].flows.push_back(f);
@@ -343,7 +414,7 @@ class Sim {
     return Status::ok();
   }
 
-  Status finish_flow(int f) {
+  void finish_flow(int f) {
     Flow& fl = flows_[static_cast<std::size_t>(f)];
     fl.live = false;
     for (int u : fl.units) {
@@ -354,14 +425,14 @@ class Sim {
     }
     free_flows_.push_back(f);
     const MessageKey key = fl.key;
-    auto it = messages_in_.find(key);
-    const Message m = it->second;
-    messages_in_.erase(it);
-    for (auto [r, id] : {std::pair{key.src, m.send_phase}, std::pair{key.dst, m.recv_phase}}) {
+    Channel& ch = channels_[key.chan];
+    const Message& m = ch.pending[ch.head + (key.ord - ch.head_ord)];
+    const std::uint32_t send_phase = m.send_phase, recv_phase = m.recv_phase;
+    retire(ch, key.ord);
+    for (auto [r, id] : {std::pair{ch.src, send_phase}, std::pair{ch.dst, recv_phase}}) {
       auto& rs = ranks_[static_cast<std::size_t>(r)];
       if (--rs.phases[id].remaining == 0) compute_done(r, id);
     }
-    return Status::ok();
   }
 
   void touch(int port) {
@@ -484,47 +555,49 @@ class Sim {
       count_[up] = 0;
     }
     // Every message on these channels: its bytes so far at the old rate, then the new rate.
-    auto& changed = scratch_changed_;
-    changed.clear();
+    ++round_;
     for (int u : units) {
       Unit& un = units_[static_cast<std::size_t>(u)];
       un.fixed = false;
-      for (int f : un.flows)
-        changed.push_back(f);
-    }
-    std::sort(changed.begin(), changed.end());
-    changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
-    for (int f : changed) {
-      Flow& fl = flows_[static_cast<std::size_t>(f)];
-      fl.left = std::max(0.0, fl.left - fl.rate * (now_ - fl.since));
-      fl.since = now_;
-      fl.rate = 0;
-      for (int u : fl.units) {
-        const Unit& un = units_[static_cast<std::size_t>(u)];
-        fl.rate += un.rate / static_cast<double>(un.flows.size());
+      for (int f : un.flows) {
+        Flow& fl = flows_[static_cast<std::size_t>(f)];
+        if (fl.round == round_) continue;
+        fl.round = round_;
+        double rate = 0;
+        for (int v : fl.units) {
+          const Unit& on = units_[static_cast<std::size_t>(v)];
+          rate += on.rate / static_cast<double>(on.flows.size());
+        }
+        if (rate == fl.rate) continue;  // its finish as scheduled still holds
+        fl.left = std::max(0.0, fl.left - fl.rate * (now_ - fl.since));
+        fl.since = now_;
+        fl.rate = rate;
+        ++fl.version;
+        if (fl.rate > 0) finishes_.emplace(now_ + fl.left / fl.rate, f, fl.version);
       }
-      ++fl.version;
-      if (fl.rate > 0) finishes_.emplace(now_ + fl.left / fl.rate, f, fl.version);
     }
   }
 
   const SimNetwork& net_;
   int p_;
   std::vector<RankState> ranks_;
-  std::unordered_map<MessageKey, Message, MessageHash> messages_in_;
+  std::vector<LaneState> lanes_;  // every rank's, a rank's together
+  std::vector<Channel> channels_;
+  std::unordered_map<std::uint64_t, std::uint32_t> chan_index_;  // (src, dst), while adding plans
   // rates()'s working lists, kept between calls.
-  std::vector<int> scratch_ports_, scratch_units_, scratch_changed_;
+  std::vector<int> scratch_ports_, scratch_units_;
+  std::uint64_t round_ = 0;  // rates() calls so far
   std::vector<std::pair<double, int>> scratch_heap_;
   std::vector<Flow> flows_;
   std::vector<int> free_flows_;
   std::vector<Unit> units_;
-  std::unordered_map<std::uint64_t, int> unit_index_;
   std::vector<std::vector<int>> port_units_;
   std::vector<int> dirty_ports_;
   std::vector<std::uint8_t> port_mark_;  // 1: dirty, 2: in the part being recomputed
   using Finish = std::tuple<double, int, std::uint64_t>;
   std::priority_queue<Finish, std::vector<Finish>, std::greater<>> finishes_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
+  std::vector<std::pair<int, std::uint32_t>> done_now_;  // (rank, lane): phases done at now_
   struct Group {
     std::size_t first;  // a rail of the group
     std::uint64_t rails;
