@@ -204,6 +204,20 @@ std::size_t sends_per_rank(const Setting& s, Algo algo) {
   return most;
 }
 
+// OptCC's lower bound of the traffic across nodes (each local index's share of the message among
+// the nodes), plus what the steps inside a node take at the least.
+double lower_bound(const Setting& s) {
+  const Cluster c = cluster_of(s);
+  Setting flat = s;
+  flat.cluster.gpus = 1;
+  flat.bytes = s.bytes / static_cast<std::size_t>(s.cluster.gpus);
+  Cluster fc = cluster_of(flat);
+  fc.nic_bps = c.nic_bps / c.gpus;
+  const double inside = predict(s, Algo::kBalance) -
+                        predict_seconds(Algo::kBalance, allreduce_of(flat), fc.network());
+  return inside + lower_bound_seconds(allreduce_of(flat), fc.network());
+}
+
 // Every plan against the job's size: nodes doubling from 2 until `max_ranks` ranks, the cost
 // model's time of each plan, the lower bound, the messages each rank sends, and the simulated
 // time (with the simulator's own wall time) up to `sim_ranks` ranks.
@@ -223,16 +237,7 @@ int scale_sweep(const Setting& base, int max_ranks, int sim_ranks, const std::st
     const Cluster c = cluster_of(s);
     const CollDesc d = allreduce_of(s);
     const Network net = c.network();
-    // The bound of the traffic across nodes (each local index's share of the message among the
-    // nodes), plus what the steps inside a node take at the least.
-    Setting flat = s;
-    flat.cluster.gpus = 1;
-    flat.bytes = s.bytes / static_cast<std::size_t>(s.cluster.gpus);
-    Cluster fc = cluster_of(flat);
-    fc.nic_bps = c.nic_bps / c.gpus;
-    const double inside = predict(s, Algo::kBalance) -
-                          predict_seconds(Algo::kBalance, allreduce_of(flat), fc.network());
-    const double bound = inside + lower_bound_seconds(allreduce_of(flat), fc.network());
+    const double bound = lower_bound(s);
     double model[3], sim[3] = {0, 0, 0}, wall[3] = {0, 0, 0};
     std::size_t sends[3];
     int i = 0;
@@ -381,9 +386,9 @@ int main(int argc, char** argv) {
       c.shaped ? fmt::format("with every NIC at {:.1f}%", 100 * cl.slow)
                : fmt::format("lost {} NIC(s)", cl.lost_nics),
       s.bytes, type_name(s.type), latency_us);
-  fmt::print("fault-free ring {:.6f} s, lower bound {:.6f} s ({:.4f}x); auto picks {}\n", t0,
-             lower_bound_seconds(d, net), lower_bound_seconds(d, net) / t0,
-             algo_name(auto_choice(d, net)));
+  const double bound = lower_bound(s);
+  fmt::print("fault-free ring {:.6f} s, lower bound {:.6f} s ({:.4f}x); auto picks {}\n", t0, bound,
+             bound / t0, algo_name(auto_choice(d, net)));
   fmt::print(
       "| algorithm | simulated s | x fault-free | cost model s | messages | wall s |\n"
       "|---|---|---|---|---|---|\n");
