@@ -3,6 +3,9 @@
 #include <prometheus/client_metric.h>
 #include <prometheus/metric_family.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "r2ccl/monitor/http_exporter.h"
@@ -176,33 +179,116 @@ std::unique_ptr<JobMetrics> JobMetrics::start(const Config& config, const Fabric
   return start(config, fabric.endpoint(), fabric.rank(), std::to_string(fabric.rank()));
 }
 
+namespace detail {
+
+// The collectors behind one endpoint, each under its comm label. A scrape holds the lock while it
+// reads them, so that a collector removed is never read again (its endpoint may go next).
+class ProcessCollector final : public prometheus::Collectable {
+ public:
+  std::string add(std::shared_ptr<RailCollector> c) {
+    std::lock_guard lock(mutex_);
+    std::string comm = std::to_string(next_++);
+    members_.emplace_back(comm, std::move(c));
+    return comm;
+  }
+  void remove(const std::string& comm) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(members_, [&](const auto& m) { return m.first == comm; });
+  }
+  std::vector<MetricFamily> Collect() const override {
+    std::lock_guard lock(mutex_);
+    std::vector<MetricFamily> out;
+    for (const auto& [comm, collector] : members_) {
+      for (auto& f : collector->Collect()) {
+        for (auto& m : f.metric)
+          m.label.push_back({"comm", comm});
+        auto same = std::find_if(out.begin(), out.end(),
+                                 [&](const MetricFamily& o) { return o.name == f.name; });
+        if (same == out.end()) {
+          out.push_back(std::move(f));
+        } else {
+          for (auto& m : f.metric)
+            same->metric.push_back(std::move(m));
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::uint64_t next_ = 0;
+  std::vector<std::pair<std::string, std::shared_ptr<RailCollector>>> members_;
+};
+
+// The process's endpoints by configured address and R2CCL_METRICS_PORT. Each endpoint holds it,
+// so that it outlives them whatever the order of destruction at exit.
+struct Exporters {
+  std::mutex mutex;
+  std::map<std::pair<std::string, int>, std::weak_ptr<SharedExporter>> by_setting;
+};
+
+struct SharedExporter {
+  std::shared_ptr<Exporters> exporters;
+  std::shared_ptr<ProcessCollector> collector = std::make_shared<ProcessCollector>();
+  std::unique_ptr<HttpExporter> http;
+};
+
+}  // namespace detail
+
+namespace {
+std::shared_ptr<detail::Exporters> exporters() {
+  static const auto all = std::make_shared<detail::Exporters>();
+  return all;
+}
+}  // namespace
+
 std::unique_ptr<JobMetrics> JobMetrics::start(const Config& config, const Endpoint& endpoint,
                                               int port_offset, std::string rank) {
   if (!config.metrics_port) return nullptr;
-  const int port = *config.metrics_port + port_offset;
-  if (port > 65535) {
-    R2CCL_WARN("metrics: R2CCL_METRICS_PORT {} + {} is past 65535; running without metrics",
-               *config.metrics_port, port_offset);
-    return nullptr;
+  auto collector = std::make_shared<RailCollector>(endpoint, std::move(rank));
+  const auto all = exporters();
+  std::lock_guard lock(all->mutex);
+  const std::pair<std::string, int> key{config.metrics_addr, *config.metrics_port};
+  std::shared_ptr<detail::SharedExporter> shared = all->by_setting[key].lock();
+  if (!shared) {
+    const int port = *config.metrics_port + port_offset;
+    if (port > 65535) {
+      R2CCL_WARN("metrics: R2CCL_METRICS_PORT {} + {} is past 65535; running without metrics",
+                 *config.metrics_port, port_offset);
+      return nullptr;
+    }
+    shared = std::make_shared<detail::SharedExporter>();
+    shared->exporters = all;
+    const HostPort at{config.metrics_addr, static_cast<std::uint16_t>(port)};
+    auto http = HttpExporter::start(at, shared->collector);
+    if (!http) {
+      R2CCL_WARN("metrics: cannot serve on {}: {}; running without metrics", at.to_string(),
+                 http.status().message());
+      return nullptr;
+    }
+    shared->http = std::move(*http);
+    all->by_setting[key] = shared;
+    R2CCL_INFO("metrics: serving /metrics on {}", at.to_string());
   }
   std::unique_ptr<JobMetrics> m(new JobMetrics());
-  m->collector_ = std::make_shared<RailCollector>(endpoint, std::move(rank));
-  const HostPort at{config.metrics_addr, static_cast<std::uint16_t>(port)};
-  auto http = HttpExporter::start(at, m->collector_);
-  if (!http) {
-    R2CCL_WARN("metrics: cannot serve on {}: {}; running without metrics", at.to_string(),
-               http.status().message());
-    return nullptr;
-  }
-  m->http_ = std::move(*http);
-  R2CCL_INFO("metrics: serving /metrics on {}", at.to_string());
+  m->comm_ = shared->collector->add(std::move(collector));
+  m->shared_ = std::move(shared);
+  if (m->comm_ != "0")
+    R2CCL_INFO("metrics: series with comm=\"{}\" added to /metrics on port {}", m->comm_,
+               m->port());
   return m;
 }
 
-JobMetrics::~JobMetrics() = default;
+JobMetrics::~JobMetrics() {
+  shared_->collector->remove(comm_);
+  const auto all = shared_->exporters;
+  std::lock_guard lock(all->mutex);
+  shared_.reset();  // the last one stops the endpoint, before its setting can be taken again
+}
 
 std::uint16_t JobMetrics::port() const {
-  return http_->port();
+  return shared_->http->port();
 }
 
 }  // namespace r2ccl::mon

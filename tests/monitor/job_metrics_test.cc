@@ -6,6 +6,8 @@
 
 #include <future>
 #include <map>
+#include <set>
+#include <sstream>
 
 #include "net_util.h"
 
@@ -120,9 +122,61 @@ TEST(JobMetrics, ServedOverHttpWhenAPortIsSetAndOffOtherwise) {
   EXPECT_NE(body.find("200"), std::string::npos) << body.substr(0, 200);
   EXPECT_NE(body.find("# HELP r2ccl_rail_up "), std::string::npos);
   EXPECT_NE(body.find("r2ccl_rail_up{rank=\"0\",peer=\"1\",device=\"127.0.30.1\",remote_device="
-                      "\"127.0.31.1\"} 1"),
+                      "\"127.0.31.1\",comm=\"0\"} 1"),
             std::string::npos)
       << body;
+}
+
+// The lines of a scrape that belong to rank 0's rail to 127.0.31.1 under the given comm label.
+std::size_t rail_up_lines(const std::string& body, const std::string& comm) {
+  const std::string line =
+      "r2ccl_rail_up{rank=\"0\",peer=\"1\",device=\"127.0.30.1\",remote_device="
+      "\"127.0.31.1\",comm=\"" +
+      comm + "\"} 1";
+  std::size_t n = 0;
+  for (auto at = body.find(line); at != std::string::npos; at = body.find(line, at + 1))
+    ++n;
+  return n;
+}
+
+TEST(JobMetrics, CommunicatorsOfOneProcessShareTheEndpointUnderTheirOwnLabel) {
+  const auto port = test::free_port();
+  const auto config = config_for(0, {{"R2CCL_METRICS_PORT", std::to_string(port)}});
+  auto first = make_pair_of_ranks();
+  auto second = make_pair_of_ranks();
+  auto m0 = JobMetrics::start(config, *first.a);
+  ASSERT_NE(m0, nullptr);
+  // The second would have taken the same port (rank 0 of its own world): it joins instead.
+  auto m1 = JobMetrics::start(config, *second.a);
+  ASSERT_NE(m1, nullptr);
+  EXPECT_EQ(m0->port(), port);
+  EXPECT_EQ(m1->port(), port);
+  EXPECT_EQ(m0->comm(), "0");
+  EXPECT_EQ(m1->comm(), "1");
+  std::string body = test::http_get(port, "/metrics");
+  EXPECT_EQ(rail_up_lines(body, "0"), 1u) << body;
+  EXPECT_EQ(rail_up_lines(body, "1"), 1u) << body;
+  // Each family once, the two communicators' series under it.
+  std::set<std::string> types;
+  std::istringstream lines(body);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("# TYPE ", 0) == 0) {
+      EXPECT_TRUE(types.insert(line).second) << line;
+    }
+  EXPECT_EQ(types.count("# TYPE r2ccl_rail_up gauge"), 1u) << body;
+  // The first communicator goes: its series leave, the endpoint stays for the second.
+  m0.reset();
+  first = Pair{};
+  body = test::http_get(port, "/metrics");
+  EXPECT_EQ(rail_up_lines(body, "0"), 0u) << body;
+  EXPECT_EQ(rail_up_lines(body, "1"), 1u) << body;
+  // The last one closes it: the next one in the process listens anew, its series comm="0".
+  m1.reset();
+  auto m2 = JobMetrics::start(config, *second.a);
+  ASSERT_NE(m2, nullptr);
+  EXPECT_EQ(m2->port(), port);
+  EXPECT_EQ(m2->comm(), "0");
+  EXPECT_EQ(rail_up_lines(test::http_get(port, "/metrics"), "0"), 1u);
 }
 
 TEST(JobMetrics, APortInUseLeavesTheJobRunningWithoutMetrics) {

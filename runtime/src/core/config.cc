@@ -85,8 +85,9 @@ constexpr ConfigEntry kTable[] = {
      "DEGRADED (kept in use at a lower weight), 0.01–0.99. Both measures must agree: the "
      "receiver's timing of the arrivals and the sender's confirmed bytes per busy second."},
     {"R2CCL_METRICS_PORT", "(off)",
-     "Serve this job's rail metrics for Prometheus at `/metrics`; rank r listens on this port + r. "
-     "A port in use gives a warning and the job runs on without metrics."},
+     "Serve this job's rail metrics for Prometheus at `/metrics`: a process listens on this port + "
+     "the rank of its first communicator, and its later communicators join that endpoint under "
+     "their own label `comm`. A port in use gives a warning and the job runs on without metrics."},
     {"R2CCL_METRICS_ADDR", "127.0.0.1", "IPv4 address the metrics endpoint binds to."},
     {"R2CCL_GPU_TUNE", "1",
      "1: the GPU side of a communicator measures every all-reduce algorithm at every size when it "

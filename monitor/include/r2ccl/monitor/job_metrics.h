@@ -15,8 +15,6 @@
 
 namespace r2ccl::mon {
 
-class HttpExporter;
-
 // r2ccl_rail_* families (labels rank, peer, device, remote_device), the failover detection
 // histogram and r2ccl_build_info.
 class RailCollector final : public prometheus::Collectable {
@@ -32,6 +30,15 @@ class RailCollector final : public prometheus::Collectable {
   std::string rank_;
 };
 
+namespace detail {
+struct SharedExporter;
+}
+
+// One HTTP endpoint per process and configured address: the first JobMetrics started with it
+// listens on R2CCL_METRICS_PORT + its offset; every later one in the process with the same
+// setting (another communicator, a split, a KV engine) joins that endpoint rather than take a
+// port of its own. Every series carries label comm, the order in which the process started them
+// ("0" for the first), so that two communicators' rails stay apart.
 class JobMetrics {
  public:
   // nullptr when R2CCL_METRICS_PORT is not set, or — with a warning naming the address and the
@@ -41,13 +48,19 @@ class JobMetrics {
   // its series labelled rank=`rank`.
   static std::unique_ptr<JobMetrics> start(const Config& config, const Endpoint& endpoint,
                                            int port_offset, std::string rank);
+  // Its series leave the endpoint (a scrape in progress finishes first); the endpoint closes
+  // with the last of the process's JobMetrics that share it.
   ~JobMetrics();
+  JobMetrics(const JobMetrics&) = delete;
+  JobMetrics& operator=(const JobMetrics&) = delete;
   std::uint16_t port() const;
+  // Its series' value of label comm.
+  const std::string& comm() const { return comm_; }
 
  private:
   JobMetrics() = default;
-  std::shared_ptr<RailCollector> collector_;
-  std::unique_ptr<HttpExporter> http_;
+  std::shared_ptr<detail::SharedExporter> shared_;
+  std::string comm_;
 };
 
 }  // namespace r2ccl::mon
