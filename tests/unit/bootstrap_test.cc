@@ -288,6 +288,47 @@ TEST(Bootstrap, NoTokenOutsideLoopbackIsRefusedUnlessTheUserOptsOut) {
   EXPECT_TRUE(BootstrapOptions::from_config(*parse_config(test::env_of(vars))).is_ok());
 }
 
+// Whether something listens on loopback `port` now (one attempt).
+bool listening(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Ids never used cannot pile up listeners: past 64 waiting, the oldest is closed. Its id still
+// works: rank 0 listens again on its port when it joins.
+TEST(Bootstrap, UnusedUniqueIdsAreBoundedAndTheOldestStillRendezvous) {
+  auto first = UniqueId::create("127.0.0.1");
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  const std::uint16_t first_port = first->address()->port;
+  EXPECT_TRUE(listening(first_port));
+  std::vector<UniqueId> more;
+  for (int i = 0; i < 64; ++i) {
+    auto id = UniqueId::create("127.0.0.1");
+    ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+    more.push_back(*id);
+  }
+  EXPECT_FALSE(listening(first_port));
+  EXPECT_TRUE(listening(more.back().address()->port));
+
+  Config config;
+  config.bootstrap_timeout = milliseconds(5000);
+  auto o0 = BootstrapOptions::from_unique_id(*first, 0, 2, config);
+  auto o1 = BootstrapOptions::from_unique_id(*first, 1, 2, config);
+  ASSERT_TRUE(o0.is_ok() && o1.is_ok());
+  auto f1 = join_async(*o1);
+  auto b0 = Bootstrap::join(*o0, info_of(0));
+  auto b1 = f1.get();
+  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
+  EXPECT_EQ((*b1)->rank_info()[0], info_of(0));
+}
+
 // A unique-id world whose size on the wire is out of range is refused, not allocated.
 TEST(Bootstrap, AWorldSizeOutOfRangeIsRefused) {
   auto id = UniqueId::create("127.0.0.1");

@@ -10,7 +10,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <thread>
 
 #include "bootstrap/frames.h"
@@ -457,9 +456,46 @@ class BootstrapRoot {
 };
 
 namespace {
-// Roots started by UniqueId::create, waiting for rank 0 of this process to adopt them.
+// Roots started by UniqueId::create, waiting for rank 0 of this process to adopt them. One not
+// adopted within kPendingRootLifetime is closed (its id then fails to rendezvous), and at most
+// kMaxPendingRoots wait: a new one closes the oldest, so ids that are never used (an init that
+// failed before it started) cannot pile up listeners and threads.
+constexpr auto kPendingRootLifetime = std::chrono::hours(1);
+constexpr std::size_t kMaxPendingRoots = 64;
+struct PendingRoot {
+  std::shared_ptr<BootstrapRoot> root;
+  Clock::time_point made;
+};
 std::mutex g_roots_mutex;
-std::map<Token, std::shared_ptr<BootstrapRoot>> g_pending_roots;
+std::map<Token, PendingRoot> g_pending_roots;
+
+// Closes the roots past their lifetime and, past the bound, the oldest; with g_roots_mutex held.
+// Returns them, to be closed (their threads joined) once the lock is released.
+std::vector<std::shared_ptr<BootstrapRoot>> expire_pending_roots(std::size_t keep) {
+  std::vector<std::shared_ptr<BootstrapRoot>> out;
+  const auto now = Clock::now();
+  for (auto it = g_pending_roots.begin(); it != g_pending_roots.end();) {
+    if (now - it->second.made > kPendingRootLifetime) {
+      R2CCL_WARN("bootstrap: a unique id of {} was not used within {} min; its listener is closed",
+                 it->second.root->address().to_string(),
+                 std::chrono::duration_cast<std::chrono::minutes>(kPendingRootLifetime).count());
+      out.push_back(std::move(it->second.root));
+      it = g_pending_roots.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  while (g_pending_roots.size() > keep) {
+    auto oldest = std::min_element(
+        g_pending_roots.begin(), g_pending_roots.end(),
+        [](const auto& a, const auto& b) { return a.second.made < b.second.made; });
+    R2CCL_WARN("bootstrap: {} unique ids wait to be used; the oldest ({}) is closed",
+               g_pending_roots.size(), oldest->second.root->address().to_string());
+    out.push_back(std::move(oldest->second.root));
+    g_pending_roots.erase(oldest);
+  }
+  return out;
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -467,11 +503,11 @@ std::map<Token, std::shared_ptr<BootstrapRoot>> g_pending_roots;
 
 Result<UniqueId> UniqueId::create(const std::string& bind_host) {
   Token token{};
-  std::random_device rd;
-  for (auto& b : token)
-    b = static_cast<std::uint8_t>(rd());
-  R2CCL_ASSIGN_OR_RETURN(auto root, BootstrapRoot::start(HostPort{bind_host, 0}, token, 0,
-                                                         milliseconds(24 * 3600 * 1000)));
+  R2CCL_RETURN_IF_ERROR(crypto::random_bytes(token));
+  R2CCL_ASSIGN_OR_RETURN(
+      auto root,
+      BootstrapRoot::start(HostPort{bind_host, 0}, token, 0,
+                           std::chrono::duration_cast<milliseconds>(kPendingRootLifetime)));
   UniqueId id;
   ByteWriter w;
   w.u32(kIdMagic)
@@ -482,8 +518,12 @@ Result<UniqueId> UniqueId::create(const std::string& bind_host) {
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("host name '{}' is too long", bind_host));
   std::memcpy(id.bytes.data(), w.bytes().data(), w.bytes().size());
-  std::lock_guard lock(g_roots_mutex);
-  g_pending_roots[token] = std::move(root);
+  std::vector<std::shared_ptr<BootstrapRoot>> closed;
+  {
+    std::lock_guard lock(g_roots_mutex);
+    closed = expire_pending_roots(kMaxPendingRoots - 1);
+    g_pending_roots[token] = PendingRoot{std::move(root), Clock::now()};
+  }
   return id;
 }
 
@@ -985,11 +1025,13 @@ Result<std::unique_ptr<Bootstrap>> Bootstrap::join(const BootstrapOptions& o,
   const auto deadline = Clock::now() + o.timeout;
 
   if (o.rank == 0) {
+    std::vector<std::shared_ptr<BootstrapRoot>> closed;  // expired roots, closed after the lock
     {
       std::lock_guard lock(g_roots_mutex);
+      closed = expire_pending_roots(kMaxPendingRoots);
       auto it = g_pending_roots.find(o.token);
       if (it != g_pending_roots.end()) {
-        b->root_ = it->second;
+        b->root_ = std::move(it->second.root);
         g_pending_roots.erase(it);
       }
     }

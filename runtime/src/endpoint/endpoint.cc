@@ -2,17 +2,19 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
+#include <cstring>
 #include <thread>
 
 #include "channel/channel.h"
 #include "channel/protocol.h"
 #include "common/handshake.h"
+#include "core/crypto.h"
 #include "health/prober.h"
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
@@ -35,20 +37,6 @@ constexpr std::size_t kMaxPeerIds = std::size_t{1} << 20;
 constexpr std::uint32_t kHandleMagic = 0x48453252;  // "R2EH"
 constexpr std::size_t kHandleHeader = 4 + 1 + 1 + 1 + 8 + 16;
 constexpr std::size_t kHandleRail = 4 + 2 + 2;
-
-Status fill_random(void* out, std::size_t n) {
-  auto* p = static_cast<std::uint8_t*>(out);
-  while (n > 0) {
-    const ssize_t got = ::getrandom(p, n, 0);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return {ErrorCode::kInternal, fmt::format("getrandom: {}", std::strerror(errno))};
-    }
-    p += got;
-    n -= static_cast<std::size_t>(got);
-  }
-  return Status::ok();
-}
 
 std::string default_name() {
   char host[256] = {};
@@ -262,13 +250,16 @@ Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config, Endpoin
   if (info.name.size() > 255)
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("endpoint name of {} characters (at most 255)", info.name.size()));
-  while (info.incarnation == 0)
-    R2CCL_RETURN_IF_ERROR(fill_random(&info.incarnation, sizeof info.incarnation));
+  while (info.incarnation == 0) {
+    std::array<std::uint8_t, sizeof info.incarnation> raw{};
+    R2CCL_RETURN_IF_ERROR(crypto::random_bytes(raw));
+    std::memcpy(&info.incarnation, raw.data(), raw.size());
+  }
   if (e->options_.token) {
     info.token = *e->options_.token;
   } else {
     Token t{};
-    R2CCL_RETURN_IF_ERROR(fill_random(t.data(), t.size()));
+    R2CCL_RETURN_IF_ERROR(crypto::random_bytes(t));
     info.token = t;
   }
   info.provider = config.provider;

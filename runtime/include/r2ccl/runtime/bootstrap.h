@@ -31,7 +31,10 @@ struct UniqueId {
   std::array<std::uint8_t, kSize> bytes{};
 
   // Starts rank 0's rendezvous listener on `bind_host` (port 0: any free port) in this process
-  // and returns the id. Rank 0 must join with it from this process.
+  // and returns the id (its token from getrandom). Rank 0 must join with it from this process.
+  // A listener not taken up within an hour is closed, and so is the oldest where 64 wait at
+  // once; its id still works, rank 0 listening again on its port when it joins (unless another
+  // socket took that port meanwhile).
   static Result<UniqueId> create(const std::string& bind_host);
   Result<HostPort> address() const;
   Result<Token> token() const;
