@@ -455,6 +455,44 @@ TEST(Endpoint, AnOperationWhosePeerIsForgottenBeforeTheLoopRunsItFailsNamingIt) 
   a->set_peer_handler(nullptr);
 }
 
+// Ids are never handed out twice and have no cap short of INT_MAX (a long-lived endpoint whose
+// peers keep coming and going must not run out); what a departed peer held is dropped once 256
+// more have left, so the table stays as large as the peers that are there.
+TEST(Endpoint, PeerIdsAreNeverReusedAndDepartedPeersAreForgotten) {
+  auto a = make_endpoint(0, "A");
+  ASSERT_TRUE(a);
+  auto self = EndpointInfo::decode(a->blob());
+  ASSERT_TRUE(self.is_ok());
+  auto add = [&](std::uint64_t incarnation, int id) {
+    EndpointInfo info = *self;
+    info.incarnation = incarnation;
+    info.name = fmt::format("peer-{}", incarnation);
+    Endpoint::PeerOptions o;
+    o.id = id;
+    return a->add_peer(info.encode(true), o);
+  };
+  const int high = (1 << 20) + 5;  // past the 2^20 ids an endpoint used to hand out at most
+  auto explicit_id = add(5000, high);
+  ASSERT_TRUE(explicit_id.is_ok()) << explicit_id.status().to_string();
+  EXPECT_EQ(*explicit_id, high);
+  EXPECT_EQ(add(5001, high).status().message(), fmt::format("peer id {} is in use", high));
+  int last = high;
+  for (std::uint64_t k = 0; k < 300; ++k) {
+    auto id = add(6000 + k, -1);
+    ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+    EXPECT_EQ(*id, last + 1);
+    last = *id;
+    a->peer_left(*id, "it went away");
+  }
+  // peers() runs on the loop, after the departures: the explicit peer, and the last 256 that
+  // left; the 44 before them are forgotten.
+  EXPECT_EQ(a->peers().size(), 1u + 256u);
+  EXPECT_TRUE(a->peer_label(high).is_ok());
+  EXPECT_EQ(a->peer_label(high + 1).status().message(),
+            fmt::format("peer {} left long ago", high + 1));
+  EXPECT_EQ(a->peer_label(last + 1).status().message(), fmt::format("no peer has id {}", last + 1));
+}
+
 TEST(Endpoint, ConnectingToAPeerAlreadyConnectedReturnsItsChannel) {
   auto a = make_endpoint(0, "A");
   auto b = make_endpoint(1, "B");

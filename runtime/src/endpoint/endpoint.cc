@@ -9,6 +9,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "channel/channel.h"
@@ -30,8 +31,6 @@ namespace {
 
 // Peers that left are remembered (their ids fail with their name) up to this many.
 constexpr std::size_t kMaxDeparted = 256;
-// Ids are never reused; a process that has handed out this many refuses more connections.
-constexpr std::size_t kMaxPeerIds = std::size_t{1} << 20;
 // The compact handle: u32 magic | u8 version | u8 provider | u8 rails | u64 incarnation |
 // token | rails x (IPv4, u16 port, u16 probe port).
 constexpr std::uint32_t kHandleMagic = 0x48453252;  // "R2EH"
@@ -309,7 +308,7 @@ Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config, Endpoin
       [self](std::shared_ptr<Rail> rail) { return self->on_accept(rail); });
   // Local link state: a NIC going down is known without waiting for traffic.
   auto watcher = LinkWatcher::start(*e->engine_, [self](const std::string& ifname, bool running) {
-    for (auto& p : self->peers_)
+    for (auto& [slot_id, p] : self->peers_)
       if (p) p->channel->on_link(ifname, running);
   });
   if (watcher)
@@ -326,7 +325,7 @@ Endpoint::~Endpoint() {
     // Peers that connected by blob are told this endpoint is going (a world's ranks learn it
     // from the control path).
     engine_->call([this] {
-      for (auto& p : peers_)
+      for (auto& [slot_id, p] : peers_)
         if (p && !p->channel->dead() && p->channel->gone_on_close()) p->channel->send_goodbye();
     });
     drain(std::min<milliseconds>(config_.timeout, milliseconds(2000)));
@@ -339,7 +338,7 @@ Endpoint::~Endpoint() {
         watchdog_->stopped = true;
         watchdog_->timer.cancel();
       }
-      for (auto& p : peers_)
+      for (auto& [slot_id, p] : peers_)
         if (p) p->channel->shutdown();
     });
   }
@@ -358,7 +357,7 @@ void Endpoint::drain(milliseconds limit) {
   // after the limit), and the peer does not see this endpoint leave before its data.
   const auto until = Clock::now() + limit;
   auto settled = [this] {
-    for (const auto& p : peers_)
+    for (const auto& [slot_id, p] : peers_)
       if (p && !p->channel->settled()) return false;
     return true;
   };
@@ -374,23 +373,25 @@ const std::vector<RailNic>& Endpoint::nics() const {
 }
 
 Channel* Endpoint::channel(int peer) const {
-  if (peer < 0 || static_cast<std::size_t>(peer) >= peers_.size()) return nullptr;
-  const auto& p = peers_[static_cast<std::size_t>(peer)];
-  return p ? p->channel.get() : nullptr;
+  const auto it = peers_.find(peer);
+  return it != peers_.end() && it->second ? it->second->channel.get() : nullptr;
 }
 
 Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& options) {
   int id = options.id;
   if (id < 0) {
-    id = static_cast<int>(peers_.size());
-  } else if (static_cast<std::size_t>(id) < peers_.size() && peers_[static_cast<std::size_t>(id)]) {
+    // One past every id used so far: an id is never handed out twice.
+    if (id_end_ == std::numeric_limits<int>::max())
+      return Status(ErrorCode::kUnavailable,
+                    fmt::format("this endpoint has handed out {} peer ids: no more", id_end_));
+    id = id_end_;
+  } else if (peers_.contains(id)) {
     return Status(ErrorCode::kInvalidArgument, fmt::format("peer id {} is in use", id));
+  } else if (id == std::numeric_limits<int>::max()) {
+    return Status(ErrorCode::kInvalidArgument, fmt::format("peer id {} is out of range", id));
   }
-  if (static_cast<std::size_t>(id) >= kMaxPeerIds)
-    return Status(ErrorCode::kUnavailable,
-                  fmt::format("this endpoint has handed out {} peer ids: no more", kMaxPeerIds));
   std::size_t live = 0;
-  for (const auto& p : peers_)
+  for (const auto& [slot_id, p] : peers_)
     live += p && !p->channel->dead();
   if (live >= options_.max_peers)
     return Status(ErrorCode::kUnavailable,
@@ -462,9 +463,8 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
                           info.rails[i].probe_port, probe_tag);
   peer->info = std::move(info);
   std::lock_guard lock(peers_mutex_);
-  if (peers_.size() <= static_cast<std::size_t>(id))
-    peers_.resize(static_cast<std::size_t>(id) + 1);
-  peers_[static_cast<std::size_t>(id)] = std::move(peer);
+  peers_[id] = std::move(peer);
+  id_end_ = std::max(id_end_, id + 1);
   return id;
 }
 
@@ -483,7 +483,7 @@ Result<int> Endpoint::add_peer(std::span<const std::byte> blob, const PeerOption
 }
 
 std::optional<int> Endpoint::live_peer(std::uint64_t incarnation) const {
-  for (const auto& p : peers_)
+  for (const auto& [slot_id, p] : peers_)
     if (p && !p->channel->dead() && p->info.incarnation == incarnation) return p->channel->peer();
   return std::nullopt;
 }
@@ -596,7 +596,7 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
         h.dst_incarnation, info_.incarnation);
     return false;
   }
-  for (auto& p : peers_) {
+  for (auto& [slot_id, p] : peers_) {
     if (!p || p->info.incarnation != h.src_incarnation) continue;
     Channel& c = *p->channel;
     if (c.dead()) {
@@ -627,7 +627,7 @@ bool Endpoint::on_accept(const std::shared_ptr<Rail>& rail) {
   // connections, or every rail to it failed). That is a process that started again. A peer
   // still connected is not evicted: the newcomer is another peer, and the collision is logged.
   std::vector<std::string> namesakes;
-  for (auto& p : peers_) {
+  for (auto& [slot_id, p] : peers_) {
     if (!p || p->channel->dead() || p->info.name != info->name) continue;
     Channel& old = *p->channel;
     if (old.attached() == 0 && old.connecting() == 0)
@@ -667,7 +667,7 @@ void Endpoint::retire(int peer, const std::string& why) {
     Channel* old = channel(departed_.front());
     if (old && old->connecting() > 0) break;
     std::lock_guard lock(peers_mutex_);
-    peers_[static_cast<std::size_t>(departed_.front())].reset();
+    peers_.erase(departed_.front());
     departed_.erase(departed_.begin());
   }
 }
@@ -706,7 +706,7 @@ void Endpoint::set_fatal_handler(std::function<void(const Status&)> handler) {
 std::vector<Endpoint::PeerSummary> Endpoint::peers() const {
   return engine_->call([this] {
     std::vector<PeerSummary> out;
-    for (const auto& p : peers_)
+    for (const auto& [slot_id, p] : peers_)
       if (p)
         out.push_back({p->channel->peer(), p->channel->label(), p->info.incarnation,
                        !p->channel->dead(), p->channel->attached()});
@@ -717,7 +717,7 @@ std::vector<Endpoint::PeerSummary> Endpoint::peers() const {
 Result<std::string> Endpoint::peer_label(int peer) const {
   std::lock_guard lock(peers_mutex_);
   if (const Channel* c = channel(peer)) return c->label();
-  if (peer >= 0 && static_cast<std::size_t>(peer) < peers_.size())
+  if (peer >= 0 && peer < id_end_)
     return Status(ErrorCode::kNotFound, fmt::format("peer {} left long ago", peer));
   return Status(ErrorCode::kNotFound, fmt::format("no peer has id {}", peer));
 }
@@ -752,11 +752,11 @@ void Endpoint::arm_watchdog() {
           const auto gap = now - w.last - interval;
           R2CCL_DEBUG("progress loop stalled for {} ms: rail silence in that time not counted",
                       std::chrono::duration_cast<milliseconds>(gap).count());
-          for (auto& p : e->peers_)
+          for (auto& [slot_id, p] : e->peers_)
             if (p) p->channel->forgive_stall(now, gap);
         }
         w.last = now;
-        for (auto& p : e->peers_)
+        for (auto& [slot_id, p] : e->peers_)
           if (p) p->channel->tick(now);
         w.timer.expires_after(e->config_.probe_interval);
         w.timer.async_wait(*this);
@@ -769,7 +769,7 @@ void Endpoint::arm_watchdog() {
 
 void Endpoint::abort(const std::string& why) {
   engine_->call([&] {
-    for (auto& p : peers_)
+    for (auto& [slot_id, p] : peers_)
       if (p) p->channel->on_peer_left(why);
   });
 }
@@ -781,7 +781,7 @@ std::vector<RailEvent> Endpoint::rail_events() const {
 std::vector<RailTelemetryView> Endpoint::rail_telemetry() const {
   std::lock_guard lock(peers_mutex_);
   std::vector<RailTelemetryView> out;
-  for (const auto& p : peers_)
+  for (const auto& [slot_id, p] : peers_)
     if (p) p->channel->telemetry_views(out);
   return out;
 }
@@ -789,7 +789,7 @@ std::vector<RailTelemetryView> Endpoint::rail_telemetry() const {
 std::vector<RailSnapshot> Endpoint::rail_snapshot() const {
   return engine_->call([this] {
     std::vector<RailSnapshot> out;
-    for (const auto& p : peers_)
+    for (const auto& [slot_id, p] : peers_)
       if (p) p->channel->snapshot(out);
     return out;
   });
@@ -835,9 +835,8 @@ Status Endpoint::check_args(int peer, const RegionPtr& region, std::size_t offse
     std::lock_guard lock(peers_mutex_);
     if (!channel(peer))
       return {ErrorCode::kInvalidArgument,
-              peer >= 0 && static_cast<std::size_t>(peer) < peers_.size()
-                  ? fmt::format("{}: peer {} left long ago", what, peer)
-                  : fmt::format("{}: no peer has id {}", what, peer)};
+              peer >= 0 && peer < id_end_ ? fmt::format("{}: peer {} left long ago", what, peer)
+                                          : fmt::format("{}: no peer has id {}", what, peer)};
   }
   return check_region(region, offset, length, what);
 }

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -251,9 +252,12 @@ class Endpoint {
   std::vector<std::pair<int, std::function<void(const PeerEvent&)>>> peer_listeners_;  // loop
   int next_listener_ = 0;                                                              // loop
   std::array<MessageHandler, kServices> message_handlers_;  // loop thread
-  mutable std::mutex peers_mutex_;            // peers_ changes on the loop thread, under it
-  std::vector<std::unique_ptr<Peer>> peers_;  // by id; null: never used, or forgotten
-  std::vector<int> departed_;                 // ids of peers that left, oldest first
+  mutable std::mutex peers_mutex_;  // peers_ changes on the loop thread, under it
+  // By id: the peers that have not left, and the last departed ones (forgotten once more than
+  // 256 have left since). Ids are never reused: a new one is one past every id used so far.
+  std::map<int, std::unique_ptr<Peer>> peers_;
+  int id_end_ = 0;
+  std::vector<int> departed_;  // ids of peers that left, oldest first
   struct Watchdog;
   std::unique_ptr<Watchdog> watchdog_;
 };
