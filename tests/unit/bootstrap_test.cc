@@ -83,6 +83,21 @@ TEST(Bootstrap, FourRanksRendezvousAllGatherAndBarrier) {
     EXPECT_TRUE(b.get().is_ok());
 }
 
+// A world of two ranks meets through `id` (rank 0 in this process, as the id requires).
+void meet_two(const UniqueId& id) {
+  Config config;
+  config.bootstrap_timeout = milliseconds(5000);
+  auto o0 = BootstrapOptions::from_unique_id(id, 0, 2, config);
+  auto o1 = BootstrapOptions::from_unique_id(id, 1, 2, config);
+  ASSERT_TRUE(o0.is_ok() && o1.is_ok());
+  auto f1 = join_async(*o1);
+  auto b0 = Bootstrap::join(*o0, info_of(0));
+  auto b1 = f1.get();
+  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
+  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
+  EXPECT_EQ((*b1)->rank_info()[0], info_of(0));
+}
+
 TEST(Bootstrap, UniqueIdCarriesAddressAndRandomToken) {
   auto id = UniqueId::create("127.0.0.1");
   ASSERT_TRUE(id.is_ok()) << id.status().to_string();
@@ -92,19 +107,11 @@ TEST(Bootstrap, UniqueIdCarriesAddressAndRandomToken) {
   EXPECT_EQ(id->address()->host, "127.0.0.1");
   EXPECT_NE(id->address()->port, 0);
 
-  Config config;
-  config.bootstrap_timeout = milliseconds(5000);
-  auto o0 = BootstrapOptions::from_unique_id(*id, 0, 2, config);
-  auto o1 = BootstrapOptions::from_unique_id(*id, 1, 2, config);
-  ASSERT_TRUE(o0.is_ok() && o1.is_ok());
-  auto f1 = join_async(*o1);
-  auto b0 = Bootstrap::join(*o0, info_of(0));
-  auto b1 = f1.get();
-  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
-  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
-  EXPECT_EQ((*b1)->rank_info()[0], info_of(0));
+  meet_two(*id);
 
   // The second id's root is still waiting; somebody with the first id's token cannot join it.
+  Config config;
+  config.bootstrap_timeout = milliseconds(5000);
   auto wrong = BootstrapOptions::from_unique_id(*id2, 1, 2, config);
   wrong->token = *id->token();
   wrong->timeout = milliseconds(2000);
@@ -316,17 +323,7 @@ TEST(Bootstrap, UnusedUniqueIdsAreBoundedAndTheOldestStillRendezvous) {
   EXPECT_FALSE(listening(first_port));
   EXPECT_TRUE(listening(more.back().address()->port));
 
-  Config config;
-  config.bootstrap_timeout = milliseconds(5000);
-  auto o0 = BootstrapOptions::from_unique_id(*first, 0, 2, config);
-  auto o1 = BootstrapOptions::from_unique_id(*first, 1, 2, config);
-  ASSERT_TRUE(o0.is_ok() && o1.is_ok());
-  auto f1 = join_async(*o1);
-  auto b0 = Bootstrap::join(*o0, info_of(0));
-  auto b1 = f1.get();
-  ASSERT_TRUE(b0.is_ok()) << b0.status().to_string();
-  ASSERT_TRUE(b1.is_ok()) << b1.status().to_string();
-  EXPECT_EQ((*b1)->rank_info()[0], info_of(0));
+  meet_two(*first);
 }
 
 // A unique-id world whose size on the wire is out of range is refused, not allocated.
