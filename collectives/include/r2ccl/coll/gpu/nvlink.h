@@ -179,7 +179,8 @@ class NvlinkComm {
   // Why the communicator cannot be used any more (aborted here, or killed by another rank or by
   // the host side's failure), or OK. Reads host memory only: no synchronisation, any thread.
   Status error() const;
-  // Waits for this communicator's last call, then error().
+  // Waits for this communicator's last eager call, then error(). Replays of a captured CUDA
+  // graph are not tracked here: synchronize their streams first.
   Status check() const;
 
   // For tests of the low-latency flags' wrap at 2^32 calls: waits for the last call, counts
