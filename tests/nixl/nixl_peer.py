@@ -27,6 +27,7 @@ import argparse
 import functools
 import os
 import pickle
+import re
 import sys
 import time
 from pathlib import Path
@@ -331,7 +332,8 @@ def run_initiator(args):
 
 
 def report_metrics():
-    """r2ccl's NIXL counters of this process, from its own Prometheus endpoint (when served)."""
+    """r2ccl's NIXL counters of this process, from its own Prometheus endpoint (when served),
+    summed over the process's communicators and engines (label comm)."""
     port = os.environ.get("R2CCL_METRICS_PORT")
     if not port:
         return
@@ -341,6 +343,7 @@ def report_metrics():
     for ln in text.splitlines():
         if ln.startswith("r2ccl_nixl_"):
             name, value = ln.rsplit(" ", 1)
+            name = re.sub(r',?comm="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
             values[name] = values.get(name, 0.0) + float(value)
     say("metrics " + " ".join(f"{k}={v:g}" for k, v in sorted(values.items())))
 
