@@ -399,21 +399,29 @@ def test_landed_chunks_whose_acks_were_lost_are_not_replayed(perf, tmp_path):
     their acknowledgements are lost.  Fenced, the rail's unconfirmed chunks are first asked about:
     rank 1 names those it lacks, only they are replayed, the ones that landed count as delivered,
     and every byte is right."""
-    ev = str(tmp_path / "ev")
-    with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
-        procs = ranks(tb, duration_args(5, ev, size="1M") + ["--oneway"])
-        hole = BusyTrigger(tb.ns(0), "eth2", [str(TESTBED), "blackhole", tb.name, "0", "eth2", "in"],
-                           delay=1.5, max_wait=3.0).start()
-        try:
-            res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
-        finally:
-            hole.finish()
-    assert_verified(res)
-    assert hole.result is not None and hole.result.returncode == 0, hole.result
-    assert hole.busy, "eth2 of host 0 never carried data before the fault"
-    events, _ = read_events(ev, 0)
-    answers = [RECONCILED.match(e["detail"]) for e in of(events, "eth2", "replay_reconciled")]
-    assert answers and all(answers), dump(ev)
+    # Whether an unconfirmed chunk had landed when the rail was fenced is timing: its TCP
+    # acknowledgements are dropped too, so on a loaded machine the chunks in doubt may all still
+    # sit in host 0's send buffer. A trial where none had landed is run again, at most three
+    # times; every trial's data and reconciliation are asserted, the last that some had landed.
+    for trial in range(3):
+        ev = str(tmp_path / f"ev{trial}")
+        with Testbed(hosts=2, nics=4, rate="100mbit") as tb:
+            procs = ranks(tb, duration_args(5, ev, size="1M") + ["--oneway"])
+            hole = BusyTrigger(tb.ns(0), "eth2",
+                               [str(TESTBED), "blackhole", tb.name, "0", "eth2", "in"],
+                               delay=1.5, max_wait=3.0).start()
+            try:
+                res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
+            finally:
+                hole.finish()
+        assert_verified(res)
+        assert hole.result is not None and hole.result.returncode == 0, hole.result
+        assert hole.busy, "eth2 of host 0 never carried data before the fault"
+        events, _ = read_events(ev, 0)
+        answers = [RECONCILED.match(e["detail"]) for e in of(events, "eth2", "replay_reconciled")]
+        assert answers and all(answers), dump(ev)
+        if sum(int(m.group(1)) for m in answers) > 0:
+            break
     assert sum(int(m.group(1)) for m in answers) > 0, dump(ev)
 
 
