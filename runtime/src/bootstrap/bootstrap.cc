@@ -457,9 +457,9 @@ class BootstrapRoot {
 
 namespace {
 // Roots started by UniqueId::create, waiting for rank 0 of this process to adopt them. One not
-// adopted within kPendingRootLifetime is closed (its id then fails to rendezvous), and at most
-// kMaxPendingRoots wait: a new one closes the oldest, so ids that are never used (an init that
-// failed before it started) cannot pile up listeners and threads.
+// adopted within kPendingRootLifetime is closed (rank 0 then listens again on its port when it
+// joins), and at most kMaxPendingRoots wait: a new one closes the oldest, so ids that are never
+// used (an init that failed before it started) cannot pile up listeners and threads.
 constexpr auto kPendingRootLifetime = std::chrono::hours(1);
 constexpr std::size_t kMaxPendingRoots = 64;
 struct PendingRoot {
