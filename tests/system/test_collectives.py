@@ -7,6 +7,7 @@ must be reported failed and the traffic must have moved to the other rails.  No 
 asserted: the time bounds only catch hangs.
 """
 
+import json
 import re
 
 import pytest
@@ -87,6 +88,66 @@ def test_collective_mismatch_is_named_with_check(perf, tmp_path):
             "but rank 1 called allgather(count 256, float)")
     assert [r.returncode for r in res] == [2, 2], describe(res)
     assert want in res[0].stderr, describe(res)
+
+
+def rail_finals(prefix, rank):
+    """{(peer, nic): final state} of rank `rank`'s rails (``r2ccl-perf --events``)."""
+    with open(f"{prefix}.rank{rank}") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {(e["peer"], e["nic"]): e["state"] for e in rows if e["kind"] == "final"}
+
+
+def test_colocated_ranks_keep_their_rails_when_every_nic_goes_down(perf, tmp_path):
+    """Two ranks on one host talk through the kernel's loopback even on their NICs' addresses:
+    every NIC of the host going down touches none of their rails.  Every round completes,
+    verified, and no rail is failed or reported down."""
+    ev = tmp_path / "ev"
+    with Testbed(hosts=2, nics=2, rate="100mbit") as tb:  # host 1 stays idle
+        ns = tb.ns(0)
+        boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+        args = ["allreduce", "-b", "1M", "-e", "1M", "-w", "0", "-c", "1", "--duration", "5",
+                "--events", str(ev)]
+        procs = perf_ranks(2, boot, args, hosts=[0, 0], extra_env={"R2CCL_TIMEOUT": "3s"})
+        down = " ; ".join(f"ip -n {ns} link set eth{i} down" for i in (1, 2))
+        procs.append(Proc(argv=["sh", "-c", down], delay=1.5, name="every NIC of host 0 down"))
+        res = launch_ranks(procs, testbed=tb, timeout=5 + SLACK_S)
+    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    for rank in (0, 1):
+        events, _ = read_events(ev, rank)
+        assert not [e for e in events if e["kind"] in ("link_down", "failed")], events
+        finals = rail_finals(ev, rank)
+        assert sorted(finals) == [(1 - rank, "eth1"), (1 - rank, "eth2")], finals
+        assert set(finals.values()) == {"up"}, finals
+
+
+def test_nic_down_fails_only_the_rails_that_crossed_it(perf, tmp_path):
+    """Ranks 0 and 1 share host 0, rank 2 is on host 1.  Host 0's eth2 goes down while it
+    carries data: the rails over it to rank 2 fail and their traffic moves, the rails between
+    ranks 0 and 1 on the same NIC's address stay up.  Every byte is verified."""
+    ev = tmp_path / "ev"
+    args = ["allreduce", "-b", "3M", "-e", "3M", "-w", "0", "-c", "1", "-r", "0", "--duration", "5",
+            "--events", str(ev)]
+    with Testbed(hosts=2, nics=2, rate="100mbit") as tb:
+        fault = ["ip", "-n", tb.ns(0), "link", "set", "eth2", "down"]
+        trigger = BusyTrigger(tb.ns(0), "eth2", fault, delay=1.5, max_wait=3.0).start()
+        try:
+            boot = f"{tb.mgmt_addr(0)}:{random_port()}"
+            res = launch_ranks(perf_ranks(3, boot, args, hosts=[0, 0, 1]), testbed=tb,
+                               timeout=5 + SLACK_S)
+        finally:
+            trigger.finish()
+    assert [r.returncode for r in res] == [0, 0, 0], describe(res)
+    assert CHECK_LINE in res[0].stdout, describe(res)
+    assert trigger.result is not None and trigger.result.returncode == 0, trigger.result
+    for rank in (0, 1):
+        events, _ = read_events(ev, rank)
+        assert [e for e in events if e["kind"] == "failed" and e["peer"] == 2 and e["nic"] == "eth2"], events
+        assert not [e for e in events if e["kind"] in ("link_down", "failed") and e["peer"] != 2], events
+        finals = rail_finals(ev, rank)
+        assert finals[(2, "eth2")] == "down", finals
+        assert finals[(1 - rank, "eth2")] == "up" and finals[(1 - rank, "eth1")] == "up", finals
+        assert finals[(2, "eth1")] == "up", finals
 
 
 def test_allreduce_resumes_after_every_nic_was_down(perf):

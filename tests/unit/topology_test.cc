@@ -33,6 +33,22 @@ TEST(Topology, FindsLoopbackWithItsAddress) {
   EXPECT_EQ(*interface_ipv4("lo"), "127.0.0.1");
 }
 
+TEST(Topology, HostAddressesAreEveryInterfaceAddressAndAllOfLoopback) {
+  auto t = discover_topology();
+  ASSERT_TRUE(t.is_ok());
+  const auto mine = host_ipv4_addresses();
+  for (const auto& i : t->interfaces) {
+    if (i.ipv4.empty()) continue;
+    EXPECT_NE(std::find(mine.begin(), mine.end(), i.ipv4), mine.end()) << i.name;
+    EXPECT_TRUE(is_host_address(i.ipv4)) << i.name;
+  }
+  EXPECT_TRUE(is_host_address("127.0.0.1"));
+  EXPECT_TRUE(is_host_address("127.0.0.37"));  // all of 127/8, though only .1 is assigned
+  EXPECT_FALSE(is_host_address(""));
+  // TEST-NET-3, never assigned here.
+  EXPECT_FALSE(is_host_address("203.0.113.77"));
+}
+
 TEST(Topology, UnknownInterfaceIsNamedWithWhatExists) {
   auto a = interface_ipv4("nosuch0");
   ASSERT_FALSE(a.is_ok());

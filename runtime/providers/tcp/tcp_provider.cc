@@ -27,6 +27,7 @@
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
+#include "r2ccl/runtime/topology.h"
 
 namespace r2ccl {
 namespace {
@@ -130,12 +131,14 @@ std::string errno_text(const error_code& ec) {
   return ec.message();
 }
 
-// Binds a socket to a NIC: the address always, the device too where permitted.
-error_code bind_to_nic(tcp::socket& s, const RailNic& nic) {
+// Binds a socket to a NIC: the address always, the device too where permitted and the peer is
+// on another host. Traffic to this host's own addresses never reaches the NIC (the kernel loops
+// it back), and a socket bound to a NIC whose link is down could not send it.
+error_code bind_to_nic(tcp::socket& s, const RailNic& nic, const tcp::endpoint& to) {
   error_code ec;
   s.open(tcp::v4(), ec);
   if (ec) return ec;
-  if (!nic.netdev.empty()) {
+  if (!nic.netdev.empty() && !is_host_address(to.address().to_string())) {
     // SO_BINDTODEVICE keeps traffic on this NIC even when routes would pick another one; it
     // needs CAP_NET_RAW, without which the address binding alone has to do.
     (void)::setsockopt(s.native_handle(), SOL_SOCKET, SO_BINDTODEVICE, nic.netdev.c_str(),
@@ -179,7 +182,10 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     auto r = socket_.remote_endpoint(ec);
     description_ = fmt::format("{} {}:{} -> {}:{}", nic_.name, l.address().to_string(), l.port(),
                                r.address().to_string(), r.port());
-    if (!ec) remote_address_ = r.address().to_string();
+    if (!ec) {
+      remote_address_ = r.address().to_string();
+      host_local_ = is_host_address(remote_address_);
+    }
   }
 
   void start(RailEvents* events) override {
@@ -293,6 +299,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override { return description_; }
   std::string remote_address() const override { return remote_address_; }
+  bool host_local() const override { return host_local_; }
 
   // TCP_INFO's age of the last ACK the kernel received on this connection (millisecond
   // resolution). Only while the rail is open: a closed socket's descriptor may be reused.
@@ -805,6 +812,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   RailHello hello_;
   std::string description_;
   std::string remote_address_;  // the peer's IPv4 address on this connection
+  bool host_local_ = false;     // that address is this host's own
   RailEvents* events_ = nullptr;
   bool closed_ = false;
 
@@ -1008,7 +1016,7 @@ class TcpProvider final : public Provider {
                      std::chrono::milliseconds timeout, ConnectHandler handler) {
     const RailNic& nic = devices_[device];
     tcp::socket s(engine_.io());
-    if (auto ec = bind_to_nic(s, nic))
+    if (auto ec = bind_to_nic(s, nic, ep))
       return handler(
           Status(ErrorCode::kNetwork, fmt::format("cannot bind a rail socket to {} ({}): {}",
                                                   nic.name, nic.address, ec.message())));

@@ -52,6 +52,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   s.backpressured = false;
   s.rail = std::move(rail);
   s.ever_attached = true;
+  s.host_local = s.rail->host_local();
   s.rail->start(&s.sink);
   if (ctx_.on_rail_attached) ctx_.on_rail_attached(peer_, index, s.rail->remote_address());
   const auto now = Clock::now();
@@ -204,6 +205,11 @@ void Channel::on_link(const std::string& ifname, bool running) {
   for (std::uint32_t i = 0; i < rails_.size(); ++i) {
     auto& s = *rails_[i];
     if (s.nic.netdev != ifname) continue;
+    if (s.host_local) {  // the kernel loops its traffic back: it never reached this NIC
+      R2CCL_DEBUG("{} {} ignored on rail {} to {}: the peer is on this host", ifname,
+                  running ? "up" : "down", i, label_);
+      continue;
+    }
     event(i, running ? "link_up" : "link_down", ifname);
     fail_rail(i, "link down", s.health->on_link(Clock::now(), running), true);
   }

@@ -12,6 +12,7 @@
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/probe_protocol.h"
 #include "r2ccl/runtime/provider/progress.h"
+#include "r2ccl/runtime/topology.h"
 #include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {
@@ -39,33 +40,57 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     tag_ = Prober::tag_of(token);
   }
 
+  // Per rail: a socket bound to the NIC (SO_BINDTODEVICE), so that probes cross that NIC and
+  // no other. Where there is a NIC to bind to, a twin on the same address and port without the
+  // binding carries the probes to and from peers on this host: the kernel loops those back
+  // without the NIC, and refuses to send them from a socket bound to a NIC whose link is down.
   Status open(const std::vector<RailNic>& nics) {
     for (const auto& nic : nics) {
-      auto s = std::make_unique<Socket>(engine_.io());
+      auto s = std::make_unique<Device>(engine_.io());
       boost::system::error_code ec;
-      s->socket.open(udp::v4(), ec);
-      if (!ec && !nic.netdev.empty())
-        (void)::setsockopt(s->socket.native_handle(), SOL_SOCKET, SO_BINDTODEVICE,
+      const auto address = asio::ip::make_address_v4(nic.address, ec);
+      const bool twin = !nic.netdev.empty();
+      if (!ec) s->nic.socket.open(udp::v4(), ec);
+      if (!ec && twin) {
+        s->nic.socket.set_option(udp::socket::reuse_address(true), ec);
+        (void)::setsockopt(s->nic.socket.native_handle(), SOL_SOCKET, SO_BINDTODEVICE,
                            nic.netdev.c_str(), static_cast<socklen_t>(nic.netdev.size()));
-      if (!ec) s->socket.bind(udp::endpoint(asio::ip::make_address_v4(nic.address, ec), 0), ec);
+      }
+      if (!ec) s->nic.socket.bind(udp::endpoint(address, 0), ec);
       if (ec)
         return {ErrorCode::kNetwork, fmt::format("cannot open the probe socket on {} ({}): {}",
                                                  nic.name, nic.address, ec.message())};
-      s->port = s->socket.local_endpoint().port();
-      sockets_.push_back(std::move(s));
+      s->port = s->nic.socket.local_endpoint().port();
+      if (twin) {
+        s->host.socket.open(udp::v4(), ec);
+        if (!ec) s->host.socket.set_option(udp::socket::reuse_address(true), ec);
+        if (!ec) s->host.socket.bind(udp::endpoint(address, s->port), ec);
+        if (ec) {
+          R2CCL_WARN(
+              "prober: no probe socket for peers on this host on {} ({}:{}): {}; their "
+              "probes stop while {} is down",
+              nic.name, nic.address, s->port, ec.message(), nic.netdev);
+          boost::system::error_code ignored;
+          s->host.socket.close(ignored);
+        }
+      }
+      devices_.push_back(std::move(s));
     }
+    refresh_host_addresses();
     return Status::ok();
   }
 
   void run() {
     engine_.call([this] {
-      for (std::size_t i = 0; i < sockets_.size(); ++i)
-        receive(i);
+      for (std::size_t i = 0; i < devices_.size(); ++i) {
+        receive(i, false);
+        if (devices_[i]->host.socket.is_open()) receive(i, true);
+      }
       arm_timer();
     });
   }
 
-  std::uint16_t port(std::size_t device) const override { return sockets_[device]->port; }
+  std::uint16_t port(std::size_t device) const override { return devices_[device]->port; }
 
   void accept_tag(std::uint64_t tag) override {
     if (tag == tag_ || std::find(tags_.begin(), tags_.end(), tag) != tags_.end()) return;
@@ -78,12 +103,13 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     if (tag == 0) tag = tag_;
     boost::system::error_code ec;
     auto a = asio::ip::make_address_v4(address, ec);
-    if (ec || rail >= sockets_.size()) {
+    if (ec || rail >= devices_.size()) {
       R2CCL_WARN("prober: bad probe target for peer {} rail {}: '{}'", peer, rail, address);
       return;
     }
-    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, udp::endpoint(a, port),
-                   tag};
+    refresh_host_addresses();  // a peer arrives rarely; an address may have come or gone since
+    const udp::endpoint to(a, port);
+    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, to, tag, on_host(to)};
     auto same = std::find_if(targets_.begin(), targets_.end(),
                              [&](const Target& o) { return o.peer == t.peer && o.rail == t.rail; });
     if (same == targets_.end()) {
@@ -92,6 +118,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       same->incarnation = t.incarnation;
       same->to = t.to;  // replies to the probes sent to the old address no longer count
       same->tag = t.tag;
+      same->on_host = t.on_host;
     }
   }
 
@@ -105,8 +132,10 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       stopped_ = true;
       timer_.cancel();
       boost::system::error_code ec;
-      for (auto& s : sockets_)
-        s->socket.close(ec);
+      for (auto& d : devices_) {
+        d->nic.socket.close(ec);
+        d->host.socket.close(ec);
+      }
     });
   }
 
@@ -114,9 +143,15 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   struct Socket {
     explicit Socket(asio::io_context& io) : socket(io) {}
     udp::socket socket;
-    std::uint16_t port = 0;
     std::array<std::uint8_t, 128> buffer{};
     udp::endpoint from;
+  };
+  // A rail's probe sockets: `nic` bound to its NIC, `host` (open only where there is a NIC to
+  // bind to) for peers on this host, both on the same address and port.
+  struct Device {
+    explicit Device(asio::io_context& io) : nic(io), host(io) {}
+    Socket nic, host;
+    std::uint16_t port = 0;
   };
   // A probe sent and not answered yet: sequence `seq` (0: none), sent at `time_ns`.
   struct InFlight {
@@ -131,6 +166,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     std::uint32_t rail;
     udp::endpoint to;
     std::uint64_t tag = 0;  // what its probes carry: the channel's token's
+    bool on_host = false;   // its address is this host's: probed through the unbound twin
     std::uint64_t seq = 0;
     std::array<InFlight, kInFlight> in_flight{};  // sequence s in slot s % kInFlight
   };
@@ -156,38 +192,39 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       p.sequence = ++t.seq;
       p.send_time_ns = now_ns();
       t.in_flight[p.sequence % kInFlight] = InFlight{p.sequence, p.send_time_ns};
-      send(t.rail, p, t.to);
+      send(t.rail, t.on_host, p, t.to);
     }
   }
 
-  void send(std::size_t device, const ProbePacket& packet, const udp::endpoint& to) {
+  void send(std::size_t device, bool on_host, const ProbePacket& packet, const udp::endpoint& to) {
     auto buf = std::make_shared<std::array<std::uint8_t, ProbePacket::kSize>>(packet.encode());
-    sockets_[device]->socket.async_send_to(asio::buffer(*buf), to,
-                                           [buf](boost::system::error_code, std::size_t) {
-                                             // A probe that cannot be sent (link down, black hole)
-                                             // is simply not answered.
-                                           });
+    auto& d = *devices_[device];
+    auto& socket = on_host && d.host.socket.is_open() ? d.host.socket : d.nic.socket;
+    socket.async_send_to(asio::buffer(*buf), to, [buf](boost::system::error_code, std::size_t) {
+      // A probe that cannot be sent (link down, black hole)
+      // is simply not answered.
+    });
   }
 
-  void receive(std::size_t device) {
-    auto& s = *sockets_[device];
+  void receive(std::size_t device, bool host) {
+    auto& s = host ? devices_[device]->host : devices_[device]->nic;
     s.socket.async_receive_from(
         asio::buffer(s.buffer), s.from,
-        [self = shared_from_this(), device](boost::system::error_code ec, std::size_t n) {
+        [self = shared_from_this(), device, host](boost::system::error_code ec, std::size_t n) {
           if (self->stopped_) return;
-          if (!ec) self->on_packet(device, n);
+          if (!ec) self->on_packet(device, host, n);
           if (ec == asio::error::operation_aborted) return;
-          self->receive(device);
+          self->receive(device, host);
         });
   }
 
-  void on_packet(std::size_t device, std::size_t n) {
-    auto& s = *sockets_[device];
+  void on_packet(std::size_t device, bool host, std::size_t n) {
+    auto& s = host ? devices_[device]->host : devices_[device]->nic;
     const auto p = ProbePacket::decode(s.buffer.data(), n);
     if (!p) return;
     if (p->type == ProbePacket::Type::kRequest && p->dst == me_ &&
         (p->tag == tag_ || std::find(tags_.begin(), tags_.end(), p->tag) != tags_.end())) {
-      send(device, p->reply(), s.from);
+      send(device, on_host(s.from), p->reply(), s.from);
       return;
     }
     if (p->type == ProbePacket::Type::kReply && p->src == me_) on_reply(device, *p, s.from);
@@ -210,6 +247,21 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     handler_(static_cast<int>(p.peer), p.rail, rtt);
   }
 
+  void refresh_host_addresses() {
+    host_addresses_.clear();
+    for (const auto& text : host_ipv4_addresses()) {
+      boost::system::error_code ec;
+      const auto a = asio::ip::make_address_v4(text, ec);
+      if (!ec) host_addresses_.push_back(a);
+    }
+  }
+  bool on_host(const udp::endpoint& e) const {
+    if (!e.address().is_v4()) return false;
+    const auto a = e.address().to_v4();
+    return a.is_loopback() ||
+           std::find(host_addresses_.begin(), host_addresses_.end(), a) != host_addresses_.end();
+  }
+
   ProgressEngine& engine_;
   std::uint64_t me_;
   std::chrono::milliseconds interval_;
@@ -217,7 +269,8 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   ReplyHandler handler_;
   std::uint64_t tag_ = 0;
   std::vector<std::uint64_t> tags_;  // tags of peers' tokens also answered (accept_tag)
-  std::vector<std::unique_ptr<Socket>> sockets_;
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::vector<asio::ip::address_v4> host_addresses_;  // this host's, as of the last refresh
   std::vector<Target> targets_;
   bool stopped_ = false;
 };

@@ -144,6 +144,23 @@ Result<std::string> interface_ipv4(const std::string& name) {
                                                   name, fmt::join(names, ", ")));
 }
 
+std::vector<std::string> host_ipv4_addresses() {
+  std::vector<std::string> out;
+  ifaddrs* raw = nullptr;
+  if (getifaddrs(&raw) != 0) return out;
+  std::unique_ptr<ifaddrs, IfaddrsDeleter> list(raw);
+  for (ifaddrs* a = raw; a != nullptr; a = a->ifa_next)
+    if (a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET)
+      out.push_back(ipv4_text(a->ifa_addr));
+  return out;
+}
+
+bool is_host_address(const std::string& ipv4) {
+  if (ipv4.rfind("127.", 0) == 0) return true;
+  const auto mine = host_ipv4_addresses();
+  return !ipv4.empty() && std::find(mine.begin(), mine.end(), ipv4) != mine.end();
+}
+
 Result<std::vector<RailNic>> select_rails(const Topology& topo,
                                           const std::vector<std::string>& requested,
                                           const std::string& control_address) {

@@ -33,6 +33,14 @@ Result<Topology> discover_topology();
 // The IPv4 address of interface `name`, or an error naming it.
 Result<std::string> interface_ipv4(const std::string& name);
 
+// Every IPv4 address of this host's interfaces (in this network namespace), up or not; empty
+// when the interfaces cannot be read.
+std::vector<std::string> host_ipv4_addresses();
+
+// Whether traffic to `ipv4` stays on this host: a loopback address (127.0.0.0/8), or one of
+// host_ipv4_addresses(). The kernel loops such traffic back without it reaching any NIC.
+bool is_host_address(const std::string& ipv4);
+
 // A rail's local end: the NIC (or local address) a rail is bound to.
 struct RailNic {
   std::string name;     // interface or verbs device name, or the address R2CCL_NICS gave

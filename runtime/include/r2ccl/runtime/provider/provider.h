@@ -136,6 +136,10 @@ class Rail {
   // connection came from, or where a connection this side opened arrived. The endpoint probes
   // this address, never one the peer describes itself (a peer could name any host).
   virtual std::string remote_address() const = 0;
+  // True when the peer's end is an address of this host (network namespace): the kernel loops
+  // the traffic back without it reaching the NIC, so the NIC's link state says nothing about the
+  // rail. Providers whose traffic always crosses the NIC (verbs: the HCA loops it back) say false.
+  virtual bool host_local() const { return false; }
 };
 
 struct ProviderCounters {
