@@ -190,7 +190,7 @@ int run(const Options& o) {
     fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, metas.status().to_string());
     return 2;
   }
-  if (Status st = (*engine)->connect(peer, (*metas)[static_cast<std::size_t>(peer)]); !st) {
+  if (Status st = (*engine)->accept_metadata(peer, (*metas)[static_cast<std::size_t>(peer)]); !st) {
     fmt::print(stderr, "r2ccl-kvbench: rank {}: {}\n", me, st.to_string());
     return 2;
   }

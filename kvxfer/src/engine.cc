@@ -245,9 +245,10 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
   Status check_pools(int peer, std::uint32_t local_pool, std::uint32_t remote_pool) const {
     auto pit = peers.find(peer);
     if (pit == peers.end())
-      return {
-          ErrorCode::kInvalidArgument,
-          fmt::format("unknown peer {}: connect() with its metadata before sending to it", peer)};
+      return {ErrorCode::kInvalidArgument,
+              fmt::format("unknown peer {}: accept_metadata() or load_remote() its metadata before "
+                          "sending to it",
+                          peer)};
     if (local_pool >= pools.size())
       return {ErrorCode::kInvalidArgument,
               fmt::format("no local KV pool {} (have {})", local_pool, pools.size())};
@@ -840,7 +841,8 @@ struct KvEngine::Impl : std::enable_shared_from_this<KvEngine::Impl> {
       auto pit = peers.find(peer);
       if (st.is_ok() && pit == peers.end())
         st = Status(ErrorCode::kInvalidArgument,
-                    fmt::format("{} is not connected here: call connect() with its metadata first",
+                    fmt::format("{} is not connected here: call accept_metadata() or load_remote() "
+                                "with its metadata first",
                                 label(peer)));
       if (st.is_ok() && (src_pool >= pools.size() || dst_pool >= pit->second.size()))
         st = Status(ErrorCode::kInvalidArgument,
@@ -1099,7 +1101,7 @@ Result<int> KvEngine::load_remote(std::span<const std::byte> metadata) {
   const Bytes blob = b.blob(EndpointInfo::kMaxBlob);
   if (!b.ok()) return Status(ErrorCode::kProtocol, "KV metadata is truncated (no endpoint)");
   R2CCL_ASSIGN_OR_RETURN(const int peer, impl_->endpoint.connect(blob));
-  R2CCL_RETURN_IF_ERROR(connect(peer, metadata));
+  R2CCL_RETURN_IF_ERROR(accept_metadata(peer, metadata));
   return peer;
 }
 
@@ -1115,10 +1117,10 @@ Status KvEngine::disconnect(int peer) {
   return impl_->endpoint.disconnect(peer);
 }
 
-Status KvEngine::connect(int peer, std::span<const std::byte> metadata) {
+Status KvEngine::accept_metadata(int peer, std::span<const std::byte> metadata) {
   if (impl_->world && (peer < 0 || peer >= impl_->world->nranks() || peer == impl_->world->rank()))
     return {ErrorCode::kInvalidArgument,
-            fmt::format("connect: rank {} is not a peer (world of {} ranks)", peer,
+            fmt::format("accept_metadata: rank {} is not a peer (world of {} ranks)", peer,
                         impl_->world->nranks())};
   const auto known = impl_->endpoint.peers();
   const auto it = std::find_if(known.begin(), known.end(),
@@ -1227,8 +1229,8 @@ Status KvEngine::add(std::uint64_t id, const BlockSpan& span) {
     if (r.sealed || r.ended())
       return {ErrorCode::kInvalidArgument,
               fmt::format("request {} is already sealed ({})", id, request_state_name(r.state))};
-    // The pools again: a connect() since begin() may have replaced the peer's (fewer, or of
-    // other shapes), and a disconnect() forgot them.
+    // The pools again: an accept_metadata() since begin() may have replaced the peer's (fewer, or
+    // of other shapes), and a disconnect() forgot them.
     R2CCL_RETURN_IF_ERROR(impl_->check_pools(r.peer, r.local_pool, r.remote_pool)
                               .with_context(fmt::format("request {}", id)));
     const auto& src = impl_->pools[r.local_pool];

@@ -129,7 +129,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ByteWriter body;
     body.u64(g->decode.endpoint->incarnation()).blob(g->decode.endpoint->blob());
     body.raw(pools.data(), pools.size());
-    if (prefill.connect(g->peer, sign(body.bytes())).is_ok()) {
+    if (prefill.accept_metadata(g->peer, sign(body.bytes())).is_ok()) {
       // Accepted: a push into whatever it described must be refused or land inside its pools.
       const std::uint32_t remote_pool = data[0] >> 4;
       const std::uint64_t id = g->next_request++;
@@ -137,7 +137,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (prefill.submit(id, g->peer, 0, remote_pool, {span}).is_ok()) (void)prefill.wait(id, 5s);
     }
     // The real metadata again.
-    if (!prefill.connect(g->peer, g->decode_metadata).is_ok()) std::abort();
+    if (!prefill.accept_metadata(g->peer, g->decode_metadata).is_ok()) std::abort();
   } else {
     // A notify or pull message from the decode side, as it arrives at prefill.
     Bytes message;

@@ -85,8 +85,8 @@ std::vector<Side> make_pair_of_engines(std::map<std::string, std::string> extra 
     EXPECT_TRUE(pool.is_ok()) << pool.status().to_string();
     s.pool = *pool;
   }
-  EXPECT_TRUE(sides[0].engine->connect(1, sides[1].engine->metadata()).is_ok());
-  EXPECT_TRUE(sides[1].engine->connect(0, sides[0].engine->metadata()).is_ok());
+  EXPECT_TRUE(sides[0].engine->accept_metadata(1, sides[1].engine->metadata()).is_ok());
+  EXPECT_TRUE(sides[1].engine->accept_metadata(0, sides[0].engine->metadata()).is_ok());
   return sides;
 }
 
@@ -190,14 +190,16 @@ TEST(KvEngine, EnginesOnEndpointsConnectByMetadataWithoutAWorld) {
     EXPECT_TRUE(holds(s[1], layer, 32, 9));
   }
   // Metadata of a peer given to the wrong id is refused, naming both.
-  EXPECT_EQ(s[0].engine->connect(*peer, s[0].engine->metadata()).message(),
+  EXPECT_EQ(s[0].engine->accept_metadata(*peer, s[0].engine->metadata()).message(),
             fmt::format("this KV metadata is 'prefill' (this endpoint)'s, not peer 'decode' "
                         "(incarnation {:016x})'s",
                         decode->incarnation()));
   ASSERT_TRUE(s[0].engine->disconnect(*peer).is_ok());
   EXPECT_EQ(
       s[0].engine->submit(6, *peer, 0, 0, {span}).message(),
-      fmt::format("unknown peer {}: connect() with its metadata before sending to it", *peer));
+      fmt::format(
+          "unknown peer {}: accept_metadata() or load_remote() its metadata before sending to it",
+          *peer));
   s[0].engine.reset();
   s[1].engine.reset();
 }
@@ -216,7 +218,7 @@ TEST(KvEngine, AnUnregisteredPoolTakesNoMoreWrites) {
   EXPECT_NE(st->reason.find("not registered"), std::string::npos) << st->reason;
   EXPECT_EQ(std::count(s[1].memory.begin(), s[1].memory.end(), std::byte{0x77}),
             static_cast<std::ptrdiff_t>(s[1].memory.size()));
-  ASSERT_TRUE(s[0].engine->connect(1, s[1].engine->metadata()).is_ok());
+  ASSERT_TRUE(s[0].engine->accept_metadata(1, s[1].engine->metadata()).is_ok());
   EXPECT_EQ(s[0].engine->submit(10, 1, 0, 0, {span}).message(),
             "rank 1's KV pool 0 was unregistered");
   EXPECT_EQ(s[1].engine->unregister_pool(0).message(),
@@ -427,7 +429,7 @@ TEST(KvEngine, HostMemoryIsRegistered) {
 }
 
 // Blocks added to a request are checked against the peer's pools as they are then (review C1):
-// a connect() since begin() may have replaced them (fewer pools, other shapes) and a
+// an accept_metadata() since begin() may have replaced them (fewer pools, other shapes) and a
 // disconnect() forgot them. Refused with the reason, never indexed blindly.
 TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
   auto s = make_pair_of_engines();
@@ -437,7 +439,7 @@ TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
                   ->register_pool({std::span<std::byte>(second)},
                                   KvLayout::layer_major(kLayers, kBlocks, kBlockBytes, kParts))
                   .is_ok());
-  ASSERT_TRUE(e.connect(1, s[1].engine->metadata()).is_ok());
+  ASSERT_TRUE(e.accept_metadata(1, s[1].engine->metadata()).is_ok());
   ASSERT_TRUE(e.begin(1, 1, 0, 0).is_ok());
   ASSERT_TRUE(e.begin(2, 1, 0, 1).is_ok());
   // Rank 1's metadata again, now with one pool of two layers (another engine on its endpoint).
@@ -449,7 +451,7 @@ TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
                     ->register_pool({std::span<std::byte>(other)},
                                     KvLayout::layer_major(2, kBlocks, kBlockBytes, kParts))
                     .is_ok());
-    ASSERT_TRUE(e.connect(1, (*replaced)->metadata()).is_ok());
+    ASSERT_TRUE(e.accept_metadata(1, (*replaced)->metadata()).is_ok());
   }
   const BlockSpan span{0, kLayers, {1}, {2}};
   EXPECT_EQ(
@@ -459,7 +461,8 @@ TEST(KvEngine, BlocksAddedAfterThePeersPoolsChangedAreChecked) {
   EXPECT_EQ(e.add(2, span).message(), "request 2: rank 1 has no KV pool 1 (it has 1)");
   ASSERT_TRUE(e.disconnect(1).is_ok());
   EXPECT_EQ(e.add(1, span).message(),
-            "request 1: unknown peer 1: connect() with its metadata before sending to it");
+            "request 1: unknown peer 1: accept_metadata() or load_remote() its metadata before "
+            "sending to it");
   s[1].engine.reset();  // before `second` goes away
 }
 
@@ -479,7 +482,7 @@ TEST(KvEngine, DevicePoolsMoveThroughTheDevicesCopies) {
   auto p1 = s[1].engine->register_pool({std::span<std::byte>(dev1)}, layout, &gpu1);
   ASSERT_TRUE(p0.is_ok()) << p0.status().to_string();
   ASSERT_TRUE(p1.is_ok()) << p1.status().to_string();
-  ASSERT_TRUE(s[0].engine->connect(1, s[1].engine->metadata()).is_ok());
+  ASSERT_TRUE(s[0].engine->accept_metadata(1, s[1].engine->metadata()).is_ok());
   // Does rank 1's device block `dst` hold rank 0's block `src`, in every layer and part?
   auto device_holds = [&](std::uint32_t dst, std::uint32_t src) {
     const auto now = gpu1.read(dev1);
@@ -521,7 +524,7 @@ TEST(KvEngine, DevicePoolsMoveThroughTheDevicesCopies) {
 
   // A pull of device blocks, verified: the side that serves it reads their checksums through
   // its device's copies (on its worker) before it plans the writes.
-  ASSERT_TRUE(s[1].engine->connect(0, s[0].engine->metadata()).is_ok());
+  ASSERT_TRUE(s[1].engine->accept_metadata(0, s[0].engine->metadata()).is_ok());
   const auto out_before = gpu0.copies_out.load();
   ASSERT_TRUE(
       s[1].engine->pull(15, 0, *p1, *p0, {BlockSpan{0, kLayers, {11, 12}, {41, 42}}}).is_ok());
@@ -672,7 +675,7 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
   EXPECT_EQ(e.submit(1, 1, 0, 0, {BlockSpan{0, 1, {0, 1}, {0}}}).message(),
             "request 1: 2 source blocks but 1 destination blocks");
   EXPECT_EQ(e.begin(1, 5, 0, 0).message(),
-            "unknown peer 5: connect() with its metadata before sending to it");
+            "unknown peer 5: accept_metadata() or load_remote() its metadata before sending to it");
   EXPECT_EQ(e.begin(1, 1, 3, 0).message(), "no local KV pool 3 (have 1)");
   ASSERT_TRUE(e.submit(1, 1, 0, 0, {BlockSpan{0, 1, {0}, {0}}}).is_ok());
   EXPECT_EQ(e.begin(1, 1, 0, 0).message(), "request id 1 is already in use");
@@ -686,20 +689,23 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
 
   // Metadata: truncated, corrupted, another version, another rank's, incompatible.
   Bytes meta = s[1].engine->metadata();
-  EXPECT_EQ(e.connect(1, std::span<const std::byte>(meta.data(), 3)).message(),
+  EXPECT_EQ(e.accept_metadata(1, std::span<const std::byte>(meta.data(), 3)).message(),
             "KV metadata is truncated (no header)");
-  EXPECT_EQ(e.connect(1, std::span<const std::byte>(meta.data(), meta.size() - 4)).message(),
-            "KV metadata is truncated");
+  EXPECT_EQ(
+      e.accept_metadata(1, std::span<const std::byte>(meta.data(), meta.size() - 4)).message(),
+      "KV metadata is truncated");
   Bytes corrupt = meta;
   corrupt[20] ^= std::byte{1};
-  EXPECT_EQ(e.connect(1, corrupt).message(), "KV metadata is corrupted (checksum mismatch)");
+  EXPECT_EQ(e.accept_metadata(1, corrupt).message(),
+            "KV metadata is corrupted (checksum mismatch)");
   Bytes other = meta;
   other[4] = std::byte{9};
-  EXPECT_EQ(e.connect(1, other).message(),
+  EXPECT_EQ(e.accept_metadata(1, other).message(),
             "KV metadata version 9 is not supported (this build reads version 2)");
-  EXPECT_EQ(e.connect(1, s[0].engine->metadata()).message(),
+  EXPECT_EQ(e.accept_metadata(1, s[0].engine->metadata()).message(),
             "this KV metadata is rank 0's, not rank 1's");
-  EXPECT_EQ(e.connect(0, meta).message(), "connect: rank 0 is not a peer (world of 2 ranks)");
+  EXPECT_EQ(e.accept_metadata(0, meta).message(),
+            "accept_metadata: rank 0 is not a peer (world of 2 ranks)");
   // Pools of other shapes connect (asymmetric pools are normal), but blocks never move between
   // two pools whose shapes differ: the request is refused, saying what differs.
   std::vector<std::byte> small(kLayers * kParts * kBlocks * 1024),
@@ -712,7 +718,7 @@ TEST(KvEngine, BadInputIsRefusedWithItsReason) {
                   ->register_pool({std::span<std::byte>(big)},
                                   KvLayout::layer_major(kLayers, kBlocks, 2048, kParts))
                   .is_ok());
-  ASSERT_TRUE(e.connect(1, s[1].engine->metadata()).is_ok());
+  ASSERT_TRUE(e.accept_metadata(1, s[1].engine->metadata()).is_ok());
   const BlockSpan one{0, 1, {0}, {0}};
   EXPECT_EQ(e.submit(90, 1, 1, 1, {one}).message(),
             "KV pool 1 here and rank 1's pool 1 are incompatible: block sizes differ (2048 bytes "

@@ -46,7 +46,7 @@ struct CommState {
   // goes first: it reads the communicator's fabric).
   std::unique_ptr<r2ccl::mon::JobMetrics> metrics;
 #endif
-  std::atomic<bool> finalized{false};
+  std::atomic<bool> closed{false};  // finalized, destroyed or aborted: no more operations
   r2ccl::capi::ErrorSlot errors;
 };
 
@@ -90,7 +90,7 @@ r2cclResult_t with_comm(const r2cclComm* handle, const char* what, F&& body) noe
 }
 
 Status usable(const CommState& c, const char* what) {
-  if (c.finalized.load())
+  if (c.closed.load())
     return {ErrorCode::kAborted,
             fmt::format("{}: the communicator was finalized or aborted", what)};
   // A GPU side that failed (aborted here or on another rank) fails the whole communicator.
@@ -341,7 +341,7 @@ r2cclResult_t r2cclCommFinalize(r2cclComm_t comm) {
     if (Status st = usable(*c, "r2cclCommFinalize"); !st) return fail(c.get(), st);
     // Host operations are blocking: nothing of them is left in flight. The GPU side's calls are
     // waited for and its memory freed once every rank has unmapped it (a collective).
-    c->finalized.store(true);
+    c->closed.store(true);
     if (Status st = c->comm->close_device(); !st)
       return fail(c.get(), st.with_context("r2cclCommFinalize"));
     return r2cclSuccess;
@@ -360,7 +360,7 @@ r2cclResult_t release(r2cclComm_t comm, const char* what, bool abort) {
                   fmt::format("{}: comm is not a live communicator (destroyed, aborted, or never "
                               "made by r2ccl)",
                               what));
-    c->finalized.store(true);
+    c->closed.store(true);
     if (t_group_comm == c) t_group_comm.reset();
     if (abort) {
       // The GPU side first: its kernels give up and every rank's later calls are refused.

@@ -24,8 +24,9 @@ constexpr ConfigEntry kTable[] = {
      "`host:port` where rank 0 listens for the rendezvous (e.g. `198.19.0.1:29500`)."},
     {"R2CCL_BOOTSTRAP_TOKEN", "(none)",
      "The job's 128-bit token as 32 hex digits (e.g. `openssl rand -hex 16`), the same on every "
-     "rank. Every hello (bootstrap, rails) answers a challenge with an HMAC of it; the token "
-     "itself never crosses the wire. Required unless rank 0 and every rail are on loopback, or "
+     "rank. Every hello (bootstrap, rails) answers a challenge with an HMAC of it, and rail "
+     "probes carry a tag derived from it; the token itself never crosses the wire. Required unless "
+     "rank 0 and every rail are on loopback, or "
      "`R2CCL_INSECURE_NO_TOKEN=1`. Launches by unique id carry a random one."},
     {"R2CCL_INSECURE_NO_TOKEN", "0",
      "`1`: run a job reachable outside loopback without `R2CCL_BOOTSTRAP_TOKEN` (anyone who "

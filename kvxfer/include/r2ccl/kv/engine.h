@@ -82,7 +82,7 @@ struct EngineOptions {
 class KvEngine {
  public:
   // On an endpoint: peers are the endpoint's peer ids, connected by load_remote() (or by the
-  // endpoint itself before connect()). A failure notice then travels on the rails only.
+  // endpoint itself before accept_metadata()). A failure notice then travels on the rails only.
   static Result<std::unique_ptr<KvEngine>> create(Endpoint& endpoint, const EngineOptions& options,
                                                   Fabric* world = nullptr);
   // In a world: peers are ranks, and failure notices also take the world's control path.
@@ -104,8 +104,10 @@ class KvEngine {
   Status unregister_pool(std::uint32_t pool);
   // Versioned, checksummed description of this side's pools and their remote keys.
   Bytes metadata() const;
-  // Accepts `peer`'s metadata; refuses a truncated, corrupted or incompatible blob, saying why.
-  Status connect(int peer, std::span<const std::byte> metadata);
+  // Accepts the metadata of `peer`, already connected (a world's rank, or an endpoint peer);
+  // refuses a truncated, corrupted or incompatible blob, saying why. load_remote() connects as
+  // well.
+  Status accept_metadata(int peer, std::span<const std::byte> metadata);
   // The agent model (NIXL's loadRemoteMD): connects the endpoint that the metadata names (it
   // carries its endpoint blob), accepts its pools, and returns its peer id.
   Result<int> load_remote(std::span<const std::byte> metadata);
