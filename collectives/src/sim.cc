@@ -89,6 +89,33 @@ struct Unit {
   bool fixed = false;  // in the progressive filling under way
 };
 
+// Flows' finish times: (flow, its version then) grouped by time, the times in a min-heap. The
+// flows of a ring's step all finish at one time, so a push is mostly a lookup, and the heap holds
+// few times. A time's flows come out ordered by flow id, then version.
+class FinishQueue {
+ public:
+  using Entry = std::pair<int, std::uint64_t>;
+  bool empty() const { return times_.empty(); }
+  double earliest() const { return times_.top(); }
+  void push(double t, int flow, std::uint64_t version) {
+    auto [it, fresh] = at_.try_emplace(t);
+    if (fresh) times_.push(t);
+    it->second.emplace_back(flow, version);
+  }
+  std::vector<Entry>& earliest_bucket() { return at_.find(times_.top())->second; }
+  std::vector<Entry> take_earliest() {
+    auto node = at_.extract(times_.top());
+    times_.pop();
+    std::vector<Entry> out = std::move(node.mapped());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  std::priority_queue<double, std::vector<double>, std::greater<>> times_;
+  std::unordered_map<double, std::vector<Entry>> at_;
+};
+
 struct Event {
   double t;
   int kind;  // 0: a message starts moving, 1: a phase's compute ended
@@ -127,25 +154,18 @@ class Sim {
     }
     while (true) {
       if (!dirty_ports_.empty()) rates();
-      while (!finishes_.empty()) {  // drop entries of flows whose rate changed since
-        const auto& [t, f, v] = finishes_.top();
-        if (flows_[static_cast<std::size_t>(f)].live &&
-            flows_[static_cast<std::size_t>(f)].version == v)
-          break;
-        finishes_.pop();
-      }
-      const double tf = finishes_.empty() ? kInf : std::get<0>(finishes_.top());
+      drop_stale_finishes();
+      const double tf = finishes_.empty() ? kInf : finishes_.earliest();
       const double te = events_.empty() ? kInf : events_.top().t;
       const double t = std::min(tf, te);
       if (t == kInf) break;
       now_ = t;
       const double until = now_ + 1e-12 * std::max(1.0, now_);
-      while (!finishes_.empty() && std::get<0>(finishes_.top()) <= until) {
-        auto [tt, f, v] = finishes_.top();
-        finishes_.pop();
-        Flow& fl = flows_[static_cast<std::size_t>(f)];
-        if (!fl.live || fl.version != v) continue;
-        finish_flow(f);
+      while (!finishes_.empty() && finishes_.earliest() <= until) {
+        for (const auto& [f, v] : finishes_.take_earliest()) {
+          const Flow& fl = flows_[static_cast<std::size_t>(f)];
+          if (fl.live && fl.version == v) finish_flow(f);
+        }
       }
       while (true) {
         if (!done_now_.empty()) {
@@ -435,6 +455,20 @@ class Sim {
     }
   }
 
+  // Drops the earliest finishes that are stale (their flow ended or changed rate since), until
+  // the earliest time has a live one.
+  void drop_stale_finishes() {
+    while (!finishes_.empty()) {
+      auto& b = finishes_.earliest_bucket();
+      std::erase_if(b, [&](const std::pair<int, std::uint64_t>& e) {
+        const Flow& fl = flows_[static_cast<std::size_t>(e.first)];
+        return !fl.live || fl.version != e.second;
+      });
+      if (!b.empty()) return;
+      (void)finishes_.take_earliest();
+    }
+  }
+
   void touch(int port) {
     if (port_mark_[static_cast<std::size_t>(port)] == 0) {
       port_mark_[static_cast<std::size_t>(port)] = 1;
@@ -573,7 +607,7 @@ class Sim {
         fl.since = now_;
         fl.rate = rate;
         ++fl.version;
-        if (fl.rate > 0) finishes_.emplace(now_ + fl.left / fl.rate, f, fl.version);
+        if (fl.rate > 0) finishes_.push(now_ + fl.left / fl.rate, f, fl.version);
       }
     }
   }
@@ -594,8 +628,7 @@ class Sim {
   std::vector<std::vector<int>> port_units_;
   std::vector<int> dirty_ports_;
   std::vector<std::uint8_t> port_mark_;  // 1: dirty, 2: in the part being recomputed
-  using Finish = std::tuple<double, int, std::uint64_t>;
-  std::priority_queue<Finish, std::vector<Finish>, std::greater<>> finishes_;
+  FinishQueue finishes_;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
   std::vector<std::pair<int, std::uint32_t>> done_now_;  // (rank, lane): phases done at now_
   struct Group {
