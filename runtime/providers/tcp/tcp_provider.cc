@@ -895,6 +895,8 @@ class TcpProvider final : public Provider {
     return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure |
            kCapRegistrationFollowsMappings;
   }
+  // A connection to one of this host's addresses is looped back by the kernel (TcpRail).
+  bool host_local(const std::string& address) const override { return is_host_address(address); }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,

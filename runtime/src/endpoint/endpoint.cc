@@ -447,7 +447,8 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
     // two crossing connects); it fails on its first read, and its successor sets the target.
     if (address.empty()) return;
     if (rail < probe_ports.size())
-      prober_->add_target(peer, incarnation, rail, address, probe_ports[rail], probe_tag);
+      prober_->add_target(peer, incarnation, rail, address, probe_ports[rail], probe_tag,
+                          provider_->host_local(address));
   };
   Channel::PeerIdentity identity;
   identity.id = id;
@@ -458,9 +459,11 @@ Result<int> Endpoint::add_peer_locked(EndpointInfo info, const PeerOptions& opti
   auto peer = std::make_unique<Peer>();
   peer->channel = std::make_unique<Channel>(std::move(ctx), identity, local, remote);
   for (std::uint32_t i = 0; i < n && options.connector; ++i)
-    if (auto dialled = decode_endpoint(info.rails[i].endpoint, info.provider))
-      prober_->add_target(id, info.incarnation, i, dialled->address().to_string(),
-                          info.rails[i].probe_port, probe_tag);
+    if (auto dialled = decode_endpoint(info.rails[i].endpoint, info.provider)) {
+      const std::string address = dialled->address().to_string();
+      prober_->add_target(id, info.incarnation, i, address, info.rails[i].probe_port, probe_tag,
+                          provider_->host_local(address));
+    }
   peer->info = std::move(info);
   std::lock_guard lock(peers_mutex_);
   peers_[id] = std::move(peer);

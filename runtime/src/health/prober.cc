@@ -12,7 +12,6 @@
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/probe_protocol.h"
 #include "r2ccl/runtime/provider/progress.h"
-#include "r2ccl/runtime/topology.h"
 #include "r2ccl/runtime/wire.h"
 
 namespace r2ccl {
@@ -76,7 +75,6 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       }
       devices_.push_back(std::move(s));
     }
-    refresh_host_addresses();
     return Status::ok();
   }
 
@@ -99,7 +97,8 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   }
 
   void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
-                  const std::string& address, std::uint16_t port, std::uint64_t tag) override {
+                  const std::string& address, std::uint16_t port, std::uint64_t tag,
+                  bool on_host) override {
     if (tag == 0) tag = tag_;
     boost::system::error_code ec;
     auto a = asio::ip::make_address_v4(address, ec);
@@ -107,9 +106,8 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
       R2CCL_WARN("prober: bad probe target for peer {} rail {}: '{}'", peer, rail, address);
       return;
     }
-    refresh_host_addresses();  // a peer arrives rarely; an address may have come or gone since
-    const udp::endpoint to(a, port);
-    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail, to, tag, on_host(to)};
+    const Target t{static_cast<std::uint32_t>(peer), incarnation, rail,
+                   udp::endpoint(a, port),           tag,         on_host};
     auto same = std::find_if(targets_.begin(), targets_.end(),
                              [&](const Target& o) { return o.peer == t.peer && o.rail == t.rail; });
     if (same == targets_.end()) {
@@ -166,7 +164,7 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     std::uint32_t rail;
     udp::endpoint to;
     std::uint64_t tag = 0;  // what its probes carry: the channel's token's
-    bool on_host = false;   // its address is this host's: probed through the unbound twin
+    bool on_host = false;   // the rail stays on this host: probed through the unbound twin
     std::uint64_t seq = 0;
     std::array<InFlight, kInFlight> in_flight{};  // sequence s in slot s % kInFlight
   };
@@ -224,7 +222,11 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     if (!p) return;
     if (p->type == ProbePacket::Type::kRequest && p->dst == me_ &&
         (p->tag == tag_ || std::find(tags_.begin(), tags_.end(), p->tag) != tags_.end())) {
-      send(device, on_host(s.from), p->reply(), s.from);
+      // Around the NIC where this side probes the requester's rail so too.
+      const bool on_host = std::any_of(targets_.begin(), targets_.end(), [&](const Target& t) {
+        return t.on_host && t.incarnation == p->src && t.rail == device;
+      });
+      send(device, on_host, p->reply(), s.from);
       return;
     }
     if (p->type == ProbePacket::Type::kReply && p->src == me_) on_reply(device, *p, s.from);
@@ -247,21 +249,6 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
     handler_(static_cast<int>(p.peer), p.rail, rtt);
   }
 
-  void refresh_host_addresses() {
-    host_addresses_.clear();
-    for (const auto& text : host_ipv4_addresses()) {
-      boost::system::error_code ec;
-      const auto a = asio::ip::make_address_v4(text, ec);
-      if (!ec) host_addresses_.push_back(a);
-    }
-  }
-  bool on_host(const udp::endpoint& e) const {
-    if (!e.address().is_v4()) return false;
-    const auto a = e.address().to_v4();
-    return a.is_loopback() ||
-           std::find(host_addresses_.begin(), host_addresses_.end(), a) != host_addresses_.end();
-  }
-
   ProgressEngine& engine_;
   std::uint64_t me_;
   std::chrono::milliseconds interval_;
@@ -270,7 +257,6 @@ class UdpProber final : public Prober, public std::enable_shared_from_this<UdpPr
   std::uint64_t tag_ = 0;
   std::vector<std::uint64_t> tags_;  // tags of peers' tokens also answered (accept_tag)
   std::vector<std::unique_ptr<Device>> devices_;
-  std::vector<asio::ip::address_v4> host_addresses_;  // this host's, as of the last refresh
   std::vector<Target> targets_;
   bool stopped_ = false;
 };
@@ -301,8 +287,8 @@ Result<std::unique_ptr<Prober>> Prober::open(ProgressEngine& engine,
     std::shared_ptr<UdpProber> impl;
     std::uint16_t port(std::size_t d) const override { return impl->port(d); }
     void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail, const std::string& a,
-                    std::uint16_t port, std::uint64_t tag) override {
-      impl->add_target(peer, incarnation, rail, a, port, tag);
+                    std::uint16_t port, std::uint64_t tag, bool on_host) override {
+      impl->add_target(peer, incarnation, rail, a, port, tag, on_host);
     }
     void accept_tag(std::uint64_t tag) override { impl->accept_tag(tag); }
     void remove_targets(int peer) override { impl->remove_targets(peer); }

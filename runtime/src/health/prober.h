@@ -41,10 +41,12 @@ class Prober {
   // Probe the NIC (address:port) of the endpoint `incarnation`, which the caller calls `peer`,
   // from local device `rail` every interval, instead of where that peer's rail was probed until
   // now. `tag`: the tag of the token that authenticates the channel to that peer (the token of
-  // the endpoint it was dialled at); 0: this prober's own. Loop thread.
+  // the endpoint it was dialled at); 0: this prober's own. `on_host`: the rail's traffic to that
+  // peer stays on this host (Provider::host_local): its probes, and the replies to its probes, go
+  // around the NIC (whose link state says nothing about the rail). Loop thread.
   virtual void add_target(int peer, std::uint64_t incarnation, std::uint32_t rail,
-                          const std::string& address, std::uint16_t port,
-                          std::uint64_t tag = 0) = 0;
+                          const std::string& address, std::uint16_t port, std::uint64_t tag = 0,
+                          bool on_host = false) = 0;
   // Also answers probes that carry `tag` (that of a peer's token this endpoint dialled with).
   // At most kMaxTags are kept (the oldest go). Loop thread.
   static constexpr std::size_t kMaxTags = 4096;

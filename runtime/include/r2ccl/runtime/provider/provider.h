@@ -157,6 +157,13 @@ class Provider {
   // The interface version it implements (kProviderApiVersion when built with this header).
   virtual std::uint32_t api_version() const = 0;
   virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
+  // Whether this provider's traffic to `address` stays on this host, never reaching a NIC (as
+  // Rail::host_local says of a connection): the endpoint then probes that peer's rails around the
+  // NIC too. False where the traffic always crosses the NIC (verbs).
+  virtual bool host_local(const std::string& address) const {
+    (void)address;
+    return false;
+  }
   virtual const std::vector<RailNic>& devices() const = 0;
 
   // `memory`: the region is that device's memory (a GPU's), reached only through its copies;
