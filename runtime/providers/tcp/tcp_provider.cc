@@ -182,10 +182,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
     auto r = socket_.remote_endpoint(ec);
     description_ = fmt::format("{} {}:{} -> {}:{}", nic_.name, l.address().to_string(), l.port(),
                                r.address().to_string(), r.port());
-    if (!ec) {
-      remote_address_ = r.address().to_string();
-      host_local_ = is_host_address(remote_address_);
-    }
+    if (!ec) remote_address_ = r.address().to_string();
   }
 
   void start(RailEvents* events) override {
@@ -299,7 +296,6 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   const RailHello& hello() const override { return hello_; }
   std::string describe() const override { return description_; }
   std::string remote_address() const override { return remote_address_; }
-  bool host_local() const override { return host_local_; }
 
   // TCP_INFO's age of the last ACK the kernel received on this connection (millisecond
   // resolution). Only while the rail is open: a closed socket's descriptor may be reused.
@@ -812,7 +808,6 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   RailHello hello_;
   std::string description_;
   std::string remote_address_;  // the peer's IPv4 address on this connection
-  bool host_local_ = false;     // that address is this host's own
   RailEvents* events_ = nullptr;
   bool closed_ = false;
 
@@ -895,7 +890,7 @@ class TcpProvider final : public Provider {
     return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure |
            kCapRegistrationFollowsMappings;
   }
-  // A connection to one of this host's addresses is looped back by the kernel (TcpRail).
+  // A connection to one of this host's addresses is looped back by the kernel.
   bool host_local(const std::string& address) const override { return is_host_address(address); }
   const std::vector<RailNic>& devices() const override { return devices_; }
 

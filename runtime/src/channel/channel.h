@@ -181,8 +181,8 @@ class Channel {
     bool connecting = false;
     bool closed_by_peer = false;  // its last connection ended because the peer closed it
     bool ever_attached = false;   // it has carried a connection (from either side)
-    // Its last connection was to an address of this host (Rail::host_local): the NIC's link
-    // state does not touch it.
+    // Its last connection stays on this host (Provider::host_local): the NIC's link state does
+    // not touch it.
     bool host_local = false;
     // Its provider refused a post (kNoResource, back-pressure): no work until it confirms
     // something, or the next tick.

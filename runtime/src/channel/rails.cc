@@ -52,7 +52,7 @@ bool Channel::attach(std::uint32_t index, std::shared_ptr<Rail> rail) {
   s.backpressured = false;
   s.rail = std::move(rail);
   s.ever_attached = true;
-  s.host_local = s.rail->host_local();
+  s.host_local = ctx_.provider->host_local(s.rail->remote_address());
   s.rail->start(&s.sink);
   if (ctx_.on_rail_attached) ctx_.on_rail_attached(peer_, index, s.rail->remote_address());
   const auto now = Clock::now();

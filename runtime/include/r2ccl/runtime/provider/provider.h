@@ -136,10 +136,6 @@ class Rail {
   // connection came from, or where a connection this side opened arrived. The endpoint probes
   // this address, never one the peer describes itself (a peer could name any host).
   virtual std::string remote_address() const = 0;
-  // True when the peer's end is an address of this host (network namespace): the kernel loops
-  // the traffic back without it reaching the NIC, so the NIC's link state says nothing about the
-  // rail. Providers whose traffic always crosses the NIC (verbs: the HCA loops it back) say false.
-  virtual bool host_local() const { return false; }
 };
 
 struct ProviderCounters {
@@ -157,13 +153,11 @@ class Provider {
   // The interface version it implements (kProviderApiVersion when built with this header).
   virtual std::uint32_t api_version() const = 0;
   virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
-  // Whether this provider's traffic to `address` stays on this host, never reaching a NIC (as
-  // Rail::host_local says of a connection): the endpoint then probes that peer's rails around the
-  // NIC too. False where the traffic always crosses the NIC (verbs).
-  virtual bool host_local(const std::string& address) const {
-    (void)address;
-    return false;
-  }
+  // Whether this provider's traffic to `address` (a rail's remote_address()) stays on this host,
+  // never reaching a NIC: the NIC's link state then says nothing about the rail, and the endpoint
+  // probes it around the NIC. False where the traffic always crosses the NIC (verbs: the HCA
+  // loops it back).
+  virtual bool host_local(const std::string& /*address*/) const { return false; }
   virtual const std::vector<RailNic>& devices() const = 0;
 
   // `memory`: the region is that device's memory (a GPU's), reached only through its copies;
