@@ -2,10 +2,13 @@
 #include "r2ccl/coll/degraded.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
+
+#include <fmt/format.h>
 
 #include "plan_steps.h"
 
@@ -165,6 +168,258 @@ Plan weighted_plan(const CollDesc& d, int r, int p, std::size_t elem, const Netw
         ph.comm.push_back(
             send(mod(r + i, p), at(Buf::kRecv, w.at(k - 1, r) * elem), w.len(k - 1, r) * elem));
     }
+    plan.phases.push_back(std::move(ph));
+  }
+  return plan;
+}
+
+// ---- weighted at scale: a grid of the full-speed ranks, the slow ones beside it
+
+// From kWeightedGridFrom ranks, the ranks at full speed (within kDegradedBelow of the fastest)
+// form a grid of `rows` rows of `m` (the last row may be shorter). Every chunk is split into m
+// column ranges and each column into `rows` sub-ranges. Four stages per chunk, a phase apart:
+// (1) a row reduce-scatters the chunk by columns (member c owns column c; in a row of q < m
+// members, member c % q owns it), (2) the owners of a column reduce-scatter it into sub-ranges,
+// where the slow ranks' pieces are added too, (3) they all-gather the sub-ranges and return each
+// to the slow ranks, (4) the row all-gathers its columns. A slow rank owns nothing: it sends its
+// data (a piece to each sub-range's owner) and receives the result, N each way, in two lanes.
+struct GridLayout {
+  std::vector<int> grid, slow;  // ranks, ascending
+  int m = 1, rows = 1, chunks = 1;
+  std::size_t count = 0;
+
+  int size() const { return static_cast<int>(grid.size()); }
+  int row_size(int row) const { return std::min(m, size() - row * m); }
+  int member(int row, int j) const { return grid[static_cast<std::size_t>(row * m + j)]; }
+  int owner(int row, int c) const { return member(row, c % row_size(row)); }
+  // The columns grid member `i` (its index in `grid`) owns, ascending.
+  std::vector<int> cols_of(int i) const {
+    std::vector<int> out;
+    for (int c = i % m; c < m; c += row_size(i / m))
+      out.push_back(c);
+    return out;
+  }
+  // Element offsets from the buffer's start.
+  std::size_t chunk(int k) const { return chunk_first(count, chunks, k); }
+  std::size_t col(int k, int c) const {
+    return chunk(k) + Segments{chunk(k + 1) - chunk(k), 1, m}.first(c);
+  }
+  std::size_t col_len(int k, int c) const { return col(k, c + 1) - col(k, c); }
+  std::size_t sub(int k, int c, int r) const {
+    return col(k, c) + Segments{col_len(k, c), 1, rows}.first(r);
+  }
+  std::size_t sub_len(int k, int c, int r) const { return sub(k, c, r + 1) - sub(k, c, r); }
+};
+
+GridLayout grid_layout(const CollDesc& d, const std::vector<double>& b, int chunks) {
+  GridLayout g;
+  g.count = d.count;
+  g.chunks = chunks;
+  const double top = *std::max_element(b.begin(), b.end());
+  for (int i = 0; i < static_cast<int>(b.size()); ++i)
+    (b[static_cast<std::size_t>(i)] >= kDegradedBelow * top ? g.grid : g.slow).push_back(i);
+  // The shape: the busiest rank's traffic per chunk (full rows: 2(m-1)/m, plus the column's
+  // stages; the last row's members may own several columns) within 0.5% of the least any shape
+  // gives, and of those the fewest messages per rank.
+  const int h = g.size();
+  const double slow = static_cast<double>(g.slow.size());
+  const auto load = [&](int m) {
+    const int rows = (h + m - 1) / m, q = h - (rows - 1) * m;
+    const double col = (2.0 * (rows - 1) + slow) / (static_cast<double>(m) * rows);
+    const auto member = [&](int o, int in_row) {
+      return (static_cast<double>(m - o) + static_cast<double>((in_row - 1) * o)) / m + o * col;
+    };
+    double most = rows > 1 ? member(1, m) : 0;
+    most = std::max(most, member((m + q - 1) / q, q));
+    return std::max(most, member(m / q, q));
+  };
+  double least = std::numeric_limits<double>::infinity();
+  for (int m = 1; m <= h; ++m)
+    least = std::min(least, load(m));
+  int fewest = std::numeric_limits<int>::max();
+  for (int m = 1; m <= h; ++m) {
+    const int rows = (h + m - 1) / m;
+    if (load(m) <= least * 1.005 && m + rows < fewest) fewest = m + rows, g.m = m;
+  }
+  g.rows = (h + g.m - 1) / g.m;
+  return g;
+}
+
+// The grid plan's time with `chunks` chunks (rounding to whole elements left out), the healthy
+// ranks' phases taken in step.
+double grid_seconds(const GridLayout& g, const std::vector<double>& b, double bytes,
+                    double latency_s) {
+  const double nk = bytes / g.chunks, m = g.m, rows = g.rows;
+  const double slow = static_cast<double>(g.slow.size());
+  // [rank in grid][stage] bytes out and in, per chunk.
+  std::vector<std::array<std::array<double, 2>, 4>> st(g.grid.size());
+  for (int i = 0; i < g.size(); ++i) {
+    const double o = static_cast<double>(g.cols_of(i).size());
+    const double q = g.row_size(i / g.m);
+    const double col = nk / m, sub = col / rows;
+    st[static_cast<std::size_t>(i)] = {{{nk * (m - o) / m, (q - 1) * o * col},
+                                        {o * (rows - 1) * sub, o * (rows - 1 + slow) * sub},
+                                        {o * (rows - 1 + slow) * sub, o * (rows - 1) * sub},
+                                        {(q - 1) * o * col, nk * (m - o) / m}}};
+  }
+  // A phase ends once its busiest rank moved its stages, once the slow ranks' pieces of the
+  // chunk it reduces came in (they stream them from the start), and once the slowest of them
+  // took the results the phase returns to it.
+  double slow_s = 0;  // per chunk, the slowest slow rank's
+  for (int s : g.slow)
+    slow_s = std::max(slow_s, nk / b[static_cast<std::size_t>(s)]);
+  double end = 0;
+  for (int j = 0; j < g.chunks + 3; ++j) {
+    const int lo = std::max(0, j - g.chunks + 1), hi = std::min(3, j);
+    double step = 0;
+    for (int i = 0; i < g.size(); ++i) {
+      double out = 0, in = 0;
+      for (int s = lo; s <= hi; ++s) {
+        out += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][0];
+        in += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][1];
+      }
+      step = std::max(step, std::max(out, in) / b[static_cast<std::size_t>(g.grid[i])]);
+    }
+    if (j >= 2 && j <= g.chunks + 1) step = std::max(step, slow_s);
+    end += latency_s + step;
+    if (j >= 1 && j <= g.chunks) end = std::max(end, latency_s + j * slow_s);
+  }
+  return end;
+}
+
+// `net`: its bandwidths as rates_of makes them.
+int grid_chunks(const CollDesc& d, const Network& net) {
+  const auto& b = net.bandwidth;
+  const int most = chunks_for(lower_bound_seconds(d, net), net.latency_s,
+                              d.count / std::max<std::size_t>(b.size(), 1));
+  const double bytes = static_cast<double>(d.count * type_size(d.type));
+  return fewest_chunks(most, kWeightedSlack, [&](int c) {
+    return grid_seconds(grid_layout(d, b, c), b, bytes, net.latency_s);
+  });
+}
+
+Plan grid_plan(const CollDesc& d, int r, std::size_t elem, const GridLayout& g) {
+  Plan plan;
+  const int C = g.chunks, S = static_cast<int>(g.slow.size());
+  if (std::binary_search(g.slow.begin(), g.slow.end(), r)) {
+    plan.lanes = 2;
+    for (int k = 0; k < C; ++k) {
+      Phase out, in;
+      in.lane = 1;
+      for (int c = 0; c < g.m; ++c)
+        for (int row = 0; row < g.rows; ++row) {
+          const std::size_t n = g.sub_len(k, c, row) * elem;
+          if (n == 0) continue;
+          out.comm.push_back(send(g.owner(row, c), at(Buf::kSend, g.sub(k, c, row) * elem), n));
+          in.comm.push_back(recv(g.owner(row, c), at(Buf::kRecv, g.sub(k, c, row) * elem), n));
+        }
+      plan.phases.push_back(std::move(out));
+      plan.phases.push_back(std::move(in));
+    }
+    return plan;
+  }
+  const int i =
+      static_cast<int>(std::lower_bound(g.grid.begin(), g.grid.end(), r) - g.grid.begin());
+  const int row = i / g.m, pos = i % g.m, q = g.row_size(row);
+  const std::vector<int> cols = g.cols_of(i);
+  const auto nc = static_cast<std::size_t>(cols.size());
+  // Scratch: per owned column, a slot per row member (stage 1), then a slot per column peer and
+  // slow rank (stage 2).
+  std::size_t slot1 = 0, slot2 = 0;
+  for (int k = 0; k < C; ++k)
+    for (int c : cols) {
+      slot1 = std::max(slot1, g.col_len(k, c) * elem);
+      slot2 = std::max(slot2, g.sub_len(k, c, row) * elem);
+    }
+  const std::size_t base2 = nc * static_cast<std::size_t>(q) * slot1;
+  const auto per2 = static_cast<std::size_t>(g.rows + S);
+  plan.scratch_bytes = base2 + nc * per2 * slot2;
+  const auto slot_1 = [&](std::size_t ci, int j) {
+    return at(Buf::kScratch,
+              (ci * static_cast<std::size_t>(q) + static_cast<std::size_t>(j)) * slot1);
+  };
+  const auto slot_2 = [&](std::size_t ci, int t) {
+    return at(Buf::kScratch, base2 + (ci * per2 + static_cast<std::size_t>(t)) * slot2);
+  };
+  const bool average = d.redop == RedOp::kAvg;
+  for (int j = 0; j < C + 3; ++j) {
+    Phase ph;
+    std::vector<Step> recvs, sends;
+    if (const int k = j; k < C) {  // (1) the row's reduce-scatter by columns
+      for (int y = 0; y < q; ++y) {
+        if (y == pos) continue;
+        for (int c : g.cols_of(row * g.m + y))
+          if (const std::size_t n = g.col_len(k, c) * elem; n > 0)
+            sends.push_back(send(g.member(row, y), at(Buf::kSend, g.col(k, c) * elem), n));
+      }
+      for (std::size_t ci = 0; ci < nc; ++ci) {
+        const std::size_t n = g.col_len(k, cols[ci]) * elem;
+        if (n == 0) continue;
+        for (int y = 0; y < q; ++y)
+          if (y != pos) recvs.push_back(recv(g.member(row, y), slot_1(ci, y), n));
+        const Ref own = at(Buf::kSend, g.col(k, cols[ci]) * elem);
+        const Ref dst = at(Buf::kRecv, g.col(k, cols[ci]) * elem);
+        if (q == 1) {
+          if (!d.in_place) ph.compute.push_back(copy(dst, own, n));
+          continue;
+        }
+        // Own data first, then the others in row order (dst may be own: in place).
+        chain(
+            ph.compute, q, dst, n,
+            [&](int t) { return t == 0 ? own : slot_1(ci, t <= pos ? t - 1 : t); }, false);
+      }
+    }
+    if (const int k = j - 1; k >= 0 && k < C) {  // (2) the column's reduce-scatter
+      for (std::size_t ci = 0; ci < nc; ++ci) {
+        const int c = cols[ci];
+        const std::size_t n = g.sub_len(k, c, row) * elem;
+        for (int t = 0; t < g.rows; ++t)
+          if (const std::size_t m = g.sub_len(k, c, t) * elem; t != row && m > 0)
+            sends.push_back(send(g.owner(t, c), at(Buf::kRecv, g.sub(k, c, t) * elem), m));
+        if (n == 0) continue;
+        for (int t = 0; t < g.rows; ++t)
+          if (t != row) recvs.push_back(recv(g.owner(t, c), slot_2(ci, t), n));
+        for (int s = 0; s < S; ++s)
+          recvs.push_back(recv(g.slow[static_cast<std::size_t>(s)], slot_2(ci, g.rows + s), n));
+        const Ref dst = at(Buf::kRecv, g.sub(k, c, row) * elem);
+        // This row's sum first (it lies at dst), then the other rows', then the slow ranks'.
+        chain(
+            ph.compute, g.rows + S, dst, n,
+            [&](int t) {
+              if (t == 0) return dst;
+              return t <= row ? slot_2(ci, t - 1) : slot_2(ci, t);
+            },
+            average);
+      }
+    }
+    if (const int k = j - 2; k >= 0 && k < C) {  // (3) the column's all-gather, and the slow ranks
+      for (std::size_t ci = 0; ci < nc; ++ci) {
+        const int c = cols[ci];
+        const std::size_t n = g.sub_len(k, c, row) * elem;
+        const Ref mine = at(Buf::kRecv, g.sub(k, c, row) * elem);
+        for (int t = 0; t < g.rows; ++t)
+          if (const std::size_t m = g.sub_len(k, c, t) * elem; t != row && m > 0)
+            recvs.push_back(recv(g.owner(t, c), at(Buf::kRecv, g.sub(k, c, t) * elem), m));
+        if (n == 0) continue;
+        for (int t = 0; t < g.rows; ++t)
+          if (t != row) sends.push_back(send(g.owner(t, c), mine, n));
+        for (int s : g.slow)
+          sends.push_back(send(s, mine, n));
+      }
+    }
+    if (const int k = j - 3; k >= 0 && k < C) {  // (4) the row's all-gather
+      for (int y = 0; y < q; ++y) {
+        if (y == pos) continue;
+        for (int c : g.cols_of(row * g.m + y))
+          if (const std::size_t n = g.col_len(k, c) * elem; n > 0)
+            recvs.push_back(recv(g.member(row, y), at(Buf::kRecv, g.col(k, c) * elem), n));
+        for (int c : cols)
+          if (const std::size_t n = g.col_len(k, c) * elem; n > 0)
+            sends.push_back(send(g.member(row, y), at(Buf::kRecv, g.col(k, c) * elem), n));
+      }
+    }
+    ph.comm = std::move(recvs);
+    ph.comm.insert(ph.comm.end(), sends.begin(), sends.end());
     plan.phases.push_back(std::move(ph));
   }
   return plan;
@@ -375,8 +630,11 @@ namespace plan_steps {
 
 Plan degraded_allreduce(const CollDesc& d, int r, int p, std::size_t elem, Algo algo,
                         const Network* net) {
-  return algo == Algo::kWeighted ? weighted_plan(d, r, p, elem, net)
-                                 : r2cc_plan(d, r, p, elem, net);
+  if (algo != Algo::kWeighted) return r2cc_plan(d, r, p, elem, net);
+  if (p < kWeightedGridFrom) return weighted_plan(d, r, p, elem, net);
+  const auto b = rates_of(net, p);
+  const Network n{b, net ? net->latency_s : 0, {}};
+  return grid_plan(d, r, elem, grid_layout(d, b, grid_chunks(d, n)));
 }
 
 }  // namespace plan_steps
@@ -467,6 +725,7 @@ int weighted_chunks(const CollDesc& d, const Network& net) {
                               d.count / static_cast<std::size_t>(std::max(p, 1)));
   if (p < 2 || most <= 1) return most;
   const auto b = rates_of(&net, p);
+  if (p >= kWeightedGridFrom) return grid_chunks(d, Network{b, net.latency_s, {}});
   const auto shares = weighted_shares(b);
   const double bytes = static_cast<double>(d.count * type_size(d.type));
   return fewest_chunks(most, kWeightedSlack,
@@ -497,6 +756,9 @@ double predict_seconds(Algo algo, const CollDesc& d, const Network& net) {
              t.exchange_step * t.exchange_steps;
     }
     case Algo::kWeighted: {
+      if (p >= kWeightedGridFrom)
+        return grid_seconds(grid_layout(d, b, weighted_chunks(d, net)), b,
+                            static_cast<double>(d.count * elem), net.latency_s);
       const WeightedLayout w = weighted_layout(d, b, weighted_chunks(d, net));
       double total = 0;
       for (int k = 0; k <= w.chunks; ++k) {
@@ -533,6 +795,18 @@ Algo choose_degraded(const CollDesc& d, const Network& net) {
     if (s < best_s) best = a, best_s = s;
   }
   return best;
+}
+
+Result<Plan> make_weighted_grid_plan(const CollDesc& d, int rank, int nranks, const Network& net) {
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    return Status(ErrorCode::kInvalidArgument, fmt::format("rank {} of {} ranks", rank, nranks));
+  if (d.op != CollOp::kAllReduce)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("the weighted grid is an all-reduce, not {}", coll_op_name(d.op)));
+  const std::size_t elem = type_size(d.type);
+  if (elem == 0) return Status(ErrorCode::kInvalidArgument, "unsupported data type");
+  const auto b = rates_of(&net, nranks);
+  return grid_plan(d, rank, elem, grid_layout(d, b, grid_chunks(d, Network{b, net.latency_s, {}})));
 }
 
 }  // namespace r2ccl::coll

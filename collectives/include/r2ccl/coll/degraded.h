@@ -69,6 +69,15 @@ Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int 
 double predict_hierarchical_seconds(Algo algo, const CollDesc& d, int nodes, int gpus,
                                     const Network& net, double intra_bps);
 
+// From this many ranks the weighted plan takes the form of a grid: the ranks at full speed
+// (within kDegradedBelow of the fastest) in about sqrt(n) rows of sqrt(n), each chunk
+// reduce-scattered along the rows, all-reduced down the columns and all-gathered along the rows,
+// a stage per phase; a slower rank owns nothing, sends its data to the owners of its pieces and
+// receives the result. Each rank sends about 2(rows + columns) messages a chunk instead of 2n.
+inline constexpr int kWeightedGridFrom = 65;
+// That form's plan for any number of ranks (make_plan takes it from kWeightedGridFrom).
+Result<Plan> make_weighted_grid_plan(const CollDesc& d, int rank, int nranks, const Network& net);
+
 // The pipeline depth of each plan for `d` on `net` (chunks; 1 = not pipelined), chosen to
 // balance the fill (1/C of the transfer time) against C messages' latency.
 int weighted_chunks(const CollDesc& d, const Network& net);
