@@ -268,20 +268,26 @@ double grid_seconds(const GridLayout& g, const std::vector<double>& b, double by
   double slow_s = 0;  // per chunk, the slowest slow rank's
   for (int s : g.slow)
     slow_s = std::max(slow_s, nk / b[static_cast<std::size_t>(s)]);
+  // The busiest rank's time for the stages [lo, hi] (a phase's), each pair computed once.
+  std::array<std::array<double, 4>, 4> busiest{};
+  for (auto& row : busiest)
+    row.fill(-1);
   double end = 0;
   for (int j = 0; j < g.chunks + 3; ++j) {
     const int lo = std::max(0, j - g.chunks + 1), hi = std::min(3, j);
-    double step = 0;
-    for (int i = 0; i < g.size(); ++i) {
-      double out = 0, in = 0;
-      for (int s = lo; s <= hi; ++s) {
-        out += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][0];
-        in += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][1];
+    double& step = busiest[static_cast<std::size_t>(lo)][static_cast<std::size_t>(hi)];
+    if (step < 0) {
+      step = 0;
+      for (int i = 0; i < g.size(); ++i) {
+        double out = 0, in = 0;
+        for (int s = lo; s <= hi; ++s) {
+          out += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][0];
+          in += st[static_cast<std::size_t>(i)][static_cast<std::size_t>(s)][1];
+        }
+        step = std::max(step, std::max(out, in) / b[static_cast<std::size_t>(g.grid[i])]);
       }
-      step = std::max(step, std::max(out, in) / b[static_cast<std::size_t>(g.grid[i])]);
     }
-    if (j >= 2 && j <= g.chunks + 1) step = std::max(step, slow_s);
-    end += latency_s + step;
+    end += latency_s + (j >= 2 && j <= g.chunks + 1 ? std::max(step, slow_s) : step);
     if (j >= 1 && j <= g.chunks) end = std::max(end, latency_s + j * slow_s);
   }
   return end;
@@ -293,8 +299,10 @@ int grid_chunks(const CollDesc& d, const Network& net) {
   const int most = chunks_for(lower_bound_seconds(d, net), net.latency_s,
                               d.count / std::max<std::size_t>(b.size(), 1));
   const double bytes = static_cast<double>(d.count * type_size(d.type));
+  GridLayout g = grid_layout(d, b, 1);
   return fewest_chunks(most, kWeightedSlack, [&](int c) {
-    return grid_seconds(grid_layout(d, b, c), b, bytes, net.latency_s);
+    g.chunks = c;
+    return grid_seconds(g, b, bytes, net.latency_s);
   });
 }
 

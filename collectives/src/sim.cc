@@ -87,6 +87,8 @@ struct Unit {
   std::vector<int> flows;
   double rate = 0;
   bool fixed = false;  // in the progressive filling under way
+  // Its places in its ports' lists of busy units (while it carries a message).
+  std::uint32_t at_out = 0, at_in = 0;
 };
 
 // Flows' finish times: (flow, its version then) grouped by time, the times in a min-heap. The
@@ -143,6 +145,7 @@ class Sim {
     const std::size_t ports = static_cast<std::size_t>(p_) * (groups_.size() + 1) * 2;
     port_units_.resize(ports);
     cap_.assign(ports, 0);
+    key_.assign(ports, 0);
     count_.assign(ports, 0);
     port_mark_.assign(ports, 0);
     for (int r = 0; r < p_; ++r)
@@ -393,10 +396,27 @@ class Sim {
       const int out = port(ch.src, g, false), in = port(ch.dst, g, true);
       units_.push_back(Unit{out, in, {}, 0, false});
       u = static_cast<int>(units_.size() - 1);
-      port_units_[static_cast<std::size_t>(out)].push_back(u);
-      port_units_[static_cast<std::size_t>(in)].push_back(u);
     }
     return u;
+  }
+
+  // A unit joins its ports' busy lists with its first message and leaves them with its last.
+  void set_busy(int u, bool busy) {
+    Unit& un = units_[static_cast<std::size_t>(u)];
+    for (const bool in : {false, true}) {
+      auto& list = port_units_[static_cast<std::size_t>(in ? un.in_port : un.out_port)];
+      std::uint32_t& at = in ? un.at_in : un.at_out;
+      if (busy) {
+        at = static_cast<std::uint32_t>(list.size());
+        list.push_back(u);
+        continue;
+      }
+      const int last = list.back();
+      list[at] = last;
+      Unit& moved = units_[static_cast<std::size_t>(last)];
+      (in ? moved.at_in : moved.at_out) = at;
+      list.pop_back();
+    }
   }
 
   Status start_message(const MessageKey& key) {
@@ -428,8 +448,10 @@ class Sim {
                       fmt::format("no rail is up at both rank {} and rank {}", ch.src, ch.dst));
     }
     for (int u : fl.units) {
-      units_[static_cast<std::size_t>(u)].flows.push_back(f);
-      touch(units_[static_cast<std::size_t>(u)].out_port);
+      Unit& un = units_[static_cast<std::size_t>(u)];
+      un.flows.push_back(f);
+      if (un.flows.size() == 1) set_busy(u, true);
+      touch(un.out_port);
     }
     return Status::ok();
   }
@@ -440,6 +462,7 @@ class Sim {
     for (int u : fl.units) {
       Unit& un = units_[static_cast<std::size_t>(u)];
       std::erase(un.flows, f);
+      if (un.flows.empty()) set_busy(u, false);
       touch(un.out_port);
       touch(un.in_port);
     }
@@ -554,37 +577,48 @@ class Sim {
       const auto up = static_cast<std::size_t>(p);
       port_mark_[up] = 0;
       cap_[up] = capacity(p);
-      count_[up] = 0;
-      for (int u : port_units_[up])
-        count_[up] += units_[static_cast<std::size_t>(u)].flows.empty() ? 0 : 1;
+      count_[up] = static_cast<std::uint32_t>(port_units_[up].size());
     }
     for (int u : units)
       units_[static_cast<std::size_t>(u)].fixed = false;
-    // A min-heap of (fair share, port) in a vector kept between calls.
+    // A min-heap of (fair share, port) in a vector kept between calls. A port's share only rises
+    // as the ports before it fix their channels (what a channel takes is at most the share it
+    // leaves), so a port keeps its entry until it comes up (then, if its share rose, it goes
+    // back in at the new one); only a share that fell (by rounding) is pushed at once. The
+    // order the ports are settled in is the same as re-pushing every change.
     auto& heap = scratch_heap_;
     heap.clear();
+    const auto later = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+      return a.first > b.first || (a.first == b.first && a.second > b.second);
+    };
     const auto push = [&](double share, int port) {
+      key_[static_cast<std::size_t>(port)] = share;
       heap.emplace_back(share, port);
-      std::push_heap(heap.begin(), heap.end(), std::greater<>{});
+      std::push_heap(heap.begin(), heap.end(), later);
     };
     for (int p : ports)
       if (count_[static_cast<std::size_t>(p)] > 0)
         push(cap_[static_cast<std::size_t>(p)] / count_[static_cast<std::size_t>(p)], p);
     while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), std::greater<>{});
+      std::pop_heap(heap.begin(), heap.end(), later);
       auto [s, p] = heap.back();
       heap.pop_back();
       const auto up = static_cast<std::size_t>(p);
-      if (count_[up] == 0 || s != cap_[up] / count_[up]) continue;  // stale
+      if (count_[up] == 0 || s != key_[up]) continue;  // settled, or a later entry stands
+      if (const double now = cap_[up] / count_[up]; now != s) {
+        push(now, p);
+        continue;
+      }
       for (int u : port_units_[up]) {
         Unit& un = units_[static_cast<std::size_t>(u)];
-        if (un.fixed || un.flows.empty()) continue;
+        if (un.fixed) continue;
         un.fixed = true;
         un.rate = std::max(s, 0.0);
         const int other = un.out_port == p ? un.in_port : un.out_port;
         const auto uo = static_cast<std::size_t>(other);
         cap_[uo] = std::max(0.0, cap_[uo] - un.rate);
-        if (--count_[uo] > 0) push(cap_[uo] / count_[uo], other);
+        if (--count_[uo] > 0 && cap_[uo] / count_[uo] < key_[uo])
+          push(cap_[uo] / count_[uo], other);
       }
       count_[up] = 0;
     }
@@ -625,7 +659,7 @@ class Sim {
   std::vector<Flow> flows_;
   std::vector<int> free_flows_;
   std::vector<Unit> units_;
-  std::vector<std::vector<int>> port_units_;
+  std::vector<std::vector<int>> port_units_;  // per port, its units that carry messages
   std::vector<int> dirty_ports_;
   std::vector<std::uint8_t> port_mark_;  // 1: dirty, 2: in the part being recomputed
   FinishQueue finishes_;
@@ -638,7 +672,7 @@ class Sim {
     std::size_t count = 0;
   };
   std::vector<Group> groups_;
-  std::vector<double> cap_;
+  std::vector<double> cap_, key_;  // rates(): per port, capacity left and its heap entry's share
   std::vector<std::uint32_t> count_;
   double now_ = 0;
   std::uint64_t messages_ = 0;
