@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -221,7 +222,8 @@ double lower_bound(const Setting& s) {
 // Every plan against the job's size: nodes doubling from 2 until `max_ranks` ranks, the cost
 // model's time of each plan, the lower bound, the messages each rank sends, and the simulated
 // time (with the simulator's own wall time) up to `sim_ranks` ranks.
-int scale_sweep(const Setting& base, int max_ranks, int sim_ranks, const std::string& csv_path) {
+int scale_sweep(const Setting& base, int max_ranks, int sim_ranks,
+                const std::vector<Algo>& simulated, const std::string& csv_path) {
   std::FILE* csv = open_csv(csv_path);
   if (!csv_path.empty() && !csv) return 1;
   std::FILE* out = csv ? csv : stdout;
@@ -244,7 +246,8 @@ int scale_sweep(const Setting& base, int max_ranks, int sim_ranks, const std::st
     for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
       model[i] = predict(s, a);
       sends[i] = sends_per_rank(s, a);
-      if (c.ranks() <= sim_ranks) {
+      if (c.ranks() <= sim_ranks &&
+          std::find(simulated.begin(), simulated.end(), a) != simulated.end()) {
         const auto w0 = std::chrono::steady_clock::now();
         auto o = seconds(s, a);
         wall[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
@@ -317,7 +320,8 @@ int main(int argc, char** argv) {
                  "ranks, the cost model, the lower bound, the messages each rank sends, and the "
                  "simulation up to --sim-ranks")
       ->check(CLI::Range(2, 1 << 20));
-  app.add_option("--sim-ranks", sim_ranks, "with --scale: simulate jobs of at most this many ranks")
+  app.add_option("--sim-ranks", sim_ranks,
+                 "with --scale: simulate jobs of at most this many ranks (the plans of --algos)")
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--csv", csv, "write the grid or sweep as CSV to this file");
   std::string plan_from;
@@ -371,9 +375,27 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  std::vector<std::optional<Algo>> chosen;  // nullopt: auto
+  for (std::size_t pos = 0; pos <= algos.size();) {
+    const std::size_t comma = std::min(algos.find(',', pos), algos.size());
+    const std::string name = algos.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (name.empty()) continue;
+    auto a = parse_algo(name);
+    if (!a) {
+      fmt::print(stderr, "r2ccl-sim: --algos: {}\n", a.status().message());
+      return 2;
+    }
+    chosen.push_back(*a == Algo::kAuto ? std::nullopt : std::optional<Algo>(*a));
+  }
   if (paper_grid) return grid(s, csv);
   if (do_sweep) return sweep(s, csv);
-  if (scale_ranks > 0) return scale_sweep(s, scale_ranks, sim_ranks, csv);
+  if (scale_ranks > 0) {
+    std::vector<Algo> simulated;
+    for (const auto& a : chosen)
+      if (a) simulated.push_back(*a);
+    return scale_sweep(s, scale_ranks, sim_ranks, simulated, csv);
+  }
 
   const Cluster cl = cluster_of(s);
   const CollDesc d = allreduce_of(s);
@@ -392,24 +414,14 @@ int main(int argc, char** argv) {
   fmt::print(
       "| algorithm | simulated s | x fault-free | cost model s | messages | wall s |\n"
       "|---|---|---|---|---|---|\n");
-  std::size_t pos = 0;
-  while (pos <= algos.size()) {
-    const std::size_t comma = std::min(algos.find(',', pos), algos.size());
-    const std::string name = algos.substr(pos, comma - pos);
-    pos = comma + 1;
-    if (name.empty()) continue;
-    auto a = parse_algo(name);
-    if (!a) {
-      fmt::print(stderr, "r2ccl-sim: {}\n", a.status().message());
-      return 2;
-    }
-    const Algo algo = *a == Algo::kAuto ? auto_choice(d, net) : *a;
+  for (const auto& a : chosen) {
+    const Algo algo = a ? *a : auto_choice(d, net);
     const auto w0 = std::chrono::steady_clock::now();
     auto r = simulate(cl, d, algo, s.plan_net ? &*s.plan_net : nullptr);
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
     if (!r) {
-      fmt::print(stderr, "r2ccl-sim: {}: {}\n", name, r.status().message());
+      fmt::print(stderr, "r2ccl-sim: {}: {}\n", algo_name(algo), r.status().message());
       return 1;
     }
     fmt::print("| {} | {:.6f} | {:.4f} | {:.6f} | {} | {:.2f} |\n", algo_name(algo), r->seconds,
