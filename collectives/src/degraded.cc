@@ -442,6 +442,9 @@ struct R2ccLayout {
   std::size_t main = 0;      // elements [0, main) go round the ring of all ranks
   std::size_t tail = 0;      // [main, main + tail) among the healthy ranks
   int chunks = 1;            // the tail's pipelined exchange with the degraded rank
+  // From kR2ccGridFrom ranks the healthy ranks share the exchange's sums in two steps, along rows
+  // of `m` and then across them, so the exchange takes a step more.
+  int m = 0;
   double b_degraded = 1, b_healthy = 1;
   // The main ring's rails and the tail ring's: the rails the degraded rank still has, and those
   // it lost (idle on the healthy ranks otherwise). All rails for both where that is not known or
@@ -475,13 +478,16 @@ R2ccLayout r2cc_layout(const CollDesc& d, const std::vector<double>& b, double l
   l.tail = tail;
   l.b_degraded = b[static_cast<std::size_t>(slow)];
   l.b_healthy = bh;
+  const int h = p - 1;
+  if (p >= kR2ccGridFrom) l.m = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(h))));
+  const int fill = l.m > 0 ? 2 : 1;
   // The exchange's pipeline: deep enough that its fill costs at most kR2ccSlack of the whole,
-  // each of its chunks being a round of h^2 messages among the healthy ranks.
+  // each of its chunks being a round of messages among the healthy ranks.
   const double tail_s = static_cast<double>(tail * elem) / l.b_degraded;
   const double rest_s = 2.0 * (p - 1) / p * static_cast<double>(l.main * elem) / l.b_degraded;
-  l.chunks =
-      fewest_chunks(chunks_for(tail_s, latency_s, tail / static_cast<std::size_t>(p - 1)),
-                    kR2ccSlack, [&](int k) { return rest_s + (k + 1) * (latency_s + tail_s / k); });
+  l.chunks = fewest_chunks(chunks_for(tail_s, latency_s, tail / static_cast<std::size_t>(p - 1)),
+                           kR2ccSlack,
+                           [&](int k) { return rest_s + (k + fill) * (latency_s + tail_s / k); });
   if (rails_up.size() == b.size()) {
     std::uint64_t healthy = Step::kAllRails;
     for (int i : l.healthy)
@@ -515,7 +521,7 @@ R2ccTimes r2cc_times(const R2ccLayout& l, std::size_t elem, int p, double latenc
   t.exchange_step = latency_s + piece / l.b_degraded;
   t.main_steps = 2 * (p - 1);
   t.tail_steps = 2 * (p - 2);
-  t.exchange_steps = l.chunks + 1;
+  t.exchange_steps = l.chunks + (l.m > 0 ? 2 : 1);
   return t;
 }
 
@@ -595,9 +601,19 @@ Plan r2cc_plan(const CollDesc& d, int r, int p, std::size_t elem, const Network*
     ring_allreduce(tail_ring, elem, {ring, me, l.main, l.tail, 1, s0, false, l.spare});
     take(tail_ring, 0, t.tail_step);
     // Then: the degraded rank's piece of each chunk is added to this rank's piece of the healthy
-    // sum, and the result goes back to it and to every other healthy rank.
+    // sum, and the result goes back to it and to every other healthy rank: directly, or (from
+    // kR2ccGridFrom ranks) to the others of its row, and a step later the row's pieces (one
+    // block) to one rank of each other row, the one at its place in the row (modulo the row's
+    // length where rows differ).
     const Ref arrived = at(Buf::kScratch, s1);
-    for (int k = 0; k <= l.chunks; ++k) {
+    const int m = l.m > 0 ? l.m : h, rows = (h + m - 1) / m;
+    const int row = mine / m, place = mine % m;
+    const auto row_len = [&](int o) { return std::min(m, h - o * m); };
+    const auto block = [&](int k, int o) {  // row o's pieces of chunk k: (offset, bytes)
+      const auto first = piece(k, o * m), last = piece(k, o * m + row_len(o) - 1);
+      return std::pair{first.first, last.first + last.second - first.first};
+    };
+    for (int k = 0; k < t.exchange_steps; ++k) {
       Phase ph;
       ph.lane = 1;
       if (k < l.chunks) {
@@ -606,18 +622,45 @@ Plan r2cc_plan(const CollDesc& d, int r, int p, std::size_t elem, const Network*
         ph.compute.push_back(reduce(at(Buf::kRecv, off), at(Buf::kRecv, off), arrived, len));
         if (average) ph.compute.push_back(avg(at(Buf::kRecv, off), len));
       }
-      if (k > 0) {
-        for (int j = 0; j < h; ++j) {
+      if (k > 0 && k <= l.chunks) {  // along the row (every healthy rank's one row without a grid)
+        for (int j = row * m; j < row * m + row_len(row); ++j) {
           if (j == mine) continue;
           auto [off, len] = piece(k - 1, j);
           ph.comm.push_back(recv(l.healthy[static_cast<std::size_t>(j)], at(Buf::kRecv, off), len));
         }
         auto [off, len] = piece(k - 1, mine);
         ph.comm.push_back(send(l.degraded, at(Buf::kRecv, off), len));
-        for (int j = 0; j < h; ++j)
+        for (int j = row * m; j < row * m + row_len(row); ++j)
           if (j != mine)
             ph.comm.push_back(
                 send(l.healthy[static_cast<std::size_t>(j)], at(Buf::kRecv, off), len));
+      }
+      if (k > 1 && k <= l.chunks + 1 && rows > 1) {  // across the rows
+        // A full row's block goes to the rank at the same place of every other row; a short
+        // last row's ranks send their pieces to every rank of the full rows instead (as many
+        // bytes as a full row's rank sends).
+        const int full = h / m, last = full * m;
+        const auto healthy = [&](int j) { return l.healthy[static_cast<std::size_t>(j)]; };
+        for (int o = 0; o < full; ++o)
+          if (o != row) {
+            auto [off, len] = block(k - 2, o);
+            ph.comm.push_back(recv(healthy(o * m + place), at(Buf::kRecv, off), len));
+          }
+        if (row < full) {
+          for (int j = last; j < h; ++j) {
+            auto [off, len] = piece(k - 2, j);
+            ph.comm.push_back(recv(healthy(j), at(Buf::kRecv, off), len));
+          }
+          auto [off, len] = block(k - 2, row);
+          for (int o = 0; o < full; ++o)
+            if (o != row) ph.comm.push_back(send(healthy(o * m + place), at(Buf::kRecv, off), len));
+          if (last + place < h)
+            ph.comm.push_back(send(healthy(last + place), at(Buf::kRecv, off), len));
+        } else {
+          auto [off, len] = piece(k - 2, mine);
+          for (int j = 0; j < last; ++j)
+            ph.comm.push_back(send(healthy(j), at(Buf::kRecv, off), len));
+        }
       }
       phases.push_back({exchange_start + t.exchange_step * k, std::move(ph)});
     }

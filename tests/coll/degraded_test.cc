@@ -308,29 +308,38 @@ TEST(DegradedPlans, TheWeightedGridComputesTheRightSumsForEveryShape) {
             "the weighted grid is an all-reduce, not allgather");
 }
 
-// At scale a rank of the grid sends a few messages per row and column, not one per rank: 400
-// ranks, one slow, leave a grid of 19 x 21, whose ranks send at most 18 + 20 + 21 + 18 messages
-// in a phase (the four stages of four chunks, the column's all-gather to the slow rank too),
-// where the direct exchange sends 2 x 399.
-TEST(DegradedPlans, TheWeightedGridSendsAboutFourRootNMessagesAPhase) {
+// At scale a rank of a grid sends a few messages per row and column, not one per rank. 400
+// ranks, one slow: the weighted plan's grid is 19 x 21, whose ranks send at most 18 + 20 + 21 +
+// 18 messages in a phase (the four stages of four chunks, the column's all-gather to the slow
+// rank too); R2CC-AllReduce's exchange shares its sums along rows of 20 and then across 19 full
+// rows (the 19 ranks of the short last row send their pieces to each of the 380 in full rows).
+// The direct exchanges send 2 x 399.
+TEST(DegradedPlans, GridsSendAFewMessagesPerRowAndColumnAPhase) {
   const int p = 400;
   Network net;
   net.bandwidth.assign(p, 1e9);
   net.bandwidth[7] = 0.5e9;
   net.latency_s = 5e-6;
   const CollDesc d = allreduce(std::size_t{16} << 20);
-  for (int r : {0, 7, 399}) {
-    auto plan = make_plan(d, r, p, Algo::kWeighted, &net);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    std::size_t most = 0;
-    for (const auto& ph : plan->phases)
-      most = std::max<std::size_t>(
-          most, std::count_if(ph.comm.begin(), ph.comm.end(),
-                              [](const Step& s) { return s.kind == Step::Kind::kSend; }));
-    // The slow rank sends a piece to every sub-range's owner (400 of them less itself) a chunk.
-    EXPECT_LE(most, r == 7 ? std::size_t{399} : std::size_t{4 * 19 + 1}) << "rank " << r;
-    EXPECT_GT(plan->phases.size(), 4u) << "rank " << r;
-  }
+  for (Algo a : {Algo::kWeighted, Algo::kR2cc})
+    for (int r : {0, 7, 399}) {
+      auto plan = make_plan(d, r, p, a, &net);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      std::size_t most = 0;
+      for (const auto& ph : plan->phases)
+        most = std::max<std::size_t>(
+            most, std::count_if(ph.comm.begin(), ph.comm.end(),
+                                [](const Step& s) { return s.kind == Step::Kind::kSend; }));
+      const std::string what = fmt::format("{} rank {}", algo_name(a), r);
+      // The slow rank sends a piece to every owner (the 399 others) a chunk, and so does a rank
+      // of R2CC's short row (the last 19) to the full rows.
+      if (r == 7 || (a == Algo::kR2cc && r == 399))
+        EXPECT_LE(most, std::size_t{399}) << what;
+      else
+        EXPECT_LE(most, a == Algo::kWeighted ? std::size_t{4 * 19 + 1} : std::size_t{20 + 2 * 19})
+            << what;
+      EXPECT_GT(plan->phases.size(), 4u) << what;
+    }
 }
 
 TEST(DegradedPlans, HierarchicalPlansPairUp) {
@@ -482,6 +491,26 @@ TEST(DegradedModel, TheWeightedGridStaysNearTheLowerBoundAtScale) {
     EXPECT_LT(r->messages, std::uint64_t{256} * 2 * 255 * weighted_chunks(d, c.network()) / 4)
         << what;
   }
+}
+
+// Past kR2ccGridFrom ranks R2CC-AllReduce shares its exchange's sums on a grid: its simulated
+// time stays within 1% of R²CCL's model (one pipeline step more) and of its own cost model.
+TEST(DegradedModel, R2ccOnAGridKeepsToR2cclsModelAtScale) {
+  const int n = 256;
+  Cluster c;
+  c.nodes = n;
+  c.nics = 24;
+  c.failed = {0};
+  c.lost_nics = 6;
+  const double x = 0.25;
+  const CollDesc d = allreduce(std::size_t{128} << 20, DataType::kBF16);
+  Cluster healthy = c;
+  healthy.failed.clear();
+  const double t0 = predict_seconds(Algo::kRing, d, healthy.network());
+  auto r = simulate(c, d, Algo::kR2cc);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_NEAR(r->seconds / t0 / (1 + n * x / (2 * (n - 1) * (1 - x))), 1, 0.01);
+  EXPECT_NEAR(predict_seconds(Algo::kR2cc, d, c.network()) / r->seconds, 1, 0.01);
 }
 
 TEST(DegradedModel, WeightedSharesMakeTrafficFollowBandwidth) {

@@ -78,6 +78,11 @@ inline constexpr int kWeightedGridFrom = 65;
 // That form's plan for any number of ranks (make_plan takes it from kWeightedGridFrom).
 Result<Plan> make_weighted_grid_plan(const CollDesc& d, int rank, int nranks, const Network& net);
 
+// From this many ranks R2CC-AllReduce's healthy ranks share the exchange's sums along rows of
+// about sqrt(n) and then across the rows (2 sqrt(n) messages a chunk each instead of n), at the
+// cost of one more step of the exchange's pipeline.
+inline constexpr int kR2ccGridFrom = 65;
+
 // The pipeline depth of each plan for `d` on `net` (chunks; 1 = not pipelined), chosen to
 // balance the fill (1/C of the transfer time) against C messages' latency.
 int weighted_chunks(const CollDesc& d, const Network& net);
