@@ -333,25 +333,19 @@ std::string token_to_hex(const Token& token) {
   return out;
 }
 
-Result<Config> parse_config(const EnvLookup& env) {
-  Config c;
-  auto get = [&](const char* name) { return env(name); };
+namespace {
 
-  if (auto v = get("R2CCL_LOG")) {
-    const std::string s = trim(*v);
-    bool found = false;
-    for (int l = 0; l <= static_cast<int>(LogLevel::kTrace); ++l) {
-      if (iequals(s, log_level_name(static_cast<LogLevel>(l)))) {
-        c.log_level = static_cast<LogLevel>(l);
-        found = true;
-      }
-    }
-    if (!found) return bad("R2CCL_LOG", *v, "one of error, warn, info, debug, trace");
-  }
+// Reads one configuration's variables, each checked as it is read: a bad value is an error that
+// names the variable, the value and what it should be.
+class EnvReader {
+ public:
+  explicit EnvReader(const EnvLookup& env) : env_(env) {}
 
-  // World size first, so the rank can be checked against it.
-  auto int_var = [&](const char* name, const std::vector<const char*>& fallbacks, long long min,
-                     long long max, std::optional<int>& out) -> Status {
+  std::optional<std::string> get(const char* name) const { return env_(name); }
+
+  // An integer in [min, max] from `name`, or else from the first of `fallbacks` that is set.
+  Status integer(const char* name, const std::vector<const char*>& fallbacks, long long min,
+                 long long max, std::optional<int>& out, std::string_view expected = {}) const {
     std::optional<std::string> v = get(name);
     std::string from = name;
     for (const char* f : fallbacks) {
@@ -362,27 +356,23 @@ Result<Config> parse_config(const EnvLookup& env) {
     if (!v) return Status::ok();
     auto n = parse_int(trim(*v));
     if (!n || *n < min || *n > max)
-      return bad(from, *v, fmt::format("an integer from {} to {}", min, max));
+      return bad(from, *v,
+                 expected.empty() ? fmt::format("an integer from {} to {}", min, max)
+                                  : std::string(expected));
     out = static_cast<int>(*n);
     return Status::ok();
-  };
-  R2CCL_RETURN_IF_ERROR(
-      int_var("R2CCL_NRANKS", {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1, 1 << 20, c.nranks));
-  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_RANK", {"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0,
-                                c.nranks ? *c.nranks - 1 : (1 << 20), c.rank));
+  }
+  template <class Int>
+  Status integer(const char* name, long long min, long long max, Int& out,
+                 std::string_view expected = {}) const {
+    std::optional<int> n;
+    R2CCL_RETURN_IF_ERROR(integer(name, {}, min, max, n, expected));
+    if (n) out = static_cast<Int>(*n);
+    return Status::ok();
+  }
 
-  if (auto v = get("R2CCL_BOOTSTRAP")) {
-    auto hp = parse_host_port(*v);
-    if (!hp) return bad("R2CCL_BOOTSTRAP", *v, "host:port, e.g. 198.19.0.1:29500");
-    c.bootstrap = *hp;
-  }
-  if (auto v = get("R2CCL_BOOTSTRAP_TOKEN")) {
-    auto t = parse_token(*v);
-    if (!t) return bad("R2CCL_BOOTSTRAP_TOKEN", *v, "32 hexadecimal digits (128 bits)");
-    c.bootstrap_token = *t;
-  }
-  auto duration_var = [&](const char* name, std::chrono::milliseconds min,
-                          std::chrono::milliseconds& out) -> Status {
+  Status duration(const char* name, std::chrono::milliseconds min,
+                  std::chrono::milliseconds& out) const {
     auto v = get(name);
     if (!v) return Status::ok();
     auto d = parse_duration(*v);
@@ -391,18 +381,100 @@ Result<Config> parse_config(const EnvLookup& env) {
                  fmt::format("a duration of at least {}ms such as 500ms, 30s or 2m", min.count()));
     out = *d;
     return Status::ok();
-  };
-  using std::chrono::milliseconds;
-  R2CCL_RETURN_IF_ERROR(
-      duration_var("R2CCL_BOOTSTRAP_TIMEOUT", milliseconds(10), c.bootstrap_timeout));
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_TIMEOUT", milliseconds(10), c.timeout));
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_CONNECT_TIMEOUT", milliseconds(10), c.connect_timeout));
+  }
 
-  if (auto v = get("R2CCL_SOCKET_IFNAME")) c.socket_ifname = trim(*v);
-  if (auto v = get("R2CCL_NICS")) {
-    std::string list = *v;
-    std::size_t pos = 0;
-    while (pos <= list.size()) {
+  Status size(const char* name, std::size_t min, std::size_t max, std::size_t& out) const {
+    auto v = get(name);
+    if (!v) return Status::ok();
+    auto s = parse_size(*v);
+    if (!s || *s < min || *s > max)
+      return bad(name, *v,
+                 fmt::format("a size from {} to {} bytes (suffixes K, M, G)", format_size(min),
+                             format_size(max)));
+    out = *s;
+    return Status::ok();
+  }
+
+  // 0 or 1.
+  Status flag(const char* name, bool& out) const {
+    auto v = get(name);
+    if (!v) return Status::ok();
+    const std::string t = trim(*v);
+    if (t != "0" && t != "1") return bad(name, *v, "0 or 1");
+    out = t == "1";
+    return Status::ok();
+  }
+
+  // One of `allowed` ("a, b or c" when it is not); `any_case`: lower-cased first.
+  Status choice(const char* name, std::initializer_list<std::string_view> allowed, bool any_case,
+                std::string& out) const {
+    auto v = get(name);
+    if (!v) return Status::ok();
+    std::string t = trim(*v);
+    if (any_case)
+      std::transform(t.begin(), t.end(), t.begin(),
+                     [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    if (std::find(allowed.begin(), allowed.end(), t) == allowed.end()) {
+      std::string expected;
+      for (auto it = allowed.begin(); it != allowed.end(); ++it)
+        expected += fmt::format("{}{}",
+                                it == allowed.begin()            ? ""
+                                : std::next(it) == allowed.end() ? " or "
+                                                                 : ", ",
+                                *it);
+      return bad(name, *v, expected);
+    }
+    out = t;
+    return Status::ok();
+  }
+
+ private:
+  const EnvLookup& env_;
+};
+
+using std::chrono::milliseconds;
+
+// The job: logging, the world's size and this rank, the bootstrap and its timeouts.
+Status parse_job(const EnvReader& r, Config& c) {
+  if (auto v = r.get("R2CCL_LOG")) {
+    const std::string s = trim(*v);
+    bool found = false;
+    for (int l = 0; l <= static_cast<int>(LogLevel::kTrace); ++l) {
+      if (iequals(s, log_level_name(static_cast<LogLevel>(l)))) {
+        c.log_level = static_cast<LogLevel>(l);
+        found = true;
+      }
+    }
+    if (!found) return bad("R2CCL_LOG", *v, "one of error, warn, info, debug, trace");
+  }
+  // World size first, so the rank can be checked against it.
+  R2CCL_RETURN_IF_ERROR(
+      r.integer("R2CCL_NRANKS", {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1, 1 << 20, c.nranks));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_RANK", {"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0,
+                                  c.nranks ? *c.nranks - 1 : (1 << 20), c.rank));
+  if (auto v = r.get("R2CCL_BOOTSTRAP")) {
+    auto hp = parse_host_port(*v);
+    if (!hp) return bad("R2CCL_BOOTSTRAP", *v, "host:port, e.g. 198.19.0.1:29500");
+    c.bootstrap = *hp;
+  }
+  if (auto v = r.get("R2CCL_BOOTSTRAP_TOKEN")) {
+    auto t = parse_token(*v);
+    if (!t) return bad("R2CCL_BOOTSTRAP_TOKEN", *v, "32 hexadecimal digits (128 bits)");
+    c.bootstrap_token = *t;
+  }
+  R2CCL_RETURN_IF_ERROR(
+      r.duration("R2CCL_BOOTSTRAP_TIMEOUT", milliseconds(10), c.bootstrap_timeout));
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_TIMEOUT", milliseconds(10), c.timeout));
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_CONNECT_TIMEOUT", milliseconds(10), c.connect_timeout));
+  return r.flag("R2CCL_INSECURE_NO_TOKEN", c.insecure_no_token);
+}
+
+// The rails: which NICs, the provider and its settings, chunks and the window.
+Status parse_rails(const EnvReader& r, Config& c) {
+  if (auto v = r.get("R2CCL_SOCKET_IFNAME")) c.socket_ifname = trim(*v);
+  if (auto v = r.get("R2CCL_NICS")) {
+    const std::string& list = *v;
+    for (std::size_t pos = 0; pos <= list.size();) {
       auto comma = list.find(',', pos);
       if (comma == std::string::npos) comma = list.size();
       std::string item = trim(std::string_view(list).substr(pos, comma - pos));
@@ -415,59 +487,31 @@ Result<Config> parse_config(const EnvLookup& env) {
       pos = comma + 1;
     }
   }
-  if (auto v = get("R2CCL_PROVIDER")) {
-    std::string p = trim(*v);
-    if (p != "tcp" && p != "verbs") return bad("R2CCL_PROVIDER", *v, "tcp or verbs");
-    c.provider = p;
-  }
-  std::optional<int> gid, ib_timeout, retry;
-  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_GID_INDEX", {}, 0, 65535, gid));
-  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_TIMEOUT", {}, 1, 31, ib_timeout));
-  R2CCL_RETURN_IF_ERROR(int_var("R2CCL_IB_RETRY_CNT", {}, 0, 6, retry));
-  c.ib_gid_index = gid.value_or(c.ib_gid_index);
-  c.ib_timeout = ib_timeout.value_or(c.ib_timeout);
-  c.ib_retry_cnt = retry.value_or(c.ib_retry_cnt);
-  auto size_var = [&](const char* name, std::size_t min, std::size_t max,
-                      std::size_t& out) -> Status {
-    auto v = get(name);
-    if (!v) return Status::ok();
-    auto s = parse_size(*v);
-    if (!s || *s < min || *s > max)
-      return bad(name, *v,
-                 fmt::format("a size from {} to {} bytes (suffixes K, M, G)", format_size(min),
-                             format_size(max)));
-    out = *s;
-    return Status::ok();
-  };
-  R2CCL_RETURN_IF_ERROR(
-      size_var("R2CCL_DEGRADED_MIN_BYTES", 0, std::size_t{1} << 40, c.degraded_min_bytes));
-  R2CCL_RETURN_IF_ERROR(
-      size_var("R2CCL_DEGRADED_PROBE_BYTES", 0, std::size_t{1} << 30, c.degraded_probe_bytes));
-  if (c.degraded_probe_bytes > 0 && c.degraded_probe_bytes < (64u << 10))
-    return bad("R2CCL_DEGRADED_PROBE_BYTES", *get("R2CCL_DEGRADED_PROBE_BYTES"),
-               "0 (no probe) or a size from 64K to 1G");
-  R2CCL_RETURN_IF_ERROR(size_var("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
+  R2CCL_RETURN_IF_ERROR(r.choice("R2CCL_PROVIDER", {"tcp", "verbs"}, false, c.provider));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_IB_GID_INDEX", 0, 65535, c.ib_gid_index));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_IB_TIMEOUT", 1, 31, c.ib_timeout));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_IB_RETRY_CNT", 0, 6, c.ib_retry_cnt));
+  R2CCL_RETURN_IF_ERROR(r.size("R2CCL_CHUNK_SIZE", 4096, 64u << 20, c.chunk_size));
   if (c.provider == "verbs") c.rail_window = 8u << 20;
   // A variable bounded by another follows it when it is not set itself.
   c.rail_window = std::max(c.rail_window, c.chunk_size);
-  R2CCL_RETURN_IF_ERROR(size_var("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window));
+  return r.size("R2CCL_RAIL_WINDOW", c.chunk_size, 1u << 30, c.rail_window);
+}
 
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_INTERVAL", milliseconds(1), c.probe_interval));
+// Rail health: probes, stalls, hold-down and readmission.
+Status parse_health(const EnvReader& r, Config& c) {
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_PROBE_INTERVAL", milliseconds(1), c.probe_interval));
   if (c.probe_interval > milliseconds(10000))
-    return bad("R2CCL_PROBE_INTERVAL", *get("R2CCL_PROBE_INTERVAL"), "a duration from 1ms to 10s");
+    return bad("R2CCL_PROBE_INTERVAL", *r.get("R2CCL_PROBE_INTERVAL"),
+               "a duration from 1ms to 10s");
   c.probe_timeout = std::max(c.probe_timeout, 10 * c.probe_interval);
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_PROBE_TIMEOUT", 2 * c.probe_interval, c.probe_timeout));
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_STALL_TIMEOUT", milliseconds(10), c.stall_timeout));
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN", milliseconds(0), c.holddown));
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_PROBE_TIMEOUT", 2 * c.probe_interval, c.probe_timeout));
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_STALL_TIMEOUT", milliseconds(10), c.stall_timeout));
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_HOLDDOWN", milliseconds(0), c.holddown));
   c.holddown_max = std::max(c.holddown_max, c.holddown);
-  R2CCL_RETURN_IF_ERROR(duration_var("R2CCL_HOLDDOWN_MAX", c.holddown, c.holddown_max));
-  if (auto v = get("R2CCL_READMIT_PROBES")) {
-    auto n = parse_int(trim(*v));
-    if (!n || *n < 1 || *n > 1000)
-      return bad("R2CCL_READMIT_PROBES", *v, "an integer from 1 to 1000");
-    c.readmit_probes = static_cast<int>(*n);
-  }
-  if (auto v = get("R2CCL_DEGRADED_RATIO")) {
+  R2CCL_RETURN_IF_ERROR(r.duration("R2CCL_HOLDDOWN_MAX", c.holddown, c.holddown_max));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_READMIT_PROBES", 1, 1000, c.readmit_probes));
+  if (auto v = r.get("R2CCL_DEGRADED_RATIO")) {
     double d = 0;
     const std::string t = trim(*v);
     auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), d);
@@ -475,13 +519,37 @@ Result<Config> parse_config(const EnvLookup& env) {
       return bad("R2CCL_DEGRADED_RATIO", *v, "a number from 0.01 to 0.99");
     c.degraded_ratio = d;
   }
-  if (auto v = get("R2CCL_METRICS_PORT")) {
-    auto n = parse_int(trim(*v));
-    if (!n || *n < 1 || *n > 65535)
-      return bad("R2CCL_METRICS_PORT", *v, "a TCP port from 1 to 65535");
-    c.metrics_port = static_cast<std::uint16_t>(*n);
-  }
-  if (auto v = get("R2CCL_METRICS_ADDR")) {
+  return Status::ok();
+}
+
+// Collectives: plans, degraded mode, registration, checks.
+Status parse_collectives(const EnvReader& r, Config& c) {
+  R2CCL_RETURN_IF_ERROR(
+      r.size("R2CCL_DEGRADED_MIN_BYTES", 0, std::size_t{1} << 40, c.degraded_min_bytes));
+  R2CCL_RETURN_IF_ERROR(
+      r.size("R2CCL_DEGRADED_PROBE_BYTES", 0, std::size_t{1} << 30, c.degraded_probe_bytes));
+  if (c.degraded_probe_bytes > 0 && c.degraded_probe_bytes < (64u << 10))
+    return bad("R2CCL_DEGRADED_PROBE_BYTES", *r.get("R2CCL_DEGRADED_PROBE_BYTES"),
+               "0 (no probe) or a size from 64K to 1G");
+  R2CCL_RETURN_IF_ERROR(
+      r.choice("R2CCL_ALGO", {"auto", "ring", "oneshot", "twoshot", "balance", "r2cc", "weighted"},
+               true, c.algo));
+  R2CCL_RETURN_IF_ERROR(r.choice("R2CCL_DEGRADED_ALGO",
+                                 {"auto", "off", "balance", "r2cc", "weighted"}, true,
+                                 c.degraded_algo));
+  R2CCL_RETURN_IF_ERROR(r.choice("R2CCL_REG_CACHE", {"auto", "on", "off"}, true, c.reg_cache));
+  R2CCL_RETURN_IF_ERROR(
+      r.size("R2CCL_REG_CACHE_BYTES", 1u << 20, std::size_t{256} << 30, c.reg_cache_bytes));
+  return r.flag("R2CCL_CHECK", c.check);
+}
+
+// GPUs, KV transfers and metrics.
+Status parse_services(const EnvReader& r, Config& c) {
+  std::optional<int> port;
+  R2CCL_RETURN_IF_ERROR(
+      r.integer("R2CCL_METRICS_PORT", {}, 1, 65535, port, "a TCP port from 1 to 65535"));
+  if (port) c.metrics_port = static_cast<std::uint16_t>(*port);
+  if (auto v = r.get("R2CCL_METRICS_ADDR")) {
     const std::string a = trim(*v);
     unsigned parts[4] = {};
     char extra = 0;
@@ -491,72 +559,27 @@ Result<Config> parse_config(const EnvLookup& env) {
       return bad("R2CCL_METRICS_ADDR", *v, "an IPv4 address such as 127.0.0.1 or 0.0.0.0");
     c.metrics_addr = a;
   }
-  if (auto v = get("R2CCL_INSECURE_NO_TOKEN")) {
-    const std::string t = trim(*v);
-    if (t != "0" && t != "1") return bad("R2CCL_INSECURE_NO_TOKEN", *v, "0 or 1");
-    c.insecure_no_token = t == "1";
-  }
-  if (auto v = get("R2CCL_GPU_TUNE")) {
-    const std::string t = trim(*v);
-    if (t != "0" && t != "1") return bad("R2CCL_GPU_TUNE", *v, "0 or 1");
-    c.gpu_tune = t == "1";
-  }
-  if (auto v = get("R2CCL_GPU_PATH")) {
-    const std::string t = trim(*v);
-    if (t != "auto" && t != "nvlink" && t != "rails")
-      return bad("R2CCL_GPU_PATH", *v, "auto, nvlink or rails");
-    c.gpu_path = t;
-  }
-  if (auto v = get("R2CCL_NODE_ID")) c.node_id = trim(*v);
+  R2CCL_RETURN_IF_ERROR(r.flag("R2CCL_GPU_TUNE", c.gpu_tune));
+  R2CCL_RETURN_IF_ERROR(r.choice("R2CCL_GPU_PATH", {"auto", "nvlink", "rails"}, false, c.gpu_path));
+  if (auto v = r.get("R2CCL_NODE_ID")) c.node_id = trim(*v);
   R2CCL_RETURN_IF_ERROR(
-      size_var("R2CCL_GPU_STAGING_CHUNK", 64u << 10, 256u << 20, c.gpu_staging_chunk));
-  if (auto v = get("R2CCL_GPU_STAGING_WINDOW")) {
-    const std::string t = trim(*v);
-    int w = 0;
-    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), w);
-    if (ec != std::errc() || end != t.data() + t.size() || w < 1 || w > 64)
-      return bad("R2CCL_GPU_STAGING_WINDOW", *v, "a whole number from 1 to 64");
-    c.gpu_staging_window = w;
-  }
-  if (auto v = get("R2CCL_KV_VERIFY")) {
-    const std::string t = trim(*v);
-    if (t != "0" && t != "1") return bad("R2CCL_KV_VERIFY", *v, "0 or 1");
-    c.kv_verify = t == "1";
-  }
-  R2CCL_RETURN_IF_ERROR(
-      size_var("R2CCL_KV_MAX_INFLIGHT", 1u << 20, 16ull << 30, c.kv_max_inflight));
-  if (auto v = get("R2CCL_ALGO")) {
-    std::string t = trim(*v);
-    std::transform(t.begin(), t.end(), t.begin(),
-                   [](unsigned char ch) { return std::tolower(ch); });
-    if (t != "auto" && t != "ring" && t != "oneshot" && t != "twoshot" && t != "balance" &&
-        t != "r2cc" && t != "weighted")
-      return bad("R2CCL_ALGO", *v, "auto, ring, oneshot, twoshot, balance, r2cc or weighted");
-    c.algo = t;
-  }
-  if (auto v = get("R2CCL_DEGRADED_ALGO")) {
-    std::string t = trim(*v);
-    std::transform(t.begin(), t.end(), t.begin(),
-                   [](unsigned char ch) { return std::tolower(ch); });
-    if (t != "auto" && t != "off" && t != "balance" && t != "r2cc" && t != "weighted")
-      return bad("R2CCL_DEGRADED_ALGO", *v, "auto, off, balance, r2cc or weighted");
-    c.degraded_algo = t;
-  }
-  if (auto v = get("R2CCL_REG_CACHE")) {
-    std::string t = trim(*v);
-    std::transform(t.begin(), t.end(), t.begin(),
-                   [](unsigned char ch) { return std::tolower(ch); });
-    if (t != "auto" && t != "on" && t != "off")
-      return bad("R2CCL_REG_CACHE", *v, "auto, on or off");
-    c.reg_cache = t;
-  }
-  R2CCL_RETURN_IF_ERROR(
-      size_var("R2CCL_REG_CACHE_BYTES", 1u << 20, std::size_t{256} << 30, c.reg_cache_bytes));
-  if (auto v = get("R2CCL_CHECK")) {
-    const std::string t = trim(*v);
-    if (t != "0" && t != "1") return bad("R2CCL_CHECK", *v, "0 or 1");
-    c.check = t == "1";
-  }
+      r.size("R2CCL_GPU_STAGING_CHUNK", 64u << 10, 256u << 20, c.gpu_staging_chunk));
+  R2CCL_RETURN_IF_ERROR(r.integer("R2CCL_GPU_STAGING_WINDOW", 1, 64, c.gpu_staging_window,
+                                  "a whole number from 1 to 64"));
+  R2CCL_RETURN_IF_ERROR(r.flag("R2CCL_KV_VERIFY", c.kv_verify));
+  return r.size("R2CCL_KV_MAX_INFLIGHT", 1u << 20, 16ull << 30, c.kv_max_inflight);
+}
+
+}  // namespace
+
+Result<Config> parse_config(const EnvLookup& env) {
+  const EnvReader r(env);
+  Config c;
+  R2CCL_RETURN_IF_ERROR(parse_job(r, c));
+  R2CCL_RETURN_IF_ERROR(parse_rails(r, c));
+  R2CCL_RETURN_IF_ERROR(parse_health(r, c));
+  R2CCL_RETURN_IF_ERROR(parse_collectives(r, c));
+  R2CCL_RETURN_IF_ERROR(parse_services(r, c));
   return c;
 }
 
