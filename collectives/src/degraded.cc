@@ -293,17 +293,21 @@ double grid_seconds(const GridLayout& g, const std::vector<double>& b, double by
   return end;
 }
 
-// `net`: its bandwidths as rates_of makes them.
-int grid_chunks(const CollDesc& d, const Network& net) {
-  const auto& b = net.bandwidth;
-  const int most = chunks_for(lower_bound_seconds(d, net), net.latency_s,
-                              d.count / std::max<std::size_t>(b.size(), 1));
-  const double bytes = static_cast<double>(d.count * type_size(d.type));
+// The deepest pipeline the weighted plans consider for `d` on `net`.
+int most_chunks(const CollDesc& d, const Network& net) {
+  return chunks_for(lower_bound_seconds(d, net), net.latency_s,
+                    d.count / std::max<std::size_t>(net.bandwidth.size(), 1));
+}
+
+// The grid for `d` on bandwidths `b` (as rates_of makes them), with its pipeline's depth.
+GridLayout planned_grid(const CollDesc& d, const std::vector<double>& b, double latency_s) {
   GridLayout g = grid_layout(d, b, 1);
-  return fewest_chunks(most, kWeightedSlack, [&](int c) {
+  const double bytes = static_cast<double>(d.count * type_size(d.type));
+  g.chunks = fewest_chunks(most_chunks(d, Network{b, latency_s, {}}), kWeightedSlack, [&](int c) {
     g.chunks = c;
-    return grid_seconds(g, b, bytes, net.latency_s);
+    return grid_seconds(g, b, bytes, latency_s);
   });
+  return g;
 }
 
 Plan grid_plan(const CollDesc& d, int r, std::size_t elem, const GridLayout& g) {
@@ -683,9 +687,7 @@ Plan degraded_allreduce(const CollDesc& d, int r, int p, std::size_t elem, Algo 
                         const Network* net) {
   if (algo != Algo::kWeighted) return r2cc_plan(d, r, p, elem, net);
   if (p < kWeightedGridFrom) return weighted_plan(d, r, p, elem, net);
-  const auto b = rates_of(net, p);
-  const Network n{b, net ? net->latency_s : 0, {}};
-  return grid_plan(d, r, elem, grid_layout(d, b, grid_chunks(d, n)));
+  return grid_plan(d, r, elem, planned_grid(d, rates_of(net, p), net ? net->latency_s : 0));
 }
 
 }  // namespace plan_steps
@@ -772,11 +774,10 @@ double lower_bound_seconds(const CollDesc& d, const Network& net) {
 
 int weighted_chunks(const CollDesc& d, const Network& net) {
   const int p = static_cast<int>(net.bandwidth.size());
-  const int most = chunks_for(lower_bound_seconds(d, net), net.latency_s,
-                              d.count / static_cast<std::size_t>(std::max(p, 1)));
+  const int most = most_chunks(d, net);
   if (p < 2 || most <= 1) return most;
   const auto b = rates_of(&net, p);
-  if (p >= kWeightedGridFrom) return grid_chunks(d, Network{b, net.latency_s, {}});
+  if (p >= kWeightedGridFrom) return planned_grid(d, b, net.latency_s).chunks;
   const auto shares = weighted_shares(b);
   const double bytes = static_cast<double>(d.count * type_size(d.type));
   return fewest_chunks(most, kWeightedSlack,
@@ -808,7 +809,7 @@ double predict_seconds(Algo algo, const CollDesc& d, const Network& net) {
     }
     case Algo::kWeighted: {
       if (p >= kWeightedGridFrom)
-        return grid_seconds(grid_layout(d, b, weighted_chunks(d, net)), b,
+        return grid_seconds(planned_grid(d, b, net.latency_s), b,
                             static_cast<double>(d.count * elem), net.latency_s);
       const WeightedLayout w = weighted_layout(d, b, weighted_chunks(d, net));
       double total = 0;
@@ -856,8 +857,7 @@ Result<Plan> make_weighted_grid_plan(const CollDesc& d, int rank, int nranks, co
                   fmt::format("the weighted grid is an all-reduce, not {}", coll_op_name(d.op)));
   const std::size_t elem = type_size(d.type);
   if (elem == 0) return Status(ErrorCode::kInvalidArgument, "unsupported data type");
-  const auto b = rates_of(&net, nranks);
-  return grid_plan(d, rank, elem, grid_layout(d, b, grid_chunks(d, Network{b, net.latency_s, {}})));
+  return grid_plan(d, rank, elem, planned_grid(d, rates_of(&net, nranks), net.latency_s));
 }
 
 }  // namespace r2ccl::coll

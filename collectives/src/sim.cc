@@ -564,7 +564,7 @@ class Sim {
     for (std::size_t i = 0; i < ports.size(); ++i)
       for (int u : port_units_[static_cast<std::size_t>(ports[i])]) {
         Unit& un = units_[static_cast<std::size_t>(u)];
-        if (un.fixed || un.flows.empty()) continue;
+        if (un.fixed) continue;
         un.fixed = true;  // reused below as "seen"; reset before the filling
         units.push_back(u);
         for (int q : {un.out_port, un.in_port})
