@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <queue>
@@ -71,24 +72,29 @@ struct Channel {
   std::vector<int> units;
 };
 
-// A message moving: its bytes left as of `since`, at `rate` from then on.
+// A message moving: its bytes left as of `since`. Its rate and the units it moves on are in
+// Sim's dense per-flow arrays, which rates() reads for every flow it visits.
 struct Flow {
   MessageKey key;
-  double left = 0, since = 0, rate = 0;
+  double left = 0, since = 0;
   std::uint64_t version = 0;
-  std::uint64_t round = 0;  // the last rates() call that set its rate
-  std::vector<int> units;
   bool live = false;
 };
-// A (sender, receiver, rail group) channel: one share of its two ports, split equally among the
-// messages on it.
-struct Unit {
-  int out_port, in_port;
-  std::vector<int> flows;
+struct FlowRate {
   double rate = 0;
-  bool fixed = false;  // in the progressive filling under way
-  // Its places in its ports' lists of busy units (while it carries a message).
+  std::uint64_t round = 0;  // the last rates() call that set its rate
+  std::uint32_t units = 0;  // how many: they are at Sim::flow_units_[flow * unit_stride()]
+};
+// A (sender, receiver, rail group) channel: one share of its two ports, split equally among the
+// messages on it. What rates() reads of it is in Sim's dense per-unit arrays; here are its
+// messages and its places in its ports' lists of busy units (while it carries a message).
+struct Unit {
+  std::vector<int> flows;
   std::uint32_t at_out = 0, at_in = 0;
+};
+// An entry of a port's list of busy units: the unit and its port at the other end.
+struct PortUnit {
+  int unit, other;
 };
 
 // Flows' finish times: (flow, its version then) grouped by time, the times in a min-heap. The
@@ -377,6 +383,10 @@ class Sim {
            net_.node[static_cast<std::size_t>(a)] == net_.node[static_cast<std::size_t>(b)];
   }
 
+  // A message moves on its node's link, or on some of the rail groups.
+  std::size_t unit_stride() const { return std::max<std::size_t>(1, groups_.size()); }
+  int* flow_units(int f) { return &flow_units_[static_cast<std::size_t>(f) * unit_stride()]; }
+
   int new_flow() {
     if (!free_flows_.empty()) {
       const int f = free_flows_.back();
@@ -384,6 +394,8 @@ class Sim {
       return f;
     }
     flows_.emplace_back();
+    flow_rate_.emplace_back();
+    flow_units_.resize(flows_.size() * unit_stride());
     return static_cast<int>(flows_.size() - 1);
   }
 
@@ -394,7 +406,12 @@ class Sim {
     int& u = ch.units[g];
     if (u < 0) {
       const int out = port(ch.src, g, false), in = port(ch.dst, g, true);
-      units_.push_back(Unit{out, in, {}, 0, false});
+      units_.emplace_back();
+      unit_ports_.push_back({out, in});
+      unit_rate_.push_back(0);
+      unit_flows_.push_back(0);
+      unit_mark_.push_back(0);
+      share_.push_back(0);
       u = static_cast<int>(units_.size() - 1);
     }
     return u;
@@ -403,18 +420,19 @@ class Sim {
   // A unit joins its ports' busy lists with its first message and leaves them with its last.
   void set_busy(int u, bool busy) {
     Unit& un = units_[static_cast<std::size_t>(u)];
-    for (const bool in : {false, true}) {
-      auto& list = port_units_[static_cast<std::size_t>(in ? un.in_port : un.out_port)];
-      std::uint32_t& at = in ? un.at_in : un.at_out;
+    const auto [out, in] = unit_ports_[static_cast<std::size_t>(u)];
+    for (const bool is_in : {false, true}) {
+      auto& list = port_units_[static_cast<std::size_t>(is_in ? in : out)];
+      std::uint32_t& at = is_in ? un.at_in : un.at_out;
       if (busy) {
         at = static_cast<std::uint32_t>(list.size());
-        list.push_back(u);
+        list.push_back({u, is_in ? out : in});
         continue;
       }
-      const int last = list.back();
+      const PortUnit last = list.back();
       list[at] = last;
-      Unit& moved = units_[static_cast<std::size_t>(last)];
-      (in ? moved.at_in : moved.at_out) = at;
+      Unit& moved = units_[static_cast<std::size_t>(last.unit)];
+      (is_in ? moved.at_in : moved.at_out) = at;
       list.pop_back();
     }
   }
@@ -429,29 +447,32 @@ class Sim {
     fl.key = key;
     fl.left = static_cast<double>(m.send_bytes);
     fl.since = now_;
-    fl.rate = 0;
     fl.live = true;
     ++fl.version;
-    fl.units.clear();
+    int* const units = flow_units(f);
+    std::uint32_t n = 0;
     if (same_node(ch.src, ch.dst) && net_.intra_bps > 0) {
-      fl.units.push_back(unit_of(ch, groups_.size()));
+      units[n++] = unit_of(ch, groups_.size());
     } else {
       for (bool any : {false, true}) {
         for (std::size_t g = 0; g < groups_.size(); ++g)
           if ((any || (groups_[g].rails & m.rails) != 0) && group_cap(ch.src, g) > 0 &&
               group_cap(ch.dst, g) > 0)
-            fl.units.push_back(unit_of(ch, g));
-        if (!fl.units.empty()) break;
+            units[n++] = unit_of(ch, g);
+        if (n > 0) break;
       }
-      if (fl.units.empty())
+      if (n == 0)
         return Status(ErrorCode::kInvalidArgument,
                       fmt::format("no rail is up at both rank {} and rank {}", ch.src, ch.dst));
     }
-    for (int u : fl.units) {
-      Unit& un = units_[static_cast<std::size_t>(u)];
-      un.flows.push_back(f);
-      if (un.flows.size() == 1) set_busy(u, true);
-      touch(un.out_port);
+    flow_rate_[static_cast<std::size_t>(f)].rate = 0;
+    flow_rate_[static_cast<std::size_t>(f)].units = n;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const auto u = static_cast<std::size_t>(units[i]);
+      units_[u].flows.push_back(f);
+      unit_mark_[u] |= kTouched;
+      if (++unit_flows_[u] == 1) set_busy(units[i], true);
+      touch(unit_ports_[u][0]);
     }
     return Status::ok();
   }
@@ -459,13 +480,17 @@ class Sim {
   void finish_flow(int f) {
     Flow& fl = flows_[static_cast<std::size_t>(f)];
     fl.live = false;
-    for (int u : fl.units) {
-      Unit& un = units_[static_cast<std::size_t>(u)];
-      std::erase(un.flows, f);
-      if (un.flows.empty()) set_busy(u, false);
-      touch(un.out_port);
-      touch(un.in_port);
+    const int* const units = flow_units(f);
+    for (std::uint32_t i = 0; i < flow_rate_[static_cast<std::size_t>(f)].units; ++i) {
+      const auto u = static_cast<std::size_t>(units[i]);
+      std::erase(units_[u].flows, f);
+      unit_mark_[u] |= kTouched;
+      if (--unit_flows_[u] == 0) set_busy(units[i], false);
+      touch(unit_ports_[u][0]);
+      touch(unit_ports_[u][1]);
     }
+    flow_rate_[static_cast<std::size_t>(f)].rate = 0;  // a free flow has no units and no rate
+    flow_rate_[static_cast<std::size_t>(f)].units = 0;
     free_flows_.push_back(f);
     const MessageKey key = fl.key;
     Channel& ch = channels_[key.chan];
@@ -562,16 +587,15 @@ class Sim {
     }
     dirty_ports_.clear();
     for (std::size_t i = 0; i < ports.size(); ++i)
-      for (int u : port_units_[static_cast<std::size_t>(ports[i])]) {
-        Unit& un = units_[static_cast<std::size_t>(u)];
-        if (un.fixed) continue;
-        un.fixed = true;  // reused below as "seen"; reset before the filling
-        units.push_back(u);
-        for (int q : {un.out_port, un.in_port})
-          if (port_mark_[static_cast<std::size_t>(q)] != 2) {
-            port_mark_[static_cast<std::size_t>(q)] = 2;
-            ports.push_back(q);
-          }
+      for (const PortUnit& pu : port_units_[static_cast<std::size_t>(ports[i])]) {
+        std::uint8_t& mark = unit_mark_[static_cast<std::size_t>(pu.unit)];
+        if ((mark & kFixed) != 0) continue;
+        mark |= kFixed;  // reused here as "seen"; cleared before the filling
+        units.push_back(pu.unit);
+        if (port_mark_[static_cast<std::size_t>(pu.other)] != 2) {
+          port_mark_[static_cast<std::size_t>(pu.other)] = 2;
+          ports.push_back(pu.other);
+        }
       }
     for (int p : ports) {
       const auto up = static_cast<std::size_t>(p);
@@ -580,7 +604,7 @@ class Sim {
       count_[up] = static_cast<std::uint32_t>(port_units_[up].size());
     }
     for (int u : units)
-      units_[static_cast<std::size_t>(u)].fixed = false;
+      unit_mark_[static_cast<std::size_t>(u)] &= ~kFixed;
     // A min-heap of (fair share, port) in a vector kept between calls. A port's share only rises
     // as the ports before it fix their channels (what a channel takes is at most the share it
     // leaves), so a port keeps its entry until it comes up (then, if its share rose, it goes
@@ -609,41 +633,66 @@ class Sim {
         push(now, p);
         continue;
       }
-      for (int u : port_units_[up]) {
-        Unit& un = units_[static_cast<std::size_t>(u)];
-        if (un.fixed) continue;
-        un.fixed = true;
-        un.rate = std::max(s, 0.0);
-        const int other = un.out_port == p ? un.in_port : un.out_port;
-        const auto uo = static_cast<std::size_t>(other);
-        cap_[uo] = std::max(0.0, cap_[uo] - un.rate);
+      for (const PortUnit& pu : port_units_[up]) {
+        const auto u = static_cast<std::size_t>(pu.unit);
+        if ((unit_mark_[u] & kFixed) != 0) continue;
+        unit_mark_[u] |= kFixed;
+        const double rate = std::max(s, 0.0);
+        unit_rate_[u] = rate;
+        const auto uo = static_cast<std::size_t>(pu.other);
+        cap_[uo] = std::max(0.0, cap_[uo] - rate);
         if (--count_[uo] > 0 && cap_[uo] / count_[uo] < key_[uo])
-          push(cap_[uo] / count_[uo], other);
+          push(cap_[uo] / count_[uo], pu.other);
       }
       count_[up] = 0;
     }
-    // Every message on these channels: its bytes so far at the old rate, then the new rate.
-    ++round_;
+    // Each message's part of its channels' rates. Only the messages on a channel whose part
+    // changed, or that a message joined or left, can have a new rate.
+    auto& changed = scratch_changed_;
+    changed.clear();
+    std::size_t visits = 0;
     for (int u : units) {
-      Unit& un = units_[static_cast<std::size_t>(u)];
-      un.fixed = false;
-      for (int f : un.flows) {
-        Flow& fl = flows_[static_cast<std::size_t>(f)];
-        if (fl.round == round_) continue;
-        fl.round = round_;
-        double rate = 0;
-        for (int v : fl.units) {
-          const Unit& on = units_[static_cast<std::size_t>(v)];
-          rate += on.rate / static_cast<double>(on.flows.size());
-        }
-        if (rate == fl.rate) continue;  // its finish as scheduled still holds
-        fl.left = std::max(0.0, fl.left - fl.rate * (now_ - fl.since));
-        fl.since = now_;
-        fl.rate = rate;
-        ++fl.version;
-        if (fl.rate > 0) finishes_.push(now_ + fl.left / fl.rate, f, fl.version);
-      }
+      const auto i = static_cast<std::size_t>(u);
+      const std::uint8_t mark = unit_mark_[i];
+      unit_mark_[i] = 0;
+      const double share = unit_rate_[i] / static_cast<double>(unit_flows_[i]);
+      if (share == share_[i] && (mark & kTouched) == 0) continue;
+      share_[i] = share;
+      changed.push_back(u);
+      visits += unit_flows_[i];
     }
+    // Those messages: their bytes so far at the old rate, then the new rate. Where they are many
+    // of all, every flow is looked at in order (an unchanged one sums to its rate as it was).
+    if (visits * 8 >= flows_.size()) {
+      for (std::size_t f = 0; f < flows_.size(); ++f)
+        set_rate(static_cast<int>(f));
+      return;
+    }
+    ++round_;
+    for (int u : changed)
+      for (int f : units_[static_cast<std::size_t>(u)].flows) {
+        FlowRate& fr = flow_rate_[static_cast<std::size_t>(f)];
+        if (fr.round == round_) continue;
+        fr.round = round_;
+        set_rate(f);
+      }
+  }
+
+  // A flow's rate as the sum of its units' parts; when that changed, its bytes so far at the old
+  // rate and its new finish.
+  void set_rate(int f) {
+    FlowRate& fr = flow_rate_[static_cast<std::size_t>(f)];
+    double rate = 0;
+    const int* const on = flow_units(f);
+    for (std::uint32_t i = 0; i < fr.units; ++i)
+      rate += share_[static_cast<std::size_t>(on[i])];
+    if (rate == fr.rate) return;  // its finish as scheduled still holds
+    Flow& fl = flows_[static_cast<std::size_t>(f)];
+    fl.left = std::max(0.0, fl.left - fr.rate * (now_ - fl.since));
+    fl.since = now_;
+    fr.rate = rate;
+    ++fl.version;
+    if (rate > 0) finishes_.push(now_ + fl.left / rate, f, fl.version);
   }
 
   const SimNetwork& net_;
@@ -653,13 +702,24 @@ class Sim {
   std::vector<Channel> channels_;
   std::unordered_map<std::uint64_t, std::uint32_t> chan_index_;  // (src, dst), while adding plans
   // rates()'s working lists, kept between calls.
-  std::vector<int> scratch_ports_, scratch_units_;
+  std::vector<int> scratch_ports_, scratch_units_, scratch_changed_;
   std::uint64_t round_ = 0;  // rates() calls so far
   std::vector<std::pair<double, int>> scratch_heap_;
   std::vector<Flow> flows_;
+  std::vector<FlowRate> flow_rate_;
   std::vector<int> free_flows_;
+  // Per unit: its messages, and (dense, for rates()) its ports (out, in), rate, message count,
+  // marks, and each of its messages' part of its rate as last set.
   std::vector<Unit> units_;
-  std::vector<std::vector<int>> port_units_;  // per port, its units that carry messages
+  std::vector<std::array<int, 2>> unit_ports_;
+  std::vector<double> unit_rate_;
+  std::vector<std::uint32_t> unit_flows_;
+  static constexpr std::uint8_t kFixed = 1;    // in the progressive filling under way
+  static constexpr std::uint8_t kTouched = 2;  // a message started or ended on it since
+  std::vector<std::uint8_t> unit_mark_;
+  std::vector<double> share_;
+  std::vector<int> flow_units_;  // per flow, unit_stride() entries: the units it moves on
+  std::vector<std::vector<PortUnit>> port_units_;  // per port, its units that carry messages
   std::vector<int> dirty_ports_;
   std::vector<std::uint8_t> port_mark_;  // 1: dirty, 2: in the part being recomputed
   FinishQueue finishes_;
