@@ -61,12 +61,12 @@ struct Message {
   std::uint32_t send_phase = 0, recv_phase = 0;
   bool sent = false, received = false, done = false;
 };
-// A (sender, receiver) pair: the steps each end posted, the messages from the oldest not yet
-// done on, and the rate-sharing units its messages use (one per rail group, then inside a node).
+// A (sender, receiver) pair: the messages from the oldest not yet done on, and the rate-sharing
+// units its messages use (one per rail group, then inside a node). The steps each end posted are
+// in Sim::posted_.
 struct Channel {
   int src = 0, dst = 0;
-  std::uint32_t posted[2] = {0, 0};  // [0]: receives posted, [1]: sends
-  std::uint32_t head_ord = 0;        // the message at pending[head]
+  std::uint32_t head_ord = 0;  // the message at pending[head]
   std::size_t head = 0;
   std::vector<Message> pending;
   std::vector<int> units;
@@ -219,6 +219,7 @@ class Sim {
     auto [it, fresh] = chan_index_.try_emplace(key, static_cast<std::uint32_t>(channels_.size()));
     if (fresh) {
       channels_.emplace_back();
+      posted_.insert(posted_.end(), {0, 0});
       channels_.back().src = src;
       channels_.back().dst = dst;
     }
@@ -319,7 +320,7 @@ class Sim {
         bool ready = true;
         for (std::uint32_t j = ph.firsts; j < ph.firsts + ph.nfirsts && ready; ++j) {
           const auto [end, ord] = rs.firsts[j];
-          ready = channels_[end >> 1].posted[end & 1] == ord;
+          ready = posted_[end] == ord;
         }
         if (!ready) continue;
         progress = true;
@@ -328,7 +329,7 @@ class Sim {
         for (std::uint32_t j = ph.first; j < ph.first + ph.count; ++j) {
           const CommRef& c = rs.comm[j];
           Channel& ch = channels_[c.chan];
-          ++ch.posted[c.is_send ? 1 : 0];
+          ++posted_[c.chan * 2 + (c.is_send ? 1 : 0)];
           Message& m = message(ch, c.ord);
           if (c.is_send) {
             m.sent = true, m.send_bytes = c.bytes, m.send_phase = id, m.rails = c.rails;
@@ -700,6 +701,7 @@ class Sim {
   std::vector<RankState> ranks_;
   std::vector<LaneState> lanes_;  // every rank's, a rank's together
   std::vector<Channel> channels_;
+  std::vector<std::uint32_t> posted_;  // per channel end (2 chan + 1 for sends): steps posted
   std::unordered_map<std::uint64_t, std::uint32_t> chan_index_;  // (src, dst), while adding plans
   // rates()'s working lists, kept between calls.
   std::vector<int> scratch_ports_, scratch_units_, scratch_changed_;
