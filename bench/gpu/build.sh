@@ -16,7 +16,7 @@ cmake --build "$build" --target "${targets[@]}"
 files=()
 for t in "${targets[@]}"; do
   case $t in
-    r2ccl) files+=("$build/lib/libr2ccl.so.0.1") ;;
+    r2ccl) files+=("$build/lib/libr2ccl.so.0.2") ;;
     nccl-net-r2ccl) files+=("$build/lib/libnccl-net-r2ccl.so") ;;  # NCCL_NET_PLUGIN
     plugin_R2CCL) files+=("$build/lib/libplugin_R2CCL.so") ;;      # NIXL's backend R2CCL
     *) files+=("$build/bin/$t") ;;

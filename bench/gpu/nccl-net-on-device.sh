@@ -54,7 +54,7 @@ mkdir -p "$out"
 export R2_NET_BUNDLE=$root/bundle/net R2_PYTHON=$py
 export LD_LIBRARY_PATH=$root/build-gpu/carry-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # r2ccl's own communicator (transport r2ccl): the Python package over build-gpu's libr2ccl.
-export R2CCL_LIBRARY=${R2CCL_LIBRARY:-$root/build-gpu/lib/libr2ccl.so.0.1.0}
+export R2CCL_LIBRARY=${R2CCL_LIBRARY:-$root/build-gpu/lib/libr2ccl.so.0.2.0}
 export PYTHONPATH=$root/integrations/python${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 netns=$root/bench/gpu/netns.sh

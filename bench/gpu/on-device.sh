@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on a GPU machine (device tool; carry build-gpu/bin, build-gpu/lib/libr2ccl.so.0.1.0 and
+# Runs on a GPU machine (device tool; carry build-gpu/bin, build-gpu/lib/libr2ccl.so.0.2.0 and
 # build-gpu/carry-lib) on its first RANKS GPUs (default: all): the GPU unit tests; r2ccl-gpu-perf --check on 1 GPU and on
 # RANKS; the Python package's check on CUDA tensors under torch.cuda.graph; the fault cases
 # (tests/gpu/faults.py); then the all-reduce
@@ -21,7 +21,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 export LD_LIBRARY_PATH=$root/build-gpu/carry-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export R2CCL_LIBRARY=$root/build-gpu/lib/libr2ccl.so.0.1.0
+export R2CCL_LIBRARY=$root/build-gpu/lib/libr2ccl.so.0.2.0
 export PYTHONPATH=$root/integrations/python:$root/bench/gpu${PYTHONPATH:+:$PYTHONPATH}
 # The Python scripts see the first n GPUs; r2ccl-gpu-perf ranks take GPU (rank mod count).
 export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1)))

@@ -103,6 +103,18 @@ static int notification(r2cclKvEngine_t e, r2cclKvNotification* note, char* payl
   return 0;
 }
 
+/* A span started from its initializer, as every caller starts one. */
+static r2cclKvSpan kv_span(uint32_t first, uint32_t last, const uint32_t* src, const uint32_t* dst,
+                           size_t n) {
+  r2cclKvSpan s = R2CCL_KV_SPAN_INITIALIZER;
+  s.firstLayer = first;
+  s.lastLayer = last;
+  s.srcBlocks = src;
+  s.dstBlocks = dst;
+  s.nblocks = n;
+  return s;
+}
+
 int main(void) {
   r2cclKvEngine_t prefill = make("127.0.0.41,127.0.0.42", "prefill");
   r2cclKvEngine_t decode = make("127.0.0.43,127.0.0.44", "decode");
@@ -115,7 +127,11 @@ int main(void) {
         for (int i = 0; i < BLOCK_BYTES; ++i)
           src[at(layer, part, b) + (size_t)i] = pattern(layer, part, b, i);
 
-  const r2cclKvLayout layout = {LAYERS, BLOCKS, BLOCK_BYTES, PARTS, NULL};
+  r2cclKvLayout layout = R2CCL_KV_LAYOUT_INITIALIZER;
+  layout.layers = LAYERS;
+  layout.blocks = BLOCKS;
+  layout.blockBytes = BLOCK_BYTES;
+  layout.parts = PARTS;
   void* sbuf[1] = {src};
   void* dbuf[1] = {dst};
   size_t len[1] = {POOL_BYTES};
@@ -137,12 +153,12 @@ int main(void) {
 
   /* A whole push with a payload. */
   const uint32_t s1[3] = {1, 2, 9}, d1[3] = {10, 11, 12};
-  const r2cclKvSpan span = {0, LAYERS, s1, d1, 3};
+  const r2cclKvSpan span = kv_span(0, LAYERS, s1, d1, 3);
   OK(prefill, r2cclKvSubmit(prefill, 5, peer, spool, dpool, &span, 1, "first token", 11));
   r2cclKvState_t state = r2cclKvFailed;
   OK(prefill, r2cclKvWait(prefill, 5, 10000, &state));
   if (state != r2cclKvDone) failed("push", "not DONE");
-  r2cclKvNotification note;
+  r2cclKvNotification note = R2CCL_KV_NOTIFICATION_INITIALIZER;
   char payload[64] = {0};
   /* Into 4 bytes the payload does not fit: refused, its size said, and the notification kept. */
   for (int i = 0, got = 0; i < 1000; ++i) { /* bounded: 10 s */
@@ -170,7 +186,7 @@ int main(void) {
   const uint32_t s2[2] = {3, 4}, d2[2] = {13, 14};
   OK(prefill, r2cclKvBegin(prefill, 6, peer, spool, dpool));
   for (uint32_t layer = 0; layer < LAYERS; ++layer) {
-    const r2cclKvSpan one = {layer, layer + 1, s2, d2, 2};
+    const r2cclKvSpan one = kv_span((uint32_t)layer, (uint32_t)layer + 1, s2, d2, 2);
     OK(prefill, r2cclKvAdd(prefill, 6, &one));
   }
   OK(prefill, r2cclKvSeal(prefill, 6, NULL, 0));
@@ -184,7 +200,7 @@ int main(void) {
   /* A request cancelled after its blocks were added ends CANCELLED with every destination block
    * invalid; the list, not only its count, is reachable on both sides. */
   OK(prefill, r2cclKvBegin(prefill, 30, peer, spool, dpool));
-  const r2cclKvSpan again = {0, LAYERS, s2, d2, 2};
+  const r2cclKvSpan again = kv_span(0, LAYERS, s2, d2, 2);
   OK(prefill, r2cclKvAdd(prefill, 30, &again));
   OK(prefill, r2cclKvCancel(prefill, 30));
   OK(prefill, r2cclKvWait(prefill, 30, 10000, &state));
@@ -221,7 +237,7 @@ int main(void) {
   OK(decode, r2cclKvLoadRemote(decode, pmd, plen, &back));
   free(pmd);
   const uint32_t s3[2] = {5, 6}, d3[2] = {7, 8};
-  const r2cclKvSpan pulled = {0, LAYERS, s3, d3, 2};
+  const r2cclKvSpan pulled = kv_span(0, LAYERS, s3, d3, 2);
   OK(decode, r2cclKvPull(decode, 20, back, dpool, spool, &pulled, 1));
   state = r2cclKvFailed;
   OK(decode, r2cclKvWait(decode, 20, 10000, &state));
@@ -238,12 +254,42 @@ int main(void) {
           r2cclKvSubmit(prefill, 9, peer, spool, dpool, &span, 1, large, sizeof large),
           r2cclInvalidArgument, "a payload of 4097 bytes (at most 4096)");
   const uint32_t bad[1] = {99};
-  const r2cclKvSpan out_of_range = {0, LAYERS, bad, d1, 1};
+  const r2cclKvSpan out_of_range = kv_span(0, LAYERS, bad, d1, 1);
   refused(prefill, "a block out of range",
           r2cclKvSubmit(prefill, 7, peer, spool, dpool, &out_of_range, 1, NULL, 0),
           r2cclInvalidArgument, "source block 99 is out of range");
   refused(prefill, "no buffers", r2cclKvRegisterPool(prefill, sbuf, len, 0, &layout, &spool),
           r2cclInvalidArgument, "0 buffers");
+  /* Structs not started from their initializers, or of a version or size this library does not
+   * read, are refused with what was wrong. */
+  r2cclKvLayout zeroed;
+  memset(&zeroed, 0, sizeof zeroed);
+  zeroed.layers = LAYERS;
+  zeroed.blocks = BLOCKS;
+  zeroed.blockBytes = BLOCK_BYTES;
+  zeroed.parts = PARTS;
+  refused(prefill, "a layout without its header",
+          r2cclKvRegisterPool(prefill, sbuf, len, 1, &zeroed, &spool), r2cclInvalidArgument,
+          "layout was not started from its initializer (magic 0x0, not R2CCL_STRUCT_MAGIC "
+          "0x72326363)");
+  r2cclKvSpan newer[2] = {span, span};
+  newer[1].version = R2CCL_STRUCT_VERSION + 1;
+  refused(prefill, "a span of a later version",
+          r2cclKvSubmit(prefill, 11, peer, spool, dpool, newer, 2, NULL, 0), r2cclInvalidArgument,
+          "span 1 is of version 2; this library reads version 1 to 1");
+  r2cclKvSpan short_span = span;
+  short_span.size = sizeof short_span - 8;
+  char size_words[64];
+  snprintf(size_words, sizeof size_words, "span 0.size is %zu; a version-1 one has %zu bytes",
+           sizeof short_span - 8, sizeof short_span);
+  refused(prefill, "a span of the wrong size", r2cclKvAdd(prefill, 12, &short_span),
+          r2cclInvalidArgument, size_words);
+  r2cclKvNotification blank;
+  memset(&blank, 0, sizeof blank);
+  int got_blank = 0;
+  refused(decode, "a notification without its header",
+          r2cclKvGetNotification(decode, &blank, payload, sizeof payload, &got_blank),
+          r2cclInvalidArgument, "note was not started from its initializer");
   refused(prefill, "an unknown request", r2cclKvPoll(prefill, 1234, &state), r2cclInvalidArgument,
           "no request 1234");
   refused(NULL, "a NULL engine", r2cclKvCancel(NULL, 5), r2cclInvalidArgument, "engine is NULL");

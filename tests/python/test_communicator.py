@@ -35,7 +35,7 @@ def close_all(cs):
 def test_identity_and_version():
     cs = comms(3)
     assert [(c.rank, c.world_size) for c in cs] == [(0, 3), (1, 3), (2, 3)]
-    assert r2ccl.library_version()[:2] == (0, 1)
+    assert r2ccl.library_version()[:2] == (0, 2)
     assert "rank 1 of 3" in repr(cs[1])
     close_all(cs)
     assert cs[0].closed and "closed" in repr(cs[0])

@@ -34,7 +34,7 @@ extern "C" {
 #endif
 
 #define R2CCL_MAJOR 0
-#define R2CCL_MINOR 1
+#define R2CCL_MINOR 2
 #define R2CCL_PATCH 0
 #define R2CCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
 #define R2CCL_VERSION_CODE R2CCL_VERSION(R2CCL_MAJOR, R2CCL_MINOR, R2CCL_PATCH)
@@ -203,6 +203,15 @@ r2cclResult_t r2cclGroupEnd(void);
  */
 typedef struct r2cclKvEngine* r2cclKvEngine_t;
 
+/* The structs below begin, as NCCL's ncclConfig_t does, with their size, R2CCL_STRUCT_MAGIC and
+ * the version of this header they were written for: a later version adds fields at their end and
+ * still reads what an earlier caller passes, and one that was not started from its initializer
+ * is refused with a message saying so instead of being read as garbage. Start each from its
+ * R2CCL_KV_..._INITIALIZER (r2cclKvNotification too: the caller's size says what may be
+ * written). A version newer than the library's is refused. */
+#define R2CCL_STRUCT_MAGIC 0x72326363u /* "r2cc" */
+#define R2CCL_STRUCT_VERSION 1u
+
 /* Where layer L's part P (K or V; one part when joined, or MLA) keeps block 0, and the distance
  * between consecutive blocks, in buffer `buffer` of the pool. */
 typedef struct {
@@ -212,6 +221,9 @@ typedef struct {
 } r2cclKvPlace;
 
 typedef struct {
+  size_t size;          /* sizeof(r2cclKvLayout) */
+  unsigned int magic;   /* R2CCL_STRUCT_MAGIC */
+  unsigned int version; /* R2CCL_STRUCT_VERSION */
   uint32_t layers;
   uint32_t blocks;     /* blocks per layer */
   uint64_t blockBytes; /* one part of one block of one layer */
@@ -221,16 +233,23 @@ typedef struct {
    * ((L * parts + P) * blocks + b) * blockBytes). */
   const r2cclKvPlace* places;
 } r2cclKvLayout;
+#define R2CCL_KV_LAYOUT_INITIALIZER \
+  { sizeof(r2cclKvLayout), R2CCL_STRUCT_MAGIC, R2CCL_STRUCT_VERSION, 0, 0, 0, 0, NULL }
 
 /* Blocks of layers [firstLayer, lastLayer), every part: srcBlocks[i] of the sending pool lands
- * in dstBlocks[i] of the receiving one. */
+ * in dstBlocks[i] of the receiving one. Each span of an array starts from the initializer. */
 typedef struct {
+  size_t size;          /* sizeof(r2cclKvSpan) */
+  unsigned int magic;   /* R2CCL_STRUCT_MAGIC */
+  unsigned int version; /* R2CCL_STRUCT_VERSION */
   uint32_t firstLayer;
   uint32_t lastLayer;
   const uint32_t* srcBlocks;
   const uint32_t* dstBlocks;
   size_t nblocks;
 } r2cclKvSpan;
+#define R2CCL_KV_SPAN_INITIALIZER \
+  { sizeof(r2cclKvSpan), R2CCL_STRUCT_MAGIC, R2CCL_STRUCT_VERSION, 0, 0, NULL, NULL, 0 }
 
 typedef enum {
   r2cclKvPending = 0,
@@ -242,6 +261,9 @@ typedef enum {
 
 /* A request pushed to this side has ended (r2cclKvGetNotification). */
 typedef struct {
+  size_t size;          /* sizeof(r2cclKvNotification) */
+  unsigned int magic;   /* R2CCL_STRUCT_MAGIC */
+  unsigned int version; /* R2CCL_STRUCT_VERSION */
   uint64_t request;
   int peer;             /* the side that pushed, as this engine numbers it */
   r2cclKvState_t state; /* DONE, FAILED or CANCELLED */
@@ -251,6 +273,13 @@ typedef struct {
                          * r2cclKvGetInvalidBlocks) */
   char reason[256];     /* FAILED/CANCELLED: why, in words (NUL-terminated, cut to fit) */
 } r2cclKvNotification;
+#define R2CCL_KV_NOTIFICATION_INITIALIZER                                                        \
+  {                                                                                              \
+    sizeof(r2cclKvNotification), R2CCL_STRUCT_MAGIC, R2CCL_STRUCT_VERSION, 0, 0, r2cclKvPending, \
+        0, 0, 0, {                                                                               \
+      0                                                                                          \
+    }                                                                                            \
+  }
 
 /* An engine on an endpoint of its own (R2CCL_NICS, R2CCL_KV_VERIFY, ...); `name` labels this
  * side in the peer's messages (NULL: host:pid). */

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "abi.h"
@@ -96,8 +97,31 @@ r2cclResult_t entry(const r2cclKvEngine* handle, const char* what, F&& body) {
   });
 }
 
+// A struct the caller passed: started from its initializer, of a version this library reads,
+// and of that version's size (r2ccl.h, R2CCL_STRUCT_MAGIC). `index`: its place in an array.
+template <typename T>
+Status check_header(const T& s, std::string_view kind, std::ptrdiff_t index = -1) {
+  if (s.magic == R2CCL_STRUCT_MAGIC && s.version >= 1 && s.version <= R2CCL_STRUCT_VERSION &&
+      s.size == sizeof(T))
+    return Status::ok();
+  const std::string what = index < 0 ? std::string(kind) : fmt::format("{} {}", kind, index);
+  if (s.magic != R2CCL_STRUCT_MAGIC)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("{} was not started from its initializer (magic {:#x}, not "
+                              "R2CCL_STRUCT_MAGIC {:#x})",
+                              what, s.magic, R2CCL_STRUCT_MAGIC));
+  if (s.version == 0 || s.version > R2CCL_STRUCT_VERSION)
+    return Status(ErrorCode::kInvalidArgument,
+                  fmt::format("{} is of version {}; this library reads version 1 to {}", what,
+                              s.version, R2CCL_STRUCT_VERSION));
+  return Status(ErrorCode::kInvalidArgument,
+                fmt::format("{}.size is {}; a version-{} one has {} bytes", what, s.size, s.version,
+                            sizeof(T)));
+}
+
 r2ccl::Result<kv::KvLayout> layout_of(const r2cclKvLayout* l) {
   if (l == nullptr) return Status(ErrorCode::kInvalidArgument, "layout is NULL");
+  R2CCL_RETURN_IF_ERROR(check_header(*l, "layout"));
   const std::uint64_t places = static_cast<std::uint64_t>(l->layers) * l->parts;
   if (places == 0 || places > kMaxPlaces)
     return Status(ErrorCode::kInvalidArgument,
@@ -113,6 +137,7 @@ r2ccl::Result<kv::KvLayout> layout_of(const r2cclKvLayout* l) {
 }
 
 r2ccl::Result<kv::BlockSpan> span_of(const r2cclKvSpan& s, std::size_t index) {
+  R2CCL_RETURN_IF_ERROR(check_header(s, "span", static_cast<std::ptrdiff_t>(index)));
   if (s.nblocks > kMaxBlocks)
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("span {}: {} blocks (at most {})", index, s.nblocks, kMaxBlocks));
@@ -135,6 +160,7 @@ r2ccl::Result<std::vector<kv::BlockSpan>> spans_of(const r2cclKvSpan* spans, std
   if (n > 0 && spans == nullptr) return Status(ErrorCode::kInvalidArgument, "spans is NULL");
   std::size_t blocks = 0;
   for (std::size_t i = 0; i < n; ++i) {
+    R2CCL_RETURN_IF_ERROR(check_header(spans[i], "span", static_cast<std::ptrdiff_t>(i)));
     blocks += std::min(spans[i].nblocks, kMaxBlocks + 1);
     if (blocks > kMaxBlocks)
       return Status(ErrorCode::kInvalidArgument,
@@ -405,6 +431,8 @@ r2cclResult_t r2cclKvGetNotification(r2cclKvEngine_t handle, r2cclKvNotification
       return fail(engine, r2cclInvalidArgument,
                   "r2cclKvGetNotification: payload is NULL with a capacity");
     *got = 0;
+    if (Status st = check_header(*note, "note"); !st)
+      return fail(engine, st.with_context("r2cclKvGetNotification"));
     std::lock_guard lock(engine->notes_mutex);
     // The engine's own queue is bounded; this one holds at most what it handed over at once.
     if (engine->notes.empty())

@@ -9,7 +9,7 @@ import pathlib
 import threading
 
 # The ABI these bindings follow: R2CCL_MAJOR.R2CCL_MINOR of r2ccl.h (the SONAME's version).
-ABI = (0, 1)
+ABI = (0, 2)
 SONAME = f"libr2ccl.so.{ABI[0]}.{ABI[1]}"
 
 # r2cclResult_t
@@ -53,8 +53,22 @@ class KvPlace(ctypes.Structure):
     _fields_ = [("buffer", ctypes.c_uint32), ("offset", ctypes.c_uint64), ("stride", ctypes.c_uint64)]
 
 
-class KvLayout(ctypes.Structure):
-    _fields_ = [
+# The header the KV structs begin with (r2ccl.h: R2CCL_STRUCT_MAGIC, R2CCL_STRUCT_VERSION).
+STRUCT_MAGIC = 0x72326363
+STRUCT_VERSION = 1
+_HEADER = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint)]
+
+
+class _Headed(ctypes.Structure):
+    """A struct that begins with its size, magic and version, filled in as its C initializer does;
+    the other fields follow in the arguments."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(ctypes.sizeof(type(self)), STRUCT_MAGIC, STRUCT_VERSION, *args, **kwargs)
+
+
+class KvLayout(_Headed):
+    _fields_ = _HEADER + [
         ("layers", ctypes.c_uint32),
         ("blocks", ctypes.c_uint32),
         ("blockBytes", ctypes.c_uint64),
@@ -63,8 +77,8 @@ class KvLayout(ctypes.Structure):
     ]
 
 
-class KvSpan(ctypes.Structure):
-    _fields_ = [
+class KvSpan(_Headed):
+    _fields_ = _HEADER + [
         ("firstLayer", ctypes.c_uint32),
         ("lastLayer", ctypes.c_uint32),
         ("srcBlocks", ctypes.POINTER(ctypes.c_uint32)),
@@ -73,8 +87,8 @@ class KvSpan(ctypes.Structure):
     ]
 
 
-class KvNotification(ctypes.Structure):
-    _fields_ = [
+class KvNotification(_Headed):
+    _fields_ = _HEADER + [
         ("request", ctypes.c_uint64),
         ("peer", ctypes.c_int),
         ("state", ctypes.c_int),
