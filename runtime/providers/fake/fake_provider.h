@@ -118,9 +118,8 @@ class FakeProvider final : public Provider {
  public:
   FakeProvider(FakeNetwork& net, std::uint32_t id, std::size_t rails);
   std::string_view name() const override { return "fake"; }
-  std::uint32_t api_version() const override { return kProviderApiVersion; }
   std::uint32_t capabilities() const override {
-    return kCapBackPressure | kCapRegistrationFollowsMappings;  // writes are memcpy at the time
+    return kCapRegistrationFollowsMappings;  // writes are memcpy at the time
   }
   const std::vector<RailNic>& devices() const override { return devices_; }
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,

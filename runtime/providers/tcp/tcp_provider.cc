@@ -884,11 +884,9 @@ class TcpProvider final : public Provider {
   }
 
   std::string_view name() const override { return "tcp"; }
-  std::uint32_t api_version() const override { return kProviderApiVersion; }
   std::uint32_t capabilities() const override {
     // Registrations are ranges the loop thread copies from and into at transfer time.
-    return kCapUrgentControl | kCapReceiveTiming | kCapBackPressure |
-           kCapRegistrationFollowsMappings;
+    return kCapRegistrationFollowsMappings;
   }
   // A connection to one of this host's addresses is looped back by the kernel.
   bool host_local(const std::string& address) const override { return is_host_address(address); }

@@ -793,10 +793,9 @@ class VerbsProvider final : public Provider {
   }
 
   std::string_view name() const override { return "verbs"; }
-  std::uint32_t api_version() const override { return kProviderApiVersion; }
   // Not kCapRegistrationFollowsMappings: ibv_reg_mr without IBV_ACCESS_ON_DEMAND pins the pages
   // the range maps when it is registered.
-  std::uint32_t capabilities() const override { return kCapRemoteDirectWrite; }
+  std::uint32_t capabilities() const override { return 0; }
   const std::vector<RailNic>& devices() const override { return devices_; }
 
   Result<std::uint64_t> register_memory(std::size_t device, void* base, std::size_t length,

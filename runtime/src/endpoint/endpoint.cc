@@ -279,12 +279,6 @@ Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config, Endpoin
                            select_rails(topo, config.nics, e->options_.control_address));
     R2CCL_ASSIGN_OR_RETURN(e->provider_, make_tcp_provider(*e->engine_, tcp_nics, *info.token));
   }
-  if (e->provider_->api_version() != kProviderApiVersion)
-    return Status(
-        ErrorCode::kConfig,
-        fmt::format("the {} provider implements provider interface version {}; this "
-                    "runtime needs version {}",
-                    e->provider_->name(), e->provider_->api_version(), kProviderApiVersion));
   const auto& nics = e->provider_->devices();
   if (nics.size() > EndpointInfo::kMaxRails)
     return Status(ErrorCode::kConfig, fmt::format("{} NICs selected; an endpoint has at most {}",

@@ -6,8 +6,10 @@
 // Threading: every Rail method and every RailEvents callback runs on the progress engine's loop
 // thread. register_memory/deregister_memory may be called from any thread.
 //
-// The interface is versioned (kProviderApiVersion): the runtime refuses a provider built for
-// another version. What a provider can do beyond the minimum is in its capability flags.
+// Providers are built with the runtime: this is a C++ interface (std::function, shared_ptr,
+// Status in its signatures), not a boundary a separately built provider could be checked
+// against. What a provider can do beyond the minimum, where the runtime acts on it, is in its
+// capability flags.
 #pragma once
 
 #include <chrono>
@@ -29,24 +31,13 @@ namespace r2ccl {
 
 class ProgressEngine;
 
-// The version of this interface; a provider reports the one it was built for.
-inline constexpr std::uint32_t kProviderApiVersion = 6;
-
 // What a registration allows. kLocal: the memory is only read (sent from) or written by this
 // process; a peer's write naming its key is refused. kRemoteWrite: peers that hold the key may
 // write into it (receive windows, KV pools, one-sided write targets).
 enum class MemoryAccess : std::uint8_t { kLocal = 0, kRemoteWrite = 1 };
 
-// Capability flags (Provider::capabilities()).
+// Capability flags (Provider::capabilities()): only what the runtime reads.
 enum ProviderCapability : std::uint32_t {
-  // post_urgent_control() overtakes what is already queued (else it is sent in order).
-  kCapUrgentControl = 1u << 0,
-  // on_write_confirmed() reports how long the bytes took to arrive (receive_ns).
-  kCapReceiveTiming = 1u << 1,
-  // Posts may answer kNoResource when the rail's queue is full (else they always queue).
-  kCapBackPressure = 1u << 2,
-  // Writes land in the peer's memory without its CPU (RDMA); else the peer's provider copies.
-  kCapRemoteDirectWrite = 1u << 3,
   // A registration names a virtual address range, not the pages behind it: every transfer reads
   // or writes whatever the range maps at that moment (the provider copies with the CPU, or the
   // NIC faults pages in on demand, verbs' IBV_ACCESS_ON_DEMAND). Memory freed and mapped again
@@ -54,7 +45,7 @@ enum ProviderCapability : std::uint32_t {
   // can be cached past the buffer's lifetime. Without it a registration pins the pages it found
   // (ibv_reg_mr): after free() and a new malloc() at the same address, a transfer through the
   // old registration would move the old pages' bytes.
-  kCapRegistrationFollowsMappings = 1u << 4,
+  kCapRegistrationFollowsMappings = 1u << 0,
 };
 
 // Who is connecting, carried in a rail's first frame and checked by the acceptor.
@@ -105,9 +96,9 @@ class Rail {
   // Begins delivering events; called once.
   virtual void start(RailEvents* events) = 0;
   // Queues a write; src must stay valid until it is confirmed, refused or the rail fails.
-  // kNoResource (providers with kCapBackPressure): the rail's queue is full and nothing was
-  // taken; post again once the rail confirmed something. Any other error: the rail failed (and
-  // says so through on_rail_failed).
+  // kNoResource: the rail's queue is full and nothing was taken (a provider that queues
+  // without bound never answers it); post again once the rail confirmed something. Any other error:
+  // the rail failed (and says so through on_rail_failed).
   virtual Status post_write(const WriteRequest& write) = 0;
   // Queues a control message; with a non-zero cookie the peer confirms it (on_write_confirmed)
   // once its handler has run. Shared: the caller keeps it for a replay, and nobody copies it.
@@ -150,8 +141,6 @@ class Provider {
 
   virtual ~Provider() = default;
   virtual std::string_view name() const = 0;
-  // The interface version it implements (kProviderApiVersion when built with this header).
-  virtual std::uint32_t api_version() const = 0;
   virtual std::uint32_t capabilities() const = 0;  // ProviderCapability flags
   // Whether this provider's traffic to `address` (a rail's remote_address()) stays on this host,
   // never reaching a NIC: the NIC's link state then says nothing about the rail, and the endpoint
