@@ -271,7 +271,12 @@ class Driver:
         elif backend:
             cmd += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"backends": [backend]}})]
+                # kv_lease_duration: how long P keeps a finished request's blocks for D (vLLM's
+                # default 30 s). On two loaded cores a UCX pull has come after it, and D then read
+                # blocks P had already given to other requests (vLLM logs "potentially invalid KV
+                # blocks" and goes on): the request's own timeout bounds the lease instead.
+                "kv_connector_extra_config": {"backends": [backend],
+                                              "kv_lease_duration": REQUEST_TIMEOUT_S}})]
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=self.vt.MGMT[host],
                        VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_CHANNEL_PORT[host]))
         if backend == "R2CCL":
