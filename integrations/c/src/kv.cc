@@ -136,8 +136,8 @@ r2ccl::Result<kv::KvLayout> layout_of(const r2cclKvLayout* l) {
   return out;
 }
 
+// One span whose header spans_of() checked.
 r2ccl::Result<kv::BlockSpan> span_of(const r2cclKvSpan& s, std::size_t index) {
-  R2CCL_RETURN_IF_ERROR(check_header(s, "span", static_cast<std::ptrdiff_t>(index)));
   if (s.nblocks > kMaxBlocks)
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("span {}: {} blocks (at most {})", index, s.nblocks, kMaxBlocks));
@@ -365,9 +365,9 @@ r2cclResult_t r2cclKvBegin(r2cclKvEngine_t handle, uint64_t id, int peer, uint32
 r2cclResult_t r2cclKvAdd(r2cclKvEngine_t handle, uint64_t id, const r2cclKvSpan* span) {
   return entry(handle, "r2cclKvAdd", [&](KvState* engine) {
     if (span == nullptr) return fail(engine, r2cclInvalidArgument, "r2cclKvAdd: span is NULL");
-    auto s = span_of(*span, 0);
+    auto s = spans_of(span, 1);
     if (!s) return fail(engine, s.status().with_context("r2cclKvAdd"));
-    return done(engine, engine->engine->add(id, *s).with_context("r2cclKvAdd"));
+    return done(engine, engine->engine->add(id, s->front()).with_context("r2cclKvAdd"));
   });
 }
 
