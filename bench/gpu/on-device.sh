@@ -2,7 +2,8 @@
 # Runs on a GPU machine (device tool; carry build-gpu/bin, build-gpu/lib/libr2ccl.so.0.2.0 and
 # build-gpu/carry-lib) on its first RANKS GPUs (default: all): the GPU unit tests; r2ccl-gpu-perf --check on 1 GPU and on
 # RANKS; the Python package's check on CUDA tensors under torch.cuda.graph; the fault cases
-# (tests/gpu/faults.py); then the all-reduce
+# (tests/gpu/faults.py); the GPU memory a communicator takes (bench/gpu/footprint.py, 2 or more
+# GPUs); then the all-reduce
 # timed beside NCCL (r2ccl-gpu-perf --bench, ARGS passed on), through the Python package beside
 # the C++ figures of the same run, and PyTorch's NCCL and symmetric-memory baselines. Every
 # output, and the GPU tests' JUnit XML, goes to $OUT when it is set.
@@ -43,6 +44,7 @@ if [[ $do_check -eq 1 ]]; then
   step "check-$n" "$root/bench/gpu/allreduce.sh" -n "$n" --check
   step "python-check-$n" python3 "$root/bench/gpu/torch_r2ccl.py" -n "$n" --check
   step "faults-$n" python3 "$root/tests/gpu/faults.py" -n "$n"
+  [[ $n -lt 2 ]] || step "footprint-$n" python3 "$root/bench/gpu/footprint.py" -n "$n"
 fi
 if [[ $do_bench -eq 1 ]]; then
   step "bench-$n" "$root/bench/gpu/allreduce.sh" -n "$n" --bench "$@"

@@ -164,6 +164,16 @@ class TorchPath:
         torch.distributed.broadcast(t, src=src, group=self.device_group)
         return t
 
+    def send(self, t, dst=None):
+        self.fallbacks += 1
+        torch.distributed.send(t, dst, group=self.device_group)
+
+    def recv(self, size, dtype, src=None):
+        self.fallbacks += 1
+        t = torch.empty(size, dtype=dtype, device=self.device)
+        torch.distributed.recv(t, src, group=self.device_group)
+        return t
+
     def destroy(self):
         pass
 
@@ -225,13 +235,73 @@ def check_engine_ops(rank: int, world: int, dev: torch.device, port: int) -> int
         wrong += 1
         print(f"rank {rank}: engine broadcast wrong", flush=True)
     ops.destroy()
+    engine_wrong, engine_cases = check_engine_nccl(rank, world, dev, nccl)
+    wrong += engine_wrong
+    cases += engine_cases
     dist.destroy_process_group()
     if rank == 0:
         print(f"engine ops check: {world} ranks, {cases} cases per rank (vLLM's communicator "
-              f"operations on CUDA tensors, eager and under torch.cuda.graph, against NCCL): "
+              f"operations on CUDA tensors, eager and under torch.cuda.graph, against NCCL; "
+              f"with the engine's NCCL taking device point to point and large all-reduces): "
               f"{'every element right' if wrong == 0 else f'{wrong} cases WRONG on rank 0'}",
               flush=True)
     return int(wrong != 0)
+
+
+def check_engine_nccl(rank: int, world: int, dev: torch.device, nccl) -> tuple[int, int]:
+    """R2cclOps made with engine_nccl (as vLLM's CUDA communicator makes it): r2ccl's GPU side
+    has no NCCL communicator; small all-reduces are r2ccl's, all-reduces from ENGINE_NCCL_FROM
+    and device send/recv take the engine's path, and r2ccl's own device send says why it cannot
+    run. Returns (wrong, cases)."""
+    from r2ccl.vllm.ops import ENGINE_NCCL_FROM, R2cclOps
+
+    class Ops(R2cclOps, TorchPath):
+        pass
+
+    ops = Ops(nccl)
+    ops.cpu_group, ops.world_size, ops.rank_in_group = torch.distributed.group.WORLD, world, rank
+    ops.unique_name, ops.device = "tp:0", dev
+    ops._start_r2ccl(dev, engine_nccl=True)
+    wrong = cases = 0
+
+    def expect(name: str, ok: bool) -> None:
+        nonlocal wrong, cases
+        cases += 1
+        if not ok:
+            wrong += 1
+            print(f"rank {rank}: engine_nccl {name} wrong", flush=True)
+
+    expect("made without R2CCL_GPU_NCCL left set",
+           ops.engine_nccl and "R2CCL_GPU_NCCL" not in os.environ)
+    for n, engine in ((4096, False), (ENGINE_NCCL_FROM // 2, True)):
+        x = values(n, rank, torch.bfloat16).to(dev)
+        want = TorchPath.all_reduce(ops, x)
+        ops.fallbacks = 0
+        got = ops.all_reduce(x)
+        torch.cuda.synchronize()
+        expect(f"all_reduce of {n * 2} bytes", ops.fallbacks == int(engine) and
+               torch.equal(got, want))
+    t = values(1000, rank, torch.float32).to(dev)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    ops.fallbacks = 0
+    if rank % 2 == 0:
+        ops.send(t, nxt)
+        got = ops.recv(t.shape, t.dtype, prv)
+    else:
+        got = ops.recv(t.shape, t.dtype, prv)
+        ops.send(t, nxt)
+    torch.cuda.synchronize()
+    expect("send/recv", ops.fallbacks == 2 and
+           torch.equal(got.cpu(), values(1000, prv, torch.float32)))
+    try:
+        ops.r2ccl.send(t, nxt)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        error = str(e)
+    expect(f"r2ccl's own device send refused ({error!r})",
+           "R2CCL_GPU_NCCL=0" in error and "point to point" in error)
+    ops.destroy()
+    return wrong, cases
 
 
 def read_cxx(path: str) -> dict[int, float]:

@@ -57,6 +57,22 @@ TEST(Config, ParsesEveryVariable) {
   EXPECT_EQ(c->connect_timeout.count(), 500);
 }
 
+TEST(Config, GpuFlags) {
+  auto d = parse_config(env_of({}));
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_TRUE(d->gpu_tune);
+  EXPECT_TRUE(d->gpu_nccl);
+  auto c = parse_config(env_of({{"R2CCL_GPU_TUNE", "0"}, {"R2CCL_GPU_NCCL", " 0 "}}));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_FALSE(c->gpu_tune);
+  EXPECT_FALSE(c->gpu_nccl);
+  auto bad = parse_config(env_of({{"R2CCL_GPU_NCCL", "off"}}));
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("R2CCL_GPU_NCCL"), std::string::npos)
+      << bad.status().message();
+  EXPECT_NE(bad.status().message().find("0 or 1"), std::string::npos) << bad.status().message();
+}
+
 TEST(Config, TakesRankAndSizeFromMpirun) {
   auto c = parse_config(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
   ASSERT_TRUE(c.is_ok());

@@ -301,6 +301,7 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
   impl_->device = device;
   gpu::NvlinkComm::Options nv_options;
   nv_options.tune = host.config().gpu_tune;
+  nv_options.nccl = host.config().gpu_nccl;
   if (!nvlink) {
     // Every rank goes on to StagedComm::create (a collective) with or without a device.
     auto staging =

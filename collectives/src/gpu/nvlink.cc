@@ -153,7 +153,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
     std::memcpy(card.uuid, prop.uuid.bytes, sizeof card.uuid);
     card.ok = 1;
   }
-  card.nccl = p > 1 && nccl_available().is_ok() ? 1 : 0;
+  card.nccl = p > 1 && options.nccl && nccl_available().is_ok() ? 1 : 0;
   std::vector<Card> cards(static_cast<std::size_t>(p));
   c->exported_ = card.ok != 0 && p > 1;  // from here a peer may map this rank's memory
   R2CCL_RETURN_IF_ERROR(host.all_gather(&card, cards.data(), sizeof(Card), DataType::kU8)
@@ -650,10 +650,7 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
       if (nccl_)
         R2CCL_NCCL_CALL("nvlink all-reduce: ncclAllReduce", AllReduce, send, recv, count,
                         detail::nccl_type(type), detail::nccl_op(op));
-      return {ErrorCode::kInvalidArgument,
-              size_ == 1 ? std::string("nvlink all-reduce: NCCL is not used for one rank")
-                         : fmt::format("nvlink all-reduce: no NCCL on every rank ({})",
-                                       nccl_available().message())};
+      return {ErrorCode::kInvalidArgument, fmt::format("nvlink all-reduce: {}", why_no_nccl())};
     }
     const bool ll = low_latency(algo);
     // push: a half holds a slot per rank of the longest slice, then the whole call.
@@ -805,6 +802,14 @@ Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, Da
   });
 }
 
+std::string NvlinkComm::why_no_nccl() const {
+  if (size_ == 1) return "NCCL is not used for one rank";
+  if (options_.share_gpu) return "NCCL is not used where ranks share a GPU";
+  if (!options_.nccl) return "NCCL is off on this rank (R2CCL_GPU_NCCL=0)";
+  if (Status st = nccl_available(); !st) return st.message();
+  return "another rank has no NCCL (R2CCL_GPU_NCCL=0 there, or NCCL does not load)";
+}
+
 Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t count, int peer,
                                   const char* name) const {
   R2CCL_RETURN_IF_ERROR(usable(what));
@@ -814,9 +819,8 @@ Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t
                         rank_)};
   if (nccl_ == nullptr)
     return {ErrorCode::kUnavailable,
-            fmt::format("{}: device memory goes point to point over NCCL, and there is none on "
-                        "every rank ({})",
-                        what, nccl_available().message())};
+            fmt::format("{}: device memory goes point to point over NCCL, and {}", what,
+                        why_no_nccl())};
   if (count > 0) R2CCL_RETURN_IF_ERROR(device_buffer(buf, what, name));
   return Status::ok();
 }

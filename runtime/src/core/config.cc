@@ -93,6 +93,12 @@ constexpr ConfigEntry kTable[] = {
     {"R2CCL_GPU_TUNE", "1",
      "1: the GPU side of a communicator measures every all-reduce algorithm at every size when it "
      "is set up (about a second) and keeps the fastest; 0: built-in size thresholds instead."},
+    {"R2CCL_GPU_NCCL", "1",
+     "1: the GPU side of a communicator among the GPUs of one node also opens an NCCL "
+     "communicator (about 770 MiB of GPU memory per GPU), for the largest collectives and for "
+     "send/recv on device memory; 0: it does not (r2ccl's kernels take every size, device "
+     "send/recv fail saying so). vLLM's CUDA communicator sets 0 unless it is set: vLLM has an "
+     "NCCL communicator of its own for the group."},
     {"R2CCL_GPU_PATH", "auto",
      "How a communicator moves device memory: `auto` (NVLink where every rank is on one node, "
      "else the rails with the device data staged through host memory), `nvlink`, or `rails`."},
@@ -560,6 +566,7 @@ Status parse_services(const EnvReader& r, Config& c) {
     c.metrics_addr = a;
   }
   R2CCL_RETURN_IF_ERROR(r.flag("R2CCL_GPU_TUNE", c.gpu_tune));
+  R2CCL_RETURN_IF_ERROR(r.flag("R2CCL_GPU_NCCL", c.gpu_nccl));
   R2CCL_RETURN_IF_ERROR(r.choice("R2CCL_GPU_PATH", {"auto", "nvlink", "rails"}, false, c.gpu_path));
   if (auto v = r.get("R2CCL_NODE_ID")) c.node_id = trim(*v);
   R2CCL_RETURN_IF_ERROR(

@@ -6,6 +6,7 @@ serve, or of a dtype it does not reduce) take the vLLM class's own path."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -16,31 +17,65 @@ from ..communicator import Communicator
 # Under "vllm", so that vLLM's logging configuration shows it.
 logger = logging.getLogger("vllm.r2ccl")
 
+# Where r2ccl's GPU side has no NCCL communicator of its own (engine_nccl below), all-reduces of
+# CUDA tensors from this size take the engine's path: NCCL's all-reduce is faster there than
+# r2ccl's kernels (the size from which r2ccl would have used its own NCCL communicator).
+ENGINE_NCCL_FROM = 64 << 20
+
 
 class R2cclOps:
     """Mixed in before a vLLM communicator class; needs its cpu_group, world_size,
     rank_in_group and unique_name."""
 
     r2ccl: Communicator | None = None
+    # True where the engine's class has an NCCL communicator of its own for the group and r2ccl's
+    # GPU side was made without one: what only NCCL would have carried goes the engine's way.
+    engine_nccl: bool = False
 
-    def _start_r2ccl(self, device: torch.device | None = None) -> None:
+    def _start_r2ccl(self, device: torch.device | None = None, engine_nccl: bool = False) -> None:
         """`device`: the GPU whose CUDA tensors r2ccl moves too (its GPU side set up now, before
-        vLLM captures CUDA graphs); None for host tensors only."""
+        vLLM captures CUDA graphs); None for host tensors only. `engine_nccl`: the engine's class
+        has an NCCL communicator for the group; then, unless R2CCL_GPU_NCCL is set, r2ccl opens
+        no second one (about 770 MiB of GPU memory per GPU), and device point to point and
+        all-reduces from ENGINE_NCCL_FROM take the engine's path."""
         # The tensor-parallel group's collectives are the ones r2ccl carries; vLLM's other groups
         # keep their communicator.
         self.r2ccl = None
+        self.engine_nccl = False
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            self.r2ccl = Communicator(self.cpu_group, device=device)
+            own = device is None or not engine_nccl or "R2CCL_GPU_NCCL" in os.environ
+            if own:
+                self.r2ccl = Communicator(self.cpu_group, device=device)
+            else:
+                os.environ["R2CCL_GPU_NCCL"] = "0"  # read while the communicator is made
+                try:
+                    self.r2ccl = Communicator(self.cpu_group, device=device)
+                finally:
+                    del os.environ["R2CCL_GPU_NCCL"]
+                self.engine_nccl = True
             logger.info(
-                "r2ccl: %s is rank %d of %d over libr2ccl %s",
+                "r2ccl: %s is rank %d of %d over libr2ccl %s%s",
                 self.unique_name, self.r2ccl.rank, self.r2ccl.world_size, _lib.library().path,
+                "; device point to point and all-reduces from 64 MiB take vLLM's NCCL"
+                if self.engine_nccl else "",
             )
 
     def _takes(self, *tensors: torch.Tensor) -> bool:
         return self.r2ccl is not None and all(movable(t) for t in tensors)
 
+    def _takes_p2p(self, *tensors: torch.Tensor) -> bool:
+        """Point to point: r2ccl's where it has NCCL for device memory or the tensors are host
+        memory."""
+        return self._takes(*tensors) and not (
+            self.engine_nccl and any(t.is_cuda for t in tensors)
+        )
+
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        if not self._takes(input_):
+        if not self._takes(input_) or (
+            self.engine_nccl
+            and input_.is_cuda
+            and input_.numel() * input_.element_size() >= ENGINE_NCCL_FROM
+        ):
             return super().all_reduce(input_)
         return self.r2ccl.all_reduce(input_.contiguous())
 
@@ -128,7 +163,7 @@ class R2cclOps:
         return mine.movedim(0, dim).contiguous()
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
-        if not self._takes(input_):
+        if not self._takes_p2p(input_):
             return super().gather(input_, dst, dim)
         if dim < 0:
             dim += input_.dim()
@@ -142,7 +177,7 @@ class R2cclOps:
         return torch.cat(parts, dim=dim)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
-        if not self._takes(tensor):
+        if not self._takes_p2p(tensor):
             return super().send(tensor, dst)
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
@@ -150,7 +185,7 @@ class R2cclOps:
 
     def recv(self, size: torch.Size, dtype: torch.dtype, src: int | None = None) -> torch.Tensor:
         tensor = torch.empty(size, dtype=dtype, device=self.device)
-        if not self._takes(tensor):
+        if not self._takes_p2p(tensor):
             return super().recv(size, dtype, src)
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
@@ -162,7 +197,7 @@ class R2cclOps:
         return self.r2ccl.broadcast(tensor, src)
 
     def batch_isend_irecv(self, p2p_ops: list) -> None:
-        if not self._takes(*[op.tensor for op in p2p_ops]):
+        if not self._takes_p2p(*[op.tensor for op in p2p_ops]):
             return super().batch_isend_irecv(p2p_ops)
         with self.r2ccl.group():
             for op in p2p_ops:

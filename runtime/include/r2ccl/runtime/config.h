@@ -35,6 +35,7 @@ struct Config {
   std::optional<HostPort> bootstrap;  // rank 0's listener
   Token bootstrap_token{};            // all zero unless R2CCL_BOOTSTRAP_TOKEN is set
   bool gpu_tune = true;               // R2CCL_GPU_TUNE: measure the GPU algorithms at set-up
+  bool gpu_nccl = true;               // R2CCL_GPU_NCCL: the NVLink side opens NCCL too
   std::string gpu_path = "auto";      // R2CCL_GPU_PATH: auto | nvlink | rails
   std::string node_id;                // R2CCL_NODE_ID: empty: host, boot and network namespace
   std::size_t gpu_staging_chunk = std::size_t{16} << 20;  // R2CCL_GPU_STAGING_CHUNK

@@ -115,6 +115,11 @@ class NvlinkComm {
     std::size_t one_shot_max = 0;
     // NCCL from this size (0: never), where NCCL is available on every rank.
     std::size_t nccl_min_bytes = std::size_t{64} << 20;
+    // Open an NCCL communicator at all (for nccl_min_bytes and send/recv). It costs about
+    // 770 MiB of GPU memory per GPU (2 x H200, NCCL 2.28; bench/gpu/footprint.py); without it
+    // the kernels take every size and send/recv say why they cannot run. Where one rank says
+    // false, no rank opens it.
+    bool nccl = true;
     // Measure the table at create() (a CUDA graph per algorithm and size, replayed a few times)
     // rather than use the thresholds above. Where nccl_min_bytes is 0, NCCL is not a candidate.
     bool tune = true;
@@ -228,6 +233,8 @@ class NvlinkComm {
   Status point_to_point(const char* what, const void* buf, std::size_t count, int peer,
                         const char* name) const;
   // Whether NCCL takes a call of `bytes` (its largest buffer) chosen automatically.
+  // Why there is no NCCL communicator (for errors).
+  std::string why_no_nccl() const;
   bool nccl_takes(std::size_t bytes) const {
     return nccl_ != nullptr && options_.nccl_min_bytes > 0 && bytes >= options_.nccl_min_bytes;
   }
