@@ -242,7 +242,8 @@ def check_engine_ops(rank: int, world: int, dev: torch.device, port: int) -> int
     if rank == 0:
         print(f"engine ops check: {world} ranks, {cases} cases per rank (vLLM's communicator "
               f"operations on CUDA tensors, eager and under torch.cuda.graph, against NCCL; "
-              f"with the engine's NCCL taking device point to point and large all-reduces): "
+              f"with the engine's NCCL taking device point to point and large all-reduces, vLLM's "
+              f"and SGLang's): "
               f"{'every element right' if wrong == 0 else f'{wrong} cases WRONG on rank 0'}",
               flush=True)
     return int(wrong != 0)
@@ -253,7 +254,8 @@ def check_engine_nccl(rank: int, world: int, dev: torch.device, nccl) -> tuple[i
     has no NCCL communicator; small all-reduces are r2ccl's, all-reduces from ENGINE_NCCL_FROM
     and device send/recv take the engine's path, and r2ccl's own device send says why it cannot
     run. Returns (wrong, cases)."""
-    from r2ccl.vllm.ops import ENGINE_NCCL_FROM, R2cclOps
+    from r2ccl._tensors import ENGINE_NCCL_FROM
+    from r2ccl.vllm.ops import R2cclOps
 
     class Ops(R2cclOps, TorchPath):
         pass
@@ -301,6 +303,36 @@ def check_engine_nccl(rank: int, world: int, dev: torch.device, nccl) -> tuple[i
     expect(f"r2ccl's own device send refused ({error!r})",
            "R2CCL_GPU_NCCL=0" in error and "point to point" in error)
     ops.destroy()
+
+    # SGLang's hooks on a group that has SGLang's NCCL communicator (pynccl_comm).
+    from r2ccl.sglang import hooks
+
+    class Coordinator:
+        pass
+
+    g = Coordinator()
+    g.unique_name, g.world_size, g.device = "tp:0", world, dev
+    g.cpu_group, g.pynccl_comm = torch.distributed.group.WORLD, object()
+    hooks.after_init(None, g)
+    expect("sglang made without its own NCCL",
+           getattr(g, hooks.ENGINE_NCCL) and "R2CCL_GPU_NCCL" not in os.environ)
+    originals = []
+
+    def original(self, x, method=None):
+        originals.append(x.numel())
+        out = x.clone()
+        torch.distributed.all_reduce(out, group=nccl)
+        return out
+
+    for n, engine in ((4096, False), (ENGINE_NCCL_FROM // 2, True)):
+        x = values(n, rank, torch.bfloat16).to(dev)
+        want = original(None, x)
+        originals.clear()
+        got = hooks.all_reduce_out_place(original, g, x, "pynccl")
+        torch.cuda.synchronize()
+        expect(f"sglang all_reduce of {n * 2} bytes",
+               len(originals) == int(engine) and torch.equal(got, want))
+    hooks.before_destroy(g)
     return wrong, cases
 
 

@@ -286,6 +286,25 @@ def test_the_argument_forms_are_checked():
         r2ccl.Communicator(unique_id=bytes(128))
 
 
+def test_own_nccl_is_r2ccl_gpu_nccl_while_the_communicator_is_made(monkeypatch):
+    uids = [r2ccl.get_unique_id() for _ in range(4)]  # ids are made under the caller's variables
+    # libr2ccl reads R2CCL_GPU_NCCL when a communicator is made: a bad value fails there...
+    monkeypatch.setenv("R2CCL_GPU_NCCL", "maybe")
+    with pytest.raises(r2ccl.R2cclError, match="R2CCL_GPU_NCCL.*0 or 1"):
+        r2ccl.Communicator(unique_id=uids[0], rank=0, world_size=1)
+    # ...own_nccl overrides it while this one is made, and leaves it as it was.
+    for uid, own in zip(uids[1:3], (False, True)):
+        c = r2ccl.Communicator(unique_id=uid, rank=0, world_size=1, own_nccl=own)
+        assert os.environ["R2CCL_GPU_NCCL"] == "maybe"
+        y = c.all_reduce(torch.arange(10.0))
+        assert torch.equal(y, torch.arange(10.0))
+        c.close()
+    monkeypatch.delenv("R2CCL_GPU_NCCL")
+    c = r2ccl.Communicator(unique_id=uids[3], rank=0, world_size=1, own_nccl=False)
+    assert "R2CCL_GPU_NCCL" not in os.environ
+    c.close()
+
+
 def r2ccl_dir():
     """Where the r2ccl this test imported lives (the source tree's, or the installed one)."""
     return pathlib.Path(r2ccl.__file__).resolve().parents[1]

@@ -53,6 +53,18 @@ def movable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or (on_device(t) and _lib.library().cuda)
 
 
+# An engine whose class has an NCCL communicator for the group makes r2ccl's without one
+# (Communicator(own_nccl=False)); its all-reduces of CUDA tensors from this size then take the
+# engine's path, where NCCL is faster than r2ccl's kernels (the size from which r2ccl's own NCCL
+# communicator would have taken them).
+ENGINE_NCCL_FROM = 64 << 20
+
+
+def engine_nccl_takes(t: torch.Tensor) -> bool:
+    """Whether an all-reduce of `t` is the engine's NCCL's (see ENGINE_NCCL_FROM)."""
+    return t.device.type == "cuda" and t.numel() * t.element_size() >= ENGINE_NCCL_FROM
+
+
 def dtype_code(dtype: torch.dtype, what: str) -> int:
     name = _dtype_name(dtype)
     if name not in _lib.DTYPES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -66,6 +67,28 @@ def _output(input: torch.Tensor, output: torch.Tensor | None, shape: tuple, why:
     return output
 
 
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gpu_nccl(own: bool | None) -> Iterator[None]:
+    """R2CCL_GPU_NCCL as `own` says while a communicator is made (libr2ccl reads its
+    configuration then), as it was afterwards; nothing where `own` is None."""
+    if own is None:
+        yield
+        return
+    with _env_lock:
+        before = os.environ.get("R2CCL_GPU_NCCL")
+        os.environ["R2CCL_GPU_NCCL"] = "1" if own else "0"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["R2CCL_GPU_NCCL"]
+            else:
+                os.environ["R2CCL_GPU_NCCL"] = before
+
+
 class Communicator:
     """A communicator of `world_size` ranks. Make it one of three ways:
 
@@ -82,7 +105,12 @@ class Communicator:
     (`device=` here, `bind_device()`, or one call on CUDA tensors before capturing).
 
     Collectives are out of place unless `output` is `input`; they never write their input
-    otherwise. A communicator is used from one thread at a time; `abort()` may come from any."""
+    otherwise. A communicator is used from one thread at a time; `abort()` may come from any.
+
+    `own_nccl`: whether the GPU side among the GPUs of one node opens an NCCL communicator of its
+    own (about 770 MiB of GPU memory per GPU) for the largest collectives and for send/recv on
+    CUDA tensors; None: as R2CCL_GPU_NCCL says (default yes). An engine that has one for the
+    group already passes False and keeps those calls on its own."""
 
     def __init__(
         self,
@@ -93,6 +121,7 @@ class Communicator:
         world_size: int | None = None,
         from_env: bool = False,
         device: torch.device | int | str | None = None,
+        own_nccl: bool | None = None,
     ) -> None:
         self._lib = _lib.library()
         self._handle: int | None = None
@@ -106,7 +135,9 @@ class Communicator:
             )
         handle = ctypes.c_void_p()
         if from_env:
-            self._call(self._lib.r2cclCommInitFromEnv(ctypes.byref(handle)), "CommInitFromEnv", None)
+            with _gpu_nccl(own_nccl):
+                result = self._lib.r2cclCommInitFromEnv(ctypes.byref(handle))
+            self._call(result, "CommInitFromEnv", None)
         else:
             if group is not None:
                 unique_id, rank, world_size = self._id_from_group(group)
@@ -116,11 +147,11 @@ class Communicator:
                 raise ValueError("r2ccl: unique_id must be the 128 bytes get_unique_id() returned")
             uid = _lib.UniqueId()
             ctypes.memmove(uid.internal, bytes(unique_id), 128)
-            self._call(
-                self._lib.r2cclCommInitRank(ctypes.byref(handle), int(world_size), uid, int(rank)),
-                "CommInitRank",
-                None,
-            )
+            with _gpu_nccl(own_nccl):
+                result = self._lib.r2cclCommInitRank(
+                    ctypes.byref(handle), int(world_size), uid, int(rank)
+                )
+            self._call(result, "CommInitRank", None)
         self._handle = handle.value
         self.rank = self._query(self._lib.r2cclCommUserRank, "CommUserRank")
         self.world_size = self._query(self._lib.r2cclCommCount, "CommCount")

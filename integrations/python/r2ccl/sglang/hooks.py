@@ -4,15 +4,17 @@ takes SGLang's original method first and falls back to it for what r2ccl does no
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from .. import _lib
-from .._tensors import movable
+from .._tensors import engine_nccl_takes, movable
 from ..communicator import Communicator
 
 logger = logging.getLogger("sglang.r2ccl")
 ATTR = "_r2ccl"
+ENGINE_NCCL = "_r2ccl_engine_nccl"
 
 
 def _comm(self, *tensors: torch.Tensor) -> Communicator | None:
@@ -21,16 +23,35 @@ def _comm(self, *tensors: torch.Tensor) -> Communicator | None:
     return comm if comm is not None and all(movable(t) for t in tensors) else None
 
 
+def _reducer(self, t: torch.Tensor) -> Communicator | None:
+    """The communicator for an all-reduce of `t`, else None: also None where the group's NCCL
+    communicator (SGLang's pynccl) takes it (see ENGINE_NCCL_FROM)."""
+    if getattr(self, ENGINE_NCCL, False) and engine_nccl_takes(t):
+        return None
+    return _comm(self, t)
+
+
 def after_init(result, self, *args, **kwargs):
     """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group; its
     GPU side is set up on the group's CUDA device (before SGLang captures CUDA graphs) where
-    libr2ccl has CUDA."""
+    libr2ccl has CUDA. Where the group has SGLang's NCCL communicator (pynccl_comm), r2ccl opens
+    none of its own unless R2CCL_GPU_NCCL is set (about 770 MiB of GPU memory per GPU), and
+    all-reduces from 64 MiB stay SGLang's."""
     setattr(self, ATTR, None)
+    setattr(self, ENGINE_NCCL, False)
     if self.unique_name.startswith("tp") and self.world_size > 1:
         device = getattr(self, "device", None)
         cuda = _lib.library().cuda and device is not None and torch.device(device).type == "cuda"
-        comm = Communicator(self.cpu_group, device=device if cuda else None)
+        engine_nccl = (
+            cuda
+            and getattr(self, "pynccl_comm", None) is not None
+            and "R2CCL_GPU_NCCL" not in os.environ
+        )
+        comm = Communicator(
+            self.cpu_group, device=device if cuda else None, own_nccl=False if engine_nccl else None
+        )
         setattr(self, ATTR, comm)
+        setattr(self, ENGINE_NCCL, engine_nccl)
         logger.info("r2ccl: %s is rank %d of %d", self.unique_name, comm.rank, comm.world_size)
     return result
 
@@ -45,14 +66,14 @@ def before_destroy(self, *args, **kwargs):
 def all_reduce(original, self, input_: torch.Tensor) -> torch.Tensor:
     # SGLang reduces host tensors in place and returns its input; so does r2ccl here, outside
     # torch.compile (where SGLang's custom ops below are used instead).
-    comm = _comm(self, input_)
+    comm = _reducer(self, input_)
     if comm is None or not input_.is_contiguous() or torch.compiler.is_compiling():
         return original(self, input_)
     return comm.all_reduce(input_, output=input_)
 
 
 def all_reduce_in_place(original, self, input_: torch.Tensor) -> None:
-    comm = _comm(self, input_)
+    comm = _reducer(self, input_)
     if comm is None or not input_.is_contiguous():
         return original(self, input_)
     comm.all_reduce(input_, output=input_)
@@ -62,7 +83,7 @@ def all_reduce_in_place(original, self, input_: torch.Tensor) -> None:
 def all_reduce_out_place(
     original, self, input_: torch.Tensor, outplace_all_reduce_method: str
 ) -> torch.Tensor:
-    comm = _comm(self, input_)
+    comm = _reducer(self, input_)
     if comm is None:
         return original(self, input_, outplace_all_reduce_method)
     return comm.all_reduce(input_.contiguous())

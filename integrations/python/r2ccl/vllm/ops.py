@@ -11,16 +11,11 @@ import os
 import torch
 
 from .. import _lib
-from .._tensors import movable
+from .._tensors import engine_nccl_takes, movable
 from ..communicator import Communicator
 
 # Under "vllm", so that vLLM's logging configuration shows it.
 logger = logging.getLogger("vllm.r2ccl")
-
-# Where r2ccl's GPU side has no NCCL communicator of its own (engine_nccl below), all-reduces of
-# CUDA tensors from this size take the engine's path: NCCL's all-reduce is faster there than
-# r2ccl's kernels (the size from which r2ccl would have used its own NCCL communicator).
-ENGINE_NCCL_FROM = 64 << 20
 
 
 class R2cclOps:
@@ -37,22 +32,15 @@ class R2cclOps:
         vLLM captures CUDA graphs); None for host tensors only. `engine_nccl`: the engine's class
         has an NCCL communicator for the group; then, unless R2CCL_GPU_NCCL is set, r2ccl opens
         no second one (about 770 MiB of GPU memory per GPU), and device point to point and
-        all-reduces from ENGINE_NCCL_FROM take the engine's path."""
+        all-reduces from 64 MiB (ENGINE_NCCL_FROM) take the engine's path."""
         # The tensor-parallel group's collectives are the ones r2ccl carries; vLLM's other groups
         # keep their communicator.
         self.r2ccl = None
         self.engine_nccl = False
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            own = device is None or not engine_nccl or "R2CCL_GPU_NCCL" in os.environ
-            if own:
-                self.r2ccl = Communicator(self.cpu_group, device=device)
-            else:
-                os.environ["R2CCL_GPU_NCCL"] = "0"  # read while the communicator is made
-                try:
-                    self.r2ccl = Communicator(self.cpu_group, device=device)
-                finally:
-                    del os.environ["R2CCL_GPU_NCCL"]
-                self.engine_nccl = True
+            own = None if device is None or "R2CCL_GPU_NCCL" in os.environ else not engine_nccl
+            self.r2ccl = Communicator(self.cpu_group, device=device, own_nccl=own)
+            self.engine_nccl = own is False
             logger.info(
                 "r2ccl: %s is rank %d of %d over libr2ccl %s%s",
                 self.unique_name, self.r2ccl.rank, self.r2ccl.world_size, _lib.library().path,
@@ -71,11 +59,7 @@ class R2cclOps:
         )
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        if not self._takes(input_) or (
-            self.engine_nccl
-            and input_.is_cuda
-            and input_.numel() * input_.element_size() >= ENGINE_NCCL_FROM
-        ):
+        if not self._takes(input_) or (self.engine_nccl and engine_nccl_takes(input_)):
             return super().all_reduce(input_)
         return self.r2ccl.all_reduce(input_.contiguous())
 
