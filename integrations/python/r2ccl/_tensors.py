@@ -4,6 +4,7 @@ and communicator's calls without tensors work, where torch is not installed."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,13 @@ def movable(t: torch.Tensor) -> bool:
 # engine's path, where NCCL is faster than r2ccl's kernels (the size from which r2ccl's own NCCL
 # communicator would have taken them).
 ENGINE_NCCL_FROM = 64 << 20
+
+
+def engine_keeps_nccl(cuda: bool, engine_has_nccl: bool) -> bool:
+    """Whether an engine's communicator makes r2ccl's without NCCL (own_nccl=False) and keeps the
+    calls NCCL would have taken: on CUDA, where the engine has an NCCL communicator for the group,
+    unless the user set R2CCL_GPU_NCCL."""
+    return cuda and engine_has_nccl and "R2CCL_GPU_NCCL" not in os.environ
 
 
 def engine_nccl_takes(t: torch.Tensor) -> bool:

@@ -97,8 +97,8 @@ constexpr ConfigEntry kTable[] = {
      "1: the GPU side of a communicator among the GPUs of one node also opens an NCCL "
      "communicator (about 770 MiB of GPU memory per GPU), for the largest collectives and for "
      "send/recv on device memory; 0: it does not (r2ccl's kernels take every size, device "
-     "send/recv fail saying so). vLLM's CUDA communicator sets 0 unless it is set: vLLM has an "
-     "NCCL communicator of its own for the group."},
+     "send/recv fail saying so). vLLM's CUDA communicator and SGLang's hooks set 0 unless it is "
+     "set: the engine has an NCCL communicator of its own for the group."},
     {"R2CCL_GPU_PATH", "auto",
      "How a communicator moves device memory: `auto` (NVLink where every rank is on one node, "
      "else the rails with the device data staged through host memory), `nvlink`, or `rails`."},

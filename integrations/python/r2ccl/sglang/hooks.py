@@ -4,12 +4,11 @@ takes SGLang's original method first and falls back to it for what r2ccl does no
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from .. import _lib
-from .._tensors import engine_nccl_takes, movable
+from .._tensors import engine_keeps_nccl, engine_nccl_takes, movable
 from ..communicator import Communicator
 
 logger = logging.getLogger("sglang.r2ccl")
@@ -42,11 +41,7 @@ def after_init(result, self, *args, **kwargs):
     if self.unique_name.startswith("tp") and self.world_size > 1:
         device = getattr(self, "device", None)
         cuda = _lib.library().cuda and device is not None and torch.device(device).type == "cuda"
-        engine_nccl = (
-            cuda
-            and getattr(self, "pynccl_comm", None) is not None
-            and "R2CCL_GPU_NCCL" not in os.environ
-        )
+        engine_nccl = engine_keeps_nccl(cuda, getattr(self, "pynccl_comm", None) is not None)
         comm = Communicator(
             self.cpu_group, device=device if cuda else None, own_nccl=False if engine_nccl else None
         )

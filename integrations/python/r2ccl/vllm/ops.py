@@ -6,12 +6,11 @@ serve, or of a dtype it does not reduce) take the vLLM class's own path."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from .. import _lib
-from .._tensors import engine_nccl_takes, movable
+from .._tensors import engine_keeps_nccl, engine_nccl_takes, movable
 from ..communicator import Communicator
 
 # Under "vllm", so that vLLM's logging configuration shows it.
@@ -38,9 +37,10 @@ class R2cclOps:
         self.r2ccl = None
         self.engine_nccl = False
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            own = None if device is None or "R2CCL_GPU_NCCL" in os.environ else not engine_nccl
-            self.r2ccl = Communicator(self.cpu_group, device=device, own_nccl=own)
-            self.engine_nccl = own is False
+            self.engine_nccl = engine_keeps_nccl(device is not None, engine_nccl)
+            self.r2ccl = Communicator(
+                self.cpu_group, device=device, own_nccl=False if self.engine_nccl else None
+            )
             logger.info(
                 "r2ccl: %s is rank %d of %d over libr2ccl %s%s",
                 self.unique_name, self.r2ccl.rank, self.r2ccl.world_size, _lib.library().path,

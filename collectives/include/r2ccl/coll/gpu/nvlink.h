@@ -232,9 +232,9 @@ class NvlinkComm {
   // send/recv's checks: a peer other than this rank, NCCL, device memory.
   Status point_to_point(const char* what, const void* buf, std::size_t count, int peer,
                         const char* name) const;
-  // Whether NCCL takes a call of `bytes` (its largest buffer) chosen automatically.
   // Why there is no NCCL communicator (for errors).
   std::string why_no_nccl() const;
+  // Whether NCCL takes a call of `bytes` (its largest buffer) chosen automatically.
   bool nccl_takes(std::size_t bytes) const {
     return nccl_ != nullptr && options_.nccl_min_bytes > 0 && bytes >= options_.nccl_min_bytes;
   }
