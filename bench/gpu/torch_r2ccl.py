@@ -304,6 +304,25 @@ def check_engine_nccl(rank: int, world: int, dev: torch.device, nccl) -> tuple[i
            "R2CCL_GPU_NCCL=0" in error and "point to point" in error)
     ops.destroy()
 
+    # Rank 0 alone has R2CCL_GPU_NCCL set: every rank keeps r2ccl's NCCL, and a large all-reduce
+    # goes r2ccl's way on every rank.
+    if rank == 0:
+        os.environ["R2CCL_GPU_NCCL"] = "1"
+    mixed = Ops(nccl)
+    mixed.cpu_group, mixed.world_size, mixed.rank_in_group = ops.cpu_group, world, rank
+    mixed.unique_name, mixed.device = "tp:0", dev
+    mixed._start_r2ccl(dev, engine_nccl=True)
+    os.environ.pop("R2CCL_GPU_NCCL", None)
+    expect("environments that differ agreed on", not mixed.engine_nccl)
+    x = values(ENGINE_NCCL_FROM // 2, rank, torch.bfloat16).to(dev)
+    want = TorchPath.all_reduce(mixed, x)
+    mixed.fallbacks = 0
+    got = mixed.all_reduce(x)
+    torch.cuda.synchronize()
+    expect("large all_reduce with environments that differ",
+           mixed.fallbacks == 0 and torch.equal(got, want))
+    mixed.destroy()
+
     # SGLang's hooks on a group that has SGLang's NCCL communicator (pynccl_comm).
     from r2ccl.sglang import hooks
 

@@ -61,11 +61,18 @@ def movable(t: torch.Tensor) -> bool:
 ENGINE_NCCL_FROM = 64 << 20
 
 
-def engine_keeps_nccl(cuda: bool, engine_has_nccl: bool) -> bool:
+def engine_keeps_nccl(cuda: bool, engine_has_nccl: bool, group) -> bool:
     """Whether an engine's communicator makes r2ccl's without NCCL (own_nccl=False) and keeps the
     calls NCCL would have taken: on CUDA, where the engine has an NCCL communicator for the group,
-    unless the user set R2CCL_GPU_NCCL."""
-    return cuda and engine_has_nccl and "R2CCL_GPU_NCCL" not in os.environ
+    unless the user set R2CCL_GPU_NCCL. Agreed over `group` (a CPU process group; every rank
+    calls it), so that every rank sends a call the same way even where their environments
+    differ."""
+    if not (cuda and engine_has_nccl):  # alike on every rank: the engine's class and platform
+        return False
+    torch = torch_module("engine_keeps_nccl agrees over a process group")
+    flag = torch.tensor([0 if "R2CCL_GPU_NCCL" in os.environ else 1], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def engine_nccl_takes(t: torch.Tensor) -> bool:

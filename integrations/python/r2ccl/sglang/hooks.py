@@ -41,7 +41,9 @@ def after_init(result, self, *args, **kwargs):
     if self.unique_name.startswith("tp") and self.world_size > 1:
         device = getattr(self, "device", None)
         cuda = _lib.library().cuda and device is not None and torch.device(device).type == "cuda"
-        engine_nccl = engine_keeps_nccl(cuda, getattr(self, "pynccl_comm", None) is not None)
+        engine_nccl = engine_keeps_nccl(
+            cuda, getattr(self, "pynccl_comm", None) is not None, self.cpu_group
+        )
         comm = Communicator(
             self.cpu_group, device=device if cuda else None, own_nccl=False if engine_nccl else None
         )

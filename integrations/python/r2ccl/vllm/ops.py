@@ -37,7 +37,7 @@ class R2cclOps:
         self.r2ccl = None
         self.engine_nccl = False
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            self.engine_nccl = engine_keeps_nccl(device is not None, engine_nccl)
+            self.engine_nccl = engine_keeps_nccl(device is not None, engine_nccl, self.cpu_group)
             self.r2ccl = Communicator(
                 self.cpu_group, device=device, own_nccl=False if self.engine_nccl else None
             )
