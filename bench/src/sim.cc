@@ -32,6 +32,7 @@ struct Setting {
   int failed_nodes = 1;
   std::vector<int> failed;  // --failed: these nodes instead of spreading failed_nodes
   double lost = 0;          // fraction of a failed node's NIC bandwidth lost
+  bool full = false;        // --full: simulate every rank, not one per node
 };
 
 // The cluster with the failed nodes spread over the job (0, nodes/f, 2 nodes/f, ...) and `lost`
@@ -70,7 +71,8 @@ Algo auto_choice(const CollDesc& d, const Network& net) {
 }
 
 Result<double> seconds(const Setting& s, Algo algo) {
-  auto r = simulate(cluster_of(s), allreduce_of(s), algo, s.plan_net ? &*s.plan_net : nullptr);
+  auto r =
+      simulate(cluster_of(s), allreduce_of(s), algo, s.plan_net ? &*s.plan_net : nullptr, !s.full);
   if (!r) return r.status();
   return r->seconds;
 }
@@ -324,6 +326,10 @@ int main(int argc, char** argv) {
                  "with --scale: simulate jobs of at most this many ranks (the plans of --algos)")
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--csv", csv, "write the grid or sweep as CSV to this file");
+  app.add_flag("--full", s.full,
+               "simulate every rank (by default, where a node's ranks run one plan turned by "
+               "their local index on the same rails, one rank per node is simulated and the "
+               "others take its times)");
   std::string plan_from;
   app.add_option("--plan-from", plan_from,
                  "make the plans from the table a real job agreed on (r2ccl-perf --json's "
@@ -412,20 +418,21 @@ int main(int argc, char** argv) {
   fmt::print("fault-free ring {:.6f} s, lower bound {:.6f} s ({:.4f}x); auto picks {}\n", t0, bound,
              bound / t0, algo_name(auto_choice(d, net)));
   fmt::print(
-      "| algorithm | simulated s | x fault-free | cost model s | messages | wall s |\n"
-      "|---|---|---|---|---|---|\n");
+      "| algorithm | simulated s | x fault-free | cost model s | messages | ranks simulated | "
+      "wall s |\n|---|---|---|---|---|---|---|\n");
   for (const auto& a : chosen) {
     const Algo algo = a ? *a : auto_choice(d, net);
     const auto w0 = std::chrono::steady_clock::now();
-    auto r = simulate(cl, d, algo, s.plan_net ? &*s.plan_net : nullptr);
+    auto r = simulate(cl, d, algo, s.plan_net ? &*s.plan_net : nullptr, !s.full);
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
     if (!r) {
       fmt::print(stderr, "r2ccl-sim: {}: {}\n", algo_name(algo), r.status().message());
       return 1;
     }
-    fmt::print("| {} | {:.6f} | {:.4f} | {:.6f} | {} | {:.2f} |\n", algo_name(algo), r->seconds,
-               r->seconds / t0, predict(s, algo), r->messages, wall);
+    fmt::print("| {} | {:.6f} | {:.4f} | {:.6f} | {} | {} | {:.2f} |\n", algo_name(algo),
+               r->seconds, r->seconds / t0, predict(s, algo), r->messages, cl.ranks() / r->folded,
+               wall);
   }
   return 0;
 }

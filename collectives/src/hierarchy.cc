@@ -119,6 +119,19 @@ Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int 
   return plan;
 }
 
+bool hierarchical_plans_rotate(const CollDesc& d, int nodes, int gpus, const Network* net) {
+  if (gpus < 1 || nodes < 1 || d.count % static_cast<std::size_t>(gpus) != 0) return false;
+  if (!net) return true;
+  const auto same = [&](const auto& v) {
+    if (v.empty()) return true;
+    if (v.size() != static_cast<std::size_t>(nodes) * static_cast<std::size_t>(gpus)) return false;
+    for (std::size_t r = 0; r < v.size(); ++r)
+      if (v[r] != v[r - r % static_cast<std::size_t>(gpus)]) return false;
+    return true;
+  };
+  return same(net->bandwidth) && same(net->rails_up);
+}
+
 double predict_hierarchical_seconds(Algo algo, const CollDesc& d, int nodes, int gpus,
                                     const Network& net, double intra_bps) {
   const std::size_t elem = type_size(d.type);

@@ -65,7 +65,8 @@ struct Message {
 // units its messages use (one per rail group, then inside a node). The steps each end posted are
 // in Sim::posted_.
 struct Channel {
-  int src = 0, dst = 0;
+  int src = 0, dst = 0;        // simulated ranks
+  int turn = 0;                // folded: the receiver is dst's rank `turn` local indices on
   std::uint32_t head_ord = 0;  // the message at pending[head]
   std::size_t head = 0;
   std::vector<Message> pending;
@@ -136,7 +137,13 @@ struct Event {
 class Sim {
  public:
   // Plans are added one rank at a time (kept in a compact form of their own), then run().
-  Sim(int ranks, const SimNetwork& net) : net_(net), p_(ranks) {
+  // `fold` > 1: simulated rank r stands for the ranks r * fold .. r * fold + fold - 1 of a node,
+  // each running r's plan turned by its local index (hierarchical_plans_rotate); r's plan is
+  // that of rank r * fold, its peers named as in the whole job, and `net` describes the
+  // simulated ranks. The max-min rates of such a job are the same at every rank of a node (they
+  // are unique, so they keep its symmetry), so the ranks a simulated one stands for move alike:
+  // a message to (node m, local q) is the simulated channel to m turned by q.
+  Sim(int ranks, const SimNetwork& net, int fold = 1) : net_(net), p_(ranks), fold_(fold) {
     ranks_.resize(static_cast<std::size_t>(ranks));
   }
   void add(int r, const Plan& plan) { prepare(r, plan); }
@@ -203,28 +210,44 @@ class Sim {
           if (const std::uint32_t at = lanes_[rs.lane0 + l].current; at != kNone)
             return Status(ErrorCode::kInternal,
                           fmt::format("the plans hang: rank {} waits in lane {} at phase {} of {}",
-                                      r, l, at + 1, rs.phases.size()));
+                                      r * fold_, l, at + 1, rs.phases.size()));
       }
       out.finish[static_cast<std::size_t>(r)] = rs.finish;
       out.seconds = std::max(out.seconds, rs.finish);
     }
-    out.messages = messages_;
-    out.bytes = bytes_;
+    if (fold_ > 1) {
+      std::vector<double> every;
+      every.reserve(out.finish.size() * static_cast<std::size_t>(fold_));
+      for (double f : out.finish)
+        every.insert(every.end(), static_cast<std::size_t>(fold_), f);
+      out.finish = std::move(every);
+    }
+    out.messages = messages_ * static_cast<std::uint64_t>(fold_);
+    out.bytes = bytes_ * fold_;
+    out.folded = fold_;
     return out;
   }
 
  private:
-  std::uint32_t channel(int src, int dst) {
-    const auto key = (static_cast<std::uint64_t>(src) << 32) | static_cast<std::uint32_t>(dst);
+  // The channel from simulated rank src to dst's rank `turn` local indices on.
+  std::uint32_t channel(int src, int dst, int turn) {
+    const auto key = ((static_cast<std::uint64_t>(src) * static_cast<std::uint64_t>(fold_) +
+                       static_cast<std::uint64_t>(turn))
+                      << 32) |
+                     static_cast<std::uint32_t>(dst);
     auto [it, fresh] = chan_index_.try_emplace(key, static_cast<std::uint32_t>(channels_.size()));
     if (fresh) {
       channels_.emplace_back();
       posted_.insert(posted_.end(), {0, 0});
       channels_.back().src = src;
       channels_.back().dst = dst;
+      channels_.back().turn = turn;
     }
     return it->second;
   }
+  // A channel's ends as ranks of the whole job (src's first rank and the one it sends to).
+  int job_src(const Channel& ch) const { return ch.src * fold_; }
+  int job_dst(const Channel& ch) const { return ch.dst * fold_ + ch.turn; }
 
   void prepare(int r, const Plan& plan) {
     auto& rs = ranks_[static_cast<std::size_t>(r)];
@@ -250,7 +273,11 @@ class Sim {
                          (is_send ? 1 : 0);
         auto [it, fresh] = pair_index.try_emplace(key, static_cast<std::uint32_t>(ends.size()));
         if (fresh) {
-          const std::uint32_t chan = is_send ? channel(r, s.peer) : channel(s.peer, r);
+          // Peer (m, q) of rank (r, 0): a send goes to m turned by q; a receive comes from the
+          // rank (m, 0) stands for whose message lands at (r, -q).
+          const int m = s.peer / fold_, q = s.peer % fold_;
+          const std::uint32_t chan =
+              is_send ? channel(r, m, q) : channel(m, r, (fold_ - q) % fold_);
           ends.push_back({chan * 2 + (is_send ? 1 : 0)});
         }
         End& e = ends[it->second];
@@ -338,10 +365,11 @@ class Sim {
           }
           if (m.sent && m.received) {
             if (m.send_bytes != m.recv_bytes)
-              return Status(ErrorCode::kInternal,
-                            fmt::format("the plans disagree: message {} from rank {} to {} is {} "
-                                        "bytes at the sender and {} at the receiver",
-                                        c.ord + 1, ch.src, ch.dst, m.send_bytes, m.recv_bytes));
+              return Status(
+                  ErrorCode::kInternal,
+                  fmt::format("the plans disagree: message {} from rank {} to {} is {} "
+                              "bytes at the sender and {} at the receiver",
+                              c.ord + 1, job_src(ch), job_dst(ch), m.send_bytes, m.recv_bytes));
             if (net_.latency_s > 0)
               events_.push({now_ + net_.latency_s, 0, {c.chan, c.ord}, 0, 0});
             else
@@ -463,8 +491,9 @@ class Sim {
         if (n > 0) break;
       }
       if (n == 0)
-        return Status(ErrorCode::kInvalidArgument,
-                      fmt::format("no rail is up at both rank {} and rank {}", ch.src, ch.dst));
+        return Status(
+            ErrorCode::kInvalidArgument,
+            fmt::format("no rail is up at both rank {} and rank {}", job_src(ch), job_dst(ch)));
     }
     flow_rate_[static_cast<std::size_t>(f)].rate = 0;
     flow_rate_[static_cast<std::size_t>(f)].units = n;
@@ -698,6 +727,7 @@ class Sim {
 
   const SimNetwork& net_;
   int p_;
+  int fold_ = 1;
   std::vector<RankState> ranks_;
   std::vector<LaneState> lanes_;  // every rank's, a rank's together
   std::vector<Channel> channels_;
@@ -788,16 +818,32 @@ Network Cluster::network() const {
   return net;
 }
 
-Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo,
-                           const Network* plan_net) {
+Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo, const Network* plan_net,
+                           bool fold) {
   const Network net = plan_net ? *plan_net : c.network();
-  const SimNetwork sn = c.sim_network();
-  Sim sim(c.ranks(), sn);
-  for (int r = 0; r < c.ranks(); ++r) {
+  SimNetwork sn = c.sim_network();
+  // One rank per node where the others run its plan turned and have the same rails.
+  bool rotate = fold && c.gpus > 1 && hierarchical_plans_rotate(d, c.nodes, c.gpus, &net);
+  for (int r = 0; r < c.ranks() && rotate; ++r)
+    rotate = sn.rail_bps[static_cast<std::size_t>(r)] ==
+             sn.rail_bps[static_cast<std::size_t>(r - r % c.gpus)];
+  const int step = rotate ? c.gpus : 1;
+  if (rotate) {
+    SimNetwork one = sn;
+    one.rail_bps.clear();
+    one.node.clear();
+    for (int n = 0; n < c.nodes; ++n) {
+      one.rail_bps.push_back(sn.rail_bps[static_cast<std::size_t>(n * c.gpus)]);
+      one.node.push_back(n);
+    }
+    sn = std::move(one);
+  }
+  Sim sim(c.ranks() / step, sn, step);
+  for (int r = 0; r < c.ranks(); r += step) {
     auto plan = c.gpus > 1 ? make_hierarchical_plan(d, r, c.nodes, c.gpus, algo, &net)
                            : make_plan(d, r, c.ranks(), algo, &net);
     if (!plan) return plan.status();
-    sim.add(r, *plan);
+    sim.add(r / step, *plan);
   }
   return sim.run();
 }

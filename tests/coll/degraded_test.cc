@@ -364,6 +364,116 @@ TEST(DegradedPlans, HierarchicalPlansPairUp) {
     }
 }
 
+// A node's ranks run its local rank 0's hierarchical plan turned by their local index, where the
+// shards are equal and every local index sees the same table: the same phases, sizes and rails,
+// each peer (m, q) as (m, q + local).
+TEST(DegradedPlans, HierarchicalPlansRotateWithTheLocalIndex) {
+  Cluster c;
+  c.nodes = 6;
+  c.gpus = 4;
+  c.nics = 4;
+  c.failed = {2};
+  c.lost_nics = 1;
+  const Network net = c.network();
+  for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted}) {
+    const CollDesc d = allreduce(4000);
+    ASSERT_TRUE(hierarchical_plans_rotate(d, c.nodes, c.gpus, &net));
+    auto plans = every_rank(
+        c.ranks(), [&](int r) { return make_hierarchical_plan(d, r, c.nodes, c.gpus, a, &net); });
+    ASSERT_TRUE(plans.is_ok()) << plans.status().message();
+    for (int r = 0; r < c.ranks(); ++r) {
+      const int local = r % c.gpus;
+      const Plan& mine = (*plans)[static_cast<std::size_t>(r)];
+      const Plan& first = (*plans)[static_cast<std::size_t>(r - local)];
+      const std::string what = fmt::format("{} rank {}", algo_name(a), r);
+      ASSERT_EQ(mine.phases.size(), first.phases.size()) << what;
+      for (std::size_t i = 0; i < mine.phases.size(); ++i) {
+        const Phase &x = mine.phases[i], &y = first.phases[i];
+        EXPECT_EQ(x.lane, y.lane) << what;
+        EXPECT_EQ(x.join, y.join) << what;
+        ASSERT_EQ(x.comm.size(), y.comm.size()) << what;
+        for (std::size_t j = 0; j < x.comm.size(); ++j) {
+          const Step &s = x.comm[j], &t = y.comm[j];
+          EXPECT_EQ(s.kind, t.kind) << what;
+          EXPECT_EQ(s.bytes, t.bytes) << what;
+          EXPECT_EQ(s.rails, t.rails) << what;
+          EXPECT_EQ(s.peer, t.peer - t.peer % c.gpus + (t.peer + local) % c.gpus) << what;
+        }
+        ASSERT_EQ(x.compute.size(), y.compute.size()) << what;
+        for (std::size_t j = 0; j < x.compute.size(); ++j)
+          EXPECT_EQ(x.compute[j].bytes, y.compute[j].bytes) << what;
+      }
+    }
+  }
+  // Unequal shards, or a rank that sees another table than its node's first: no rotation.
+  EXPECT_FALSE(hierarchical_plans_rotate(allreduce(4001), c.nodes, c.gpus, &net));
+  Network odd = net;
+  odd.bandwidth[5] /= 2;
+  EXPECT_FALSE(hierarchical_plans_rotate(allreduce(4000), c.nodes, c.gpus, &odd));
+  odd = net;
+  odd.rails_up[7] = 1;
+  EXPECT_FALSE(hierarchical_plans_rotate(allreduce(4000), c.nodes, c.gpus, &odd));
+}
+
+// Simulating one rank per node (the others take its times) gives the whole job's simulation:
+// every rank's finish, the messages and the bytes, for every plan, with NICs lost on several
+// nodes or every NIC slowed, with latency, across the grids' sizes; and where the ranks of a node
+// do not run turned plans it simulates every rank.
+TEST(Simulator, OneRankPerNodeGivesTheWholeJobsTimes) {
+  struct Shape {
+    int nodes, gpus;
+    std::vector<int> failed;
+    bool shaped;
+    double latency_s;
+  };
+  for (const Shape& sh : {Shape{6, 4, {2}, false, 5e-6}, Shape{9, 8, {4}, true, 0},
+                          Shape{70, 2, {0, 33}, false, 2e-6}}) {
+    Cluster c;
+    c.nodes = sh.nodes;
+    c.gpus = sh.gpus;
+    c.nics = 4;
+    c.failed = sh.failed;
+    c.shaped = sh.shaped;
+    c.slow = sh.shaped ? 0.6 : 1;
+    c.lost_nics = sh.shaped ? 0 : 2;
+    c.intra_bps = 1e11;
+    c.latency_s = sh.latency_s;
+    for (Algo a : {Algo::kBalance, Algo::kR2cc, Algo::kWeighted})
+      for (std::size_t count : {std::size_t{1} << 22, (std::size_t{1} << 22) + 1}) {
+        const CollDesc d = allreduce(count, DataType::kBF16);
+        const std::string what =
+            fmt::format("{}x{} {} count={}", sh.nodes, sh.gpus, algo_name(a), count);
+        auto one = simulate(c, d, a);
+        auto every = simulate(c, d, a, nullptr, false);
+        ASSERT_TRUE(one.is_ok()) << what << ": " << one.status().message();
+        ASSERT_TRUE(every.is_ok()) << what << ": " << every.status().message();
+        EXPECT_EQ(one->folded, count % static_cast<std::size_t>(sh.gpus) == 0 ? sh.gpus : 1)
+            << what;
+        EXPECT_EQ(every->folded, 1) << what;
+        EXPECT_EQ(one->messages, every->messages) << what;
+        EXPECT_NEAR(one->bytes, every->bytes, 1e-9 * every->bytes) << what;
+        EXPECT_NEAR(one->seconds, every->seconds, 1e-9 * every->seconds) << what;
+        ASSERT_EQ(one->finish.size(), every->finish.size()) << what;
+        for (std::size_t r = 0; r < every->finish.size(); ++r)
+          EXPECT_NEAR(one->finish[r], every->finish[r], 1e-9 * every->seconds)
+              << what << " rank " << r;
+      }
+  }
+  // The table the plans are made from differs at one rank of a node: every rank is simulated.
+  Cluster c;
+  c.nodes = 5;
+  c.gpus = 2;
+  c.failed = {1};
+  c.lost_nics = 2;
+  c.intra_bps = 1e11;
+  Network net = c.network();
+  net.bandwidth[3] *= 0.9;
+  const CollDesc d = allreduce(std::size_t{1} << 20, DataType::kBF16);
+  auto r = simulate(c, d, Algo::kWeighted, &net);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->folded, 1);
+}
+
 // Every rank's direct (one-shot) plan of a 1 MB `op` rooted at rank 0.
 std::vector<Plan> direct_plans(CollOp op, int p) {
   const CollDesc d{op, 1000000, DataType::kU8, RedOp::kSum, 0, false};

@@ -68,6 +68,10 @@ Result<Plan> make_hierarchical_plan(const CollDesc& d, int rank, int nodes, int 
 // predict_seconds on the slowest local index's ranks.
 double predict_hierarchical_seconds(Algo algo, const CollDesc& d, int nodes, int gpus,
                                     const Network& net, double intra_bps);
+// Whether every rank's hierarchical plan is its node's local rank 0's turned by its local index
+// (the same phases and sizes, each peer (node m, local q) becoming (m, q + local mod gpus)): so
+// where every local index has equal shards (gpus divides d.count) and sees the same table.
+bool hierarchical_plans_rotate(const CollDesc& d, int nodes, int gpus, const Network* net);
 
 // From this many ranks the weighted plan takes the form of a grid: the ranks at full speed
 // (within kDegradedBelow of the fastest) in about sqrt(n) rows of sqrt(n), each chunk

@@ -34,6 +34,7 @@ struct SimResult {
   std::vector<double> finish;  // per rank
   std::uint64_t messages = 0;
   double bytes = 0;  // over the NICs and inside nodes
+  int folded = 1;    // ranks each simulated rank stood for (simulate(Cluster) with fold)
 };
 
 Result<SimResult> simulate(const std::vector<Plan>& plans, const SimNetwork& net);
@@ -60,7 +61,11 @@ struct Cluster {
 // several ranks), run on c.sim_network().
 // `plan_net`: the table the plans are made from, where it differs from c.network() (what a real
 // job's ranks agreed on, to predict that job's own schedule).
+// `fold`: where every rank of a node runs its local rank 0's plan turned by its local index
+// (hierarchical_plans_rotate) on the same rails, only local rank 0 is simulated and the node's
+// other ranks take its times (the max-min rates keep that symmetry, so they are the times the
+// whole job's simulation gives, to rounding); SimResult::folded says whether it was.
 Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo,
-                           const Network* plan_net = nullptr);
+                           const Network* plan_net = nullptr, bool fold = true);
 
 }  // namespace r2ccl::coll
