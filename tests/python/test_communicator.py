@@ -350,6 +350,64 @@ def test_two_processes_from_a_gloo_group_or_the_environment(tmp_path, how):
         assert f"ok {rank} 2" in out, out
 
 
+AGREE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    from r2ccl import _lib, _tensors
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    lib = _lib.library()
+    # Per case: each rank's libr2ccl with CUDA, R2CCL_GPU_NCCL set, the engine's NCCL.
+    cases = [((1, 1), (0, 0), True), ((1, 0), (0, 0), True), ((0, 1), (0, 0), False),
+             ((1, 1), (1, 0), True), ((1, 1), (0, 1), True), ((1, 1), (0, 0), False)]
+    for cuda, env, engine in cases:
+        lib.cuda = bool(cuda[rank])
+        os.environ.pop("R2CCL_GPU_NCCL", None)
+        if env[rank]:
+            os.environ["R2CCL_GPU_NCCL"] = "1"
+        print("agreed", cuda, env, engine, _tensors.agree_on_cuda(True, engine, dist.group.WORLD))
+    # Off CUDA nothing is agreed: one rank alone asks, and the group stays in step.
+    if rank == 0:
+        print("off", _tensors.agree_on_cuda(False, True, dist.group.WORLD))
+    x = torch.tensor([rank + 1])
+    dist.all_reduce(x)
+    print("in step", int(x))
+    """
+)
+
+
+def test_engines_agree_whether_r2ccl_takes_cuda_tensors_and_keeps_nccl(tmp_path):
+    """r2ccl on an engine's GPU group: it takes the CUDA tensors only where every rank's libr2ccl
+    has CUDA, and leaves NCCL's calls to the engine only where no rank set R2CCL_GPU_NCCL; every
+    rank comes to the same answer even where their libraries or environments differ."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE_SCRIPT)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r2ccl_dir()), str(tmp_path / "store")],
+            env=dict(os.environ, RANK=str(rank)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    want = [
+        "agreed (1, 1) (0, 0) True (True, True)",
+        "agreed (1, 0) (0, 0) True (False, False)",
+        "agreed (0, 1) (0, 0) False (False, False)",
+        "agreed (1, 1) (1, 0) True (True, False)",
+        "agreed (1, 1) (0, 1) True (True, False)",
+        "agreed (1, 1) (0, 0) False (True, False)",
+    ]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out
+        lines = out.splitlines()
+        assert [line for line in lines if line.startswith("agreed")] == want, out
+        assert ("off (False, False)" in lines) == (rank == 0), out
+        assert "in step 3" in lines, out
+
+
 WITHOUT_TORCH_SCRIPT = textwrap.dedent(
     """
     import sys

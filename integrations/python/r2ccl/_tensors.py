@@ -61,18 +61,25 @@ def movable(t: torch.Tensor) -> bool:
 ENGINE_NCCL_FROM = 64 << 20
 
 
-def engine_keeps_nccl(cuda: bool, engine_has_nccl: bool, group) -> bool:
-    """Whether an engine's communicator makes r2ccl's without NCCL (own_nccl=False) and keeps the
-    calls NCCL would have taken: on CUDA, where the engine has an NCCL communicator for the group,
-    unless the user set R2CCL_GPU_NCCL. Agreed over `group` (a CPU process group; every rank
-    calls it), so that every rank sends a call the same way even where their environments
-    differ."""
-    if not (cuda and engine_has_nccl):  # alike on every rank: the engine's class and platform
-        return False
-    torch = torch_module("engine_keeps_nccl agrees over a process group")
-    flag = torch.tensor([0 if "R2CCL_GPU_NCCL" in os.environ else 1], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+def agree_on_cuda(on_cuda: bool, engine_has_nccl: bool, group) -> tuple[bool, bool]:
+    """For an engine's communicator of `group` (a CPU process group; every rank calls it), on a
+    CUDA device or not (alike on every rank: the engine's platform): whether r2ccl takes the
+    group's CUDA tensors (every rank's libr2ccl has CUDA; else r2ccl carries nothing of the
+    group's and stays out), and whether it is made without NCCL (own_nccl=False), leaving the
+    calls NCCL would have taken to the engine (the engine has an NCCL communicator for the group
+    and no rank set R2CCL_GPU_NCCL). Agreed over `group` (the least of every rank's), so that
+    every rank sends a call the same way even where their libraries or environments differ.
+    Off CUDA: (False, False), with nothing to agree."""
+    if not on_cuda:
+        return False, False
+    torch = torch_module("agree_on_cuda agrees over a process group")
+    flags = torch.tensor(
+        [1 if _lib.library().cuda else 0, 0 if "R2CCL_GPU_NCCL" in os.environ else 1],
+        dtype=torch.int32,
+    )
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+    cuda = bool(flags[0].item())
+    return cuda, cuda and engine_has_nccl and bool(flags[1].item())
 
 
 def engine_nccl_takes(t: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from .. import _lib
-from .._tensors import engine_keeps_nccl, engine_nccl_takes, movable
+from .._tensors import agree_on_cuda, engine_nccl_takes, movable
 from ..communicator import Communicator
 
 logger = logging.getLogger("sglang.r2ccl")
@@ -31,19 +31,27 @@ def _reducer(self, t: torch.Tensor) -> Communicator | None:
 
 
 def after_init(result, self, *args, **kwargs):
-    """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group; its
-    GPU side is set up on the group's CUDA device (before SGLang captures CUDA graphs) where
-    libr2ccl has CUDA. Where the group has SGLang's NCCL communicator (pynccl_comm), r2ccl opens
-    none of its own unless R2CCL_GPU_NCCL is set (about 770 MiB of GPU memory per GPU), and
-    all-reduces from 64 MiB stay SGLang's."""
+    """The tensor-parallel group gets an r2ccl communicator, bootstrapped over its gloo group; on
+    a CUDA device its GPU side is set up there (before SGLang captures CUDA graphs), and where
+    some rank's libr2ccl has no CUDA r2ccl stays out (it would carry nothing of the group's).
+    Where the group has SGLang's NCCL communicator (pynccl_comm), r2ccl opens none of its own
+    unless R2CCL_GPU_NCCL is set (about 770 MiB of GPU memory per GPU), and all-reduces from
+    64 MiB stay SGLang's."""
     setattr(self, ATTR, None)
     setattr(self, ENGINE_NCCL, False)
     if self.unique_name.startswith("tp") and self.world_size > 1:
         device = getattr(self, "device", None)
-        cuda = _lib.library().cuda and device is not None and torch.device(device).type == "cuda"
-        engine_nccl = engine_keeps_nccl(
-            cuda, getattr(self, "pynccl_comm", None) is not None, self.cpu_group
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        cuda, engine_nccl = agree_on_cuda(
+            on_cuda, getattr(self, "pynccl_comm", None) is not None, self.cpu_group
         )
+        if on_cuda and not cuda:
+            logger.warning(
+                "r2ccl: %s stays on SGLang's communicator: libr2ccl (here %s, CUDA %s) has no "
+                "CUDA on every rank, so it could carry none of the group's CUDA tensors",
+                self.unique_name, _lib.library().path, _lib.library().cuda,
+            )
+            return result
         comm = Communicator(
             self.cpu_group, device=device if cuda else None, own_nccl=False if engine_nccl else None
         )

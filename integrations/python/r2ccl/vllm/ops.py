@@ -10,7 +10,7 @@ import logging
 import torch
 
 from .. import _lib
-from .._tensors import engine_keeps_nccl, engine_nccl_takes, movable
+from .._tensors import agree_on_cuda, engine_nccl_takes, movable
 from ..communicator import Communicator
 
 # Under "vllm", so that vLLM's logging configuration shows it.
@@ -27,17 +27,25 @@ class R2cclOps:
     engine_nccl: bool = False
 
     def _start_r2ccl(self, device: torch.device | None = None, engine_nccl: bool = False) -> None:
-        """`device`: the GPU whose CUDA tensors r2ccl moves too (its GPU side set up now, before
-        vLLM captures CUDA graphs); None for host tensors only. `engine_nccl`: the engine's class
-        has an NCCL communicator for the group; then, unless R2CCL_GPU_NCCL is set, r2ccl opens
-        no second one (about 770 MiB of GPU memory per GPU), and device point to point and
-        all-reduces from 64 MiB (ENGINE_NCCL_FROM) take the engine's path."""
+        """`device`: the GPU whose CUDA tensors r2ccl moves (its GPU side set up now, before
+        vLLM captures CUDA graphs); None for host tensors only. On a GPU r2ccl stays out where
+        some rank's libr2ccl has no CUDA (it would carry nothing of the group's). `engine_nccl`:
+        the engine's class has an NCCL communicator for the group; then, unless R2CCL_GPU_NCCL is
+        set, r2ccl opens no second one (about 770 MiB of GPU memory per GPU), and device point to
+        point and all-reduces from 64 MiB (ENGINE_NCCL_FROM) take the engine's path."""
         # The tensor-parallel group's collectives are the ones r2ccl carries; vLLM's other groups
         # keep their communicator.
         self.r2ccl = None
         self.engine_nccl = False
         if self.world_size > 1 and self.unique_name.startswith("tp"):
-            self.engine_nccl = engine_keeps_nccl(device is not None, engine_nccl, self.cpu_group)
+            cuda, self.engine_nccl = agree_on_cuda(device is not None, engine_nccl, self.cpu_group)
+            if device is not None and not cuda:
+                logger.warning(
+                    "r2ccl: %s stays on vLLM's communicator: libr2ccl (here %s, CUDA %s) has no "
+                    "CUDA on every rank, so it could carry none of the group's CUDA tensors",
+                    self.unique_name, _lib.library().path, _lib.library().cuda,
+                )
+                return
             self.r2ccl = Communicator(
                 self.cpu_group, device=device, own_nccl=False if self.engine_nccl else None
             )
