@@ -24,7 +24,7 @@
 
 #include "r2ccl/coll/communicator.h"
 #include "r2ccl/coll/gpu/device.h"
-#include "r2ccl/coll/gpu/nvlink.h"
+#include "r2ccl/coll/gpu/node_comm.h"
 #include "r2ccl/coll/reduce.h"
 #include "r2ccl/coll/verify.h"
 #include "r2ccl/runtime/config.h"
@@ -47,7 +47,7 @@ struct Options {
   int graph_calls = 10;
   int device = -1;
   bool nccl = true;
-  // NvlinkComm::Options (--bench); "default": the library's defaults
+  // NodeComm::Options (--bench); "default": the library's defaults
   std::string low_latency = "default", one_shot = "default", nccl_min = "default";
   int blocks = 128, low_latency_blocks = 128;
   bool tune = true;
@@ -118,7 +118,7 @@ Status run_on(cudaStream_t s, bool graph, const std::function<Status()>& call) {
 }
 
 // `in` into `src`, then `call` on `s`, then the kernels' error word, then `dst` into `out`.
-Status round_trip(gpu::NvlinkComm& nv, cudaStream_t s, void* src, const std::vector<std::byte>& in,
+Status round_trip(gpu::NodeComm& nv, cudaStream_t s, void* src, const std::vector<std::byte>& in,
                   const void* dst, std::vector<std::byte>& out,
                   const std::function<Status()>& call) {
   R2CCL_RETURN_IF_ERROR(
@@ -128,7 +128,7 @@ Status round_trip(gpu::NvlinkComm& nv, cudaStream_t s, void* src, const std::vec
   R2CCL_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
   R2CCL_RETURN_IF_ERROR(call());
   R2CCL_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize"));
-  R2CCL_RETURN_IF_ERROR(nv.check());
+  R2CCL_RETURN_IF_ERROR(nv.synchronize());
   return cuda(cudaMemcpy(out.data(), dst, out.size(), cudaMemcpyDeviceToHost), "copy out");
 }
 
@@ -163,7 +163,7 @@ int verify(int me, const std::string& what, const std::vector<std::byte>& got,
 
 // 1 GiB and a few elements, float and bfloat16 sums, every algorithm: the largest size, checked
 // element by element (the values are small whole numbers, so every sum is exact).
-int check_large(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
+int check_large(Communicator& host, gpu::NodeComm& nv, cudaStream_t s, int& cases) {
   const int p = host.size(), me = host.rank();
   int wrong = 0;
   for (DataType t : {DataType::kF32, DataType::kBF16}) {
@@ -237,7 +237,7 @@ const char* op_name(Op op) {
 // All-gather, reduce-scatter, broadcast, reduce (root: the last rank) and send/recv round a ring,
 // every type (and reduction), sizes from 0 to several staging chunks, in place and out of place,
 // eager and from a CUDA graph; every element compared. Returns the cases wrong (-1: an error).
-int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const char* engine,
+int check_ops(Communicator& host, gpu::NodeComm& nv, cudaStream_t s, const char* engine,
               int& cases) {
   const int p = host.size(), me = host.rank(), root = p - 1;
   const int next = (me + 1) % p, prev = (me + p - 1) % p;
@@ -342,11 +342,11 @@ int check_ops(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const cha
 }
 
 // The low-latency flags across their wrap at 2^32 calls, the calls in between skipped
-// (NvlinkComm::skip_low_latency_calls): the lines that large calls wrote just after one refresh,
+// (NodeComm::skip_low_latency_calls): the lines that large calls wrote just after one refresh,
 // left alone by small calls through the next two refreshes and the wrap, must not pass for the
 // lines of the large calls 2^32 calls later, whose last rank starts 50 ms late (so the others
 // read their areas before it writes them). Both low-latency kernels; int32 sums.
-int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cases) {
+int check_wrap(Communicator& host, gpu::NodeComm& nv, cudaStream_t s, int& cases) {
   const int p = host.size(), me = host.rank();
   if (p < 2) return 0;
   constexpr std::uint64_t kPeriod = std::uint64_t{1} << 31;  // the refresh period
@@ -444,7 +444,7 @@ int check_wrap(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, int& cas
   return wrong;
 }
 
-int check(Communicator& host, gpu::NvlinkComm& nv, gpu::NvlinkComm* nccl, cudaStream_t s) {
+int check(Communicator& host, gpu::NodeComm& nv, gpu::NodeComm* nccl, cudaStream_t s) {
   const int p = host.size(), me = host.rank();
   const std::size_t chunked = (std::size_t{3} << 18) + 7;  // several 256 KiB staging chunks
   const std::size_t counts[] = {0, 1, 7, 1000, 8192 + 3, 65536 + 5, chunked};
@@ -563,7 +563,7 @@ r2ccl::Result<double> time_graph(cudaStream_t s, int calls, int iters,
   return static_cast<double>(ms) * 1e-3 / (static_cast<double>(iters) * calls);
 }
 
-int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options& o,
+int bench(Communicator& host, gpu::NodeComm& nv, cudaStream_t s, const Options& o,
           std::size_t min_bytes, std::size_t max_bytes) {
   const int p = host.size(), me = host.rank();
   ncclComm_t nc = nullptr;
@@ -621,7 +621,7 @@ int bench(Communicator& host, gpu::NvlinkComm& nv, cudaStream_t s, const Options
       auto r = time_graph(s, o.graph_calls, iters, [&] {
         return nv.all_reduce(buf.p, out.p, count, DataType::kBF16, RedOp::kSum, s, algos[k]);
       });
-      st = r ? nv.check() : r.status();
+      st = r ? nv.synchronize() : r.status();
       if (st) t[k] = *r;
     }
     double theirs = NAN;
@@ -688,7 +688,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto minb = r2ccl::parse_size(o.min_bytes), maxb = r2ccl::parse_size(o.max_bytes);
-  const gpu::NvlinkComm::Options defaults;
+  const gpu::NodeComm::Options defaults;
   auto size_or = [](const std::string& text, std::size_t fallback) {
     return text == "default" ? r2ccl::Result<std::size_t>(fallback) : r2ccl::parse_size(text);
   };
@@ -721,7 +721,7 @@ int main(int argc, char** argv) {
   (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   int rc = 0;
   if (o.check) {
-    gpu::NvlinkComm::Options small;
+    gpu::NodeComm::Options small;
     small.staging_bytes = std::size_t{256} << 10;  // so that the largest case takes several chunks
     small.low_latency_max = std::size_t{64} << 10;
     small.nccl_min_bytes = std::size_t{1} << 40;  // forced only
@@ -729,14 +729,14 @@ int main(int argc, char** argv) {
     small.share_gpu = o.share_gpu;
     small.blocks = o.blocks;
     small.low_latency_blocks = o.low_latency_blocks;
-    auto nv = gpu::NvlinkComm::create(**host, device, small);
+    auto nv = gpu::NodeComm::create(**host, device, small);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
       return 1;
     }
-    gpu::NvlinkComm::Options all_nccl = small;
+    gpu::NodeComm::Options all_nccl = small;
     all_nccl.nccl_min_bytes = 1;
-    auto nc = gpu::NvlinkComm::create(**host, device, all_nccl);
+    auto nc = gpu::NodeComm::create(**host, device, all_nccl);
     if (!nc) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nc.status().to_string());
       return 1;
@@ -746,7 +746,7 @@ int main(int argc, char** argv) {
     if (Status st = (*nv)->close(); !st) rc = 1;
   }
   if (o.bench && rc == 0) {
-    gpu::NvlinkComm::Options opts;
+    gpu::NodeComm::Options opts;
     opts.low_latency_max = *llmax;
     opts.one_shot_max = *oneshot;
     opts.blocks = o.blocks;
@@ -754,7 +754,7 @@ int main(int argc, char** argv) {
     opts.nccl_min_bytes = *ncclmin;
     opts.tune = o.tune;
     opts.share_gpu = o.share_gpu;
-    auto nv = gpu::NvlinkComm::create(**host, device, opts);
+    auto nv = gpu::NodeComm::create(**host, device, opts);
     if (!nv) {
       fmt::print(stderr, "r2ccl-gpu-perf: rank {}: {}\n", (*host)->rank(), nv.status().to_string());
       return 1;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "r2ccl/coll/gpu/device.h"
-#include "r2ccl/coll/gpu/nvlink.h"
+#include "r2ccl/coll/gpu/node_comm.h"
 #include "r2ccl/coll/gpu/staging.h"
 #include "r2ccl/coll/staged.h"
 #include "r2ccl/coll/two_level.h"
@@ -113,7 +113,7 @@ cudaStream_t cuda_stream(void* s) {
   return static_cast<cudaStream_t>(s);
 }
 
-// NVLink inside the node (gpu::NvlinkComm) or the rails staged through the host (StagedComm) as
+// NVLink inside the node (gpu::NodeComm) or the rails staged through the host (StagedComm) as
 // a level of TwoLevel.
 template <class C>
 class LevelOf final : public Level {
@@ -149,16 +149,16 @@ class LevelOf final : public Level {
   Status group_end() override { return c_.group_end(); }
 
  private:
-  // NvlinkComm takes CUDA's stream type, StagedComm the opaque one.
+  // NodeComm takes CUDA's stream type, StagedComm the opaque one.
   static auto stream_of(void* st) {
-    if constexpr (std::is_same_v<C, gpu::NvlinkComm>)
+    if constexpr (std::is_same_v<C, gpu::NodeComm>)
       return cuda_stream(st);
     else
       return st;
   }
   C& c_;
 };
-using NvlinkLevel = LevelOf<gpu::NvlinkComm>;
+using NvlinkLevel = LevelOf<gpu::NodeComm>;
 using StagedLevel = LevelOf<StagedComm>;
 
 // Device memory of the communicator's GPU for what a call holds between its levels, kept and
@@ -233,7 +233,7 @@ struct DeviceComm::Impl {
   // other nodes (`cross` on `across`). The other calls go over `staged`, flat.
   // (Declared first: `nv` uses `local` and goes before it.)
   std::unique_ptr<Communicator> local, across;
-  std::unique_ptr<gpu::NvlinkComm> nv;       // one node: NVLink
+  std::unique_ptr<gpu::NodeComm> nv;         // one node: NVLink
   std::unique_ptr<coll::StagedComm> staged;  // ranks on several nodes: over the rails
   std::unique_ptr<coll::StagedComm> cross;
   std::unique_ptr<NvlinkLevel> inside_level;
@@ -271,7 +271,7 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
                           what, impl_->device, device)};
     return Status::ok();
   }
-  // Every rank goes on to NvlinkComm::create, a collective, even where it has no device: it
+  // Every rank goes on to NodeComm::create, a collective, even where it has no device: it
   // fails there after telling the others, who then fail too instead of waiting.
   const Status here = gpu::available();
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -299,7 +299,7 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
     nvlink = path == "auto" && layout.nodes == 1;
   }
   impl_->device = device;
-  gpu::NvlinkComm::Options nv_options;
+  gpu::NodeComm::Options nv_options;
   nv_options.tune = host.config().gpu_tune;
   nv_options.nccl = host.config().gpu_nccl;
   if (!nvlink) {
@@ -321,7 +321,7 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
       if (!across) return across.status().with_context(what);
       impl_->local = std::move(*local);
       impl_->across = std::move(*across);
-      auto nv = gpu::NvlinkComm::create(*impl_->local, device, nv_options);
+      auto nv = gpu::NodeComm::create(*impl_->local, device, nv_options);
       if (!nv) return nv.status().with_context(fmt::format("{}: NVLink inside the node", what));
       impl_->nv = std::move(*nv);
       auto cross = coll::StagedComm::create(*impl_->across, *staging, options);
@@ -336,7 +336,7 @@ Status DeviceComm::bind(Communicator& host, int device, void* stream, const char
     }
     return Status::ok();
   }
-  auto made = gpu::NvlinkComm::create(host, device, nv_options);
+  auto made = gpu::NodeComm::create(host, device, nv_options);
   if (!made) return made.status().with_context(what);
   impl_->nv = std::move(*made);
   return Status::ok();

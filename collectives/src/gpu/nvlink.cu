@@ -1,4 +1,4 @@
-// The NVLink all-reduce kernel (nvlink.h says what it does). Every phase walks the same units
+// The NVLink all-reduce kernel (node_comm.h says what it does). Every phase walks the same units
 // (16-byte groups of elements) with the same (block, thread) mapping, so a thread block's barrier
 // with its peers' same-numbered blocks is enough: block b only ever reads what the peers' block b
 // wrote.

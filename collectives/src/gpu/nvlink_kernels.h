@@ -1,4 +1,4 @@
-// The NVLink all-reduce kernel's launcher (nvlink.cu), behind NvlinkComm (nvlink.cc). Private to
+// The NVLink all-reduce kernel's launcher (nvlink.cu), behind NodeComm (node_comm.cc). Private to
 // r2ccl_coll_gpu; C++17, as the kernels are compiled (collectives/CMakeLists.txt).
 #pragma once
 
@@ -48,7 +48,7 @@ __host__ __device__ constexpr bool low_latency_refresh(std::uint32_t flag) {
 
 // Host memory mapped into the device (cudaHostAllocMapped): what the host and the kernels tell
 // each other without a copy or a synchronisation.
-//   abort: set by the host (NvlinkComm::abort); every spin loop polls it and gives up
+//   abort: set by the host (NodeComm::abort); every spin loop polls it and gives up
 //   error:  0, or what made a kernel give up (kErrorAborted, or kErrorPeer | the dead word's rank)
 //   dead:   the value the host writes into the blocks' dead words (1 + this rank)
 struct NvlinkHostWords {

@@ -85,7 +85,7 @@ class CudaStaging final : public StagingDevice {
         "the staged path's wait kernel");
   }
 
-  // As NvlinkComm's order: eager calls after the last eager one; captured calls after the last
+  // As NodeComm's order: eager calls after the last eager one; captured calls after the last
   // of the same capture (a capture cannot wait for work outside it).
   Status begin(void* stream) override {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

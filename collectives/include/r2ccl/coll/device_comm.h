@@ -1,9 +1,9 @@
 // The GPU side of a communicator (coll/comm.h): device memory among the GPUs of one node (NVLink
-// through CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/nvlink.h), or, where
-// the ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned host
-// memory on the caller's stream (coll/staged.h), in two levels (coll/two_level.h) where the nodes
-// hold several GPUs each. No CUDA type appears here, so that its users compile the same with and
-// without CUDA: src/gpu/device_comm.cc serves it where the build has CUDA, and
+// through CUDA IPC, NCCL where it is faster and for point to point; coll/gpu/node_comm.h), or,
+// where the ranks span nodes (R2CCL_GPU_PATH), over the rails with the data staged through pinned
+// host memory on the caller's stream (coll/staged.h), in two levels (coll/two_level.h) where the
+// nodes hold several GPUs each. No CUDA type appears here, so that its users compile the same with
+// and without CUDA: src/gpu/device_comm.cc serves it where the build has CUDA, and
 // src/device_comm_none.cc says that it has none.
 #pragma once
 
@@ -61,7 +61,7 @@ class DeviceComm {
   Status error() const;
   // Fails the GPU side at once (every rank's calls give up and later ones are refused).
   void abort(const std::string& why);
-  // Closes the GPU side: a collective, like bind (nvlink.h, NvlinkComm::close). Calls after it are
+  // Closes the GPU side: a collective, like bind (node_comm.h, NodeComm::close). Calls after it are
   // refused; the destructor frees what is left.
   Status close();
 

@@ -15,7 +15,7 @@
 // that (TwoLevel::blocked) and goes flat otherwise. An average is not split in levels (each
 // level would divide by its own size): the caller goes flat for it.
 //
-// Nothing here knows CUDA: DeviceComm (device_comm.h) runs it over NvlinkComm and StagedComm,
+// Nothing here knows CUDA: DeviceComm (device_comm.h) runs it over NodeComm and StagedComm,
 // and the tests over host communicators.
 #pragma once
 

@@ -1,7 +1,7 @@
 // CUDA's StagingDevice, for StagedComm (device memory across nodes): pinned host memory mapped
 // into the device, copies with cudaMemcpyAsync, and the words written and awaited by one-thread
 // kernels on the caller's stream (capturable in a CUDA graph). The order of a communicator's
-// calls is an event chain, as NvlinkComm's. A captured call's description goes when its graph is
+// calls is an event chain, as NodeComm's. A captured call's description goes when its graph is
 // destroyed (a CUDA user object).
 #pragma once
 

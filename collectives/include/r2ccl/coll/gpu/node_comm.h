@@ -1,11 +1,12 @@
-// All-reduce among the GPUs of one node that can read each other's memory (NVLink, or PCIe peer
-// access), one process per GPU. Each rank allocates a staging area and a block of flags in device
-// memory once; the ranks exchange CUDA IPC handles over a host communicator and map each other's.
-// From then on an all-reduce is one kernel per chunk on the caller's stream: it copies the rank's
-// input into its staging area, meets the peers at a flag barrier (per thread block, flags that
-// count calls, so a CUDA graph replays it without a host step), reduces from every rank's staging
-// area in rank order (the same bits on every rank), and writes the result. Nothing is allocated
-// and nothing waits on the host per call.
+// NodeComm: the collectives of one node's GPUs that can read each other's memory (NVLink, or PCIe
+// peer access), one process per GPU, on r2ccl's kernels or, where it is faster, NCCL's. Each rank
+// allocates a staging area and a block of flags in device memory once; the ranks exchange CUDA
+// IPC handles over a host communicator and map each other's. From then on an all-reduce is one
+// kernel per chunk on the caller's stream: it copies the rank's input into its staging area,
+// meets the peers at a flag barrier (per thread block, flags that count calls, so a CUDA graph
+// replays it without a host step), reduces from every rank's staging area in rank order (the same
+// bits on every rank), and writes the result. Nothing is allocated and nothing waits on the host
+// per call.
 //
 //   low-latency: every rank writes its input into every peer's memory as (data, flag) pairs and
 //             reduces what arrives in its own; no barrier, no staging copy (the smallest
@@ -94,7 +95,7 @@ constexpr bool low_latency(NvlinkAlgo a) {
 // knows NCCL's interface and the library loads; otherwise why not.
 Status nccl_available();
 
-class NvlinkComm {
+class NodeComm {
  public:
   // kAuto's choice by size. With `tune` (the default), create() measures every algorithm at
   // every power of two from 8 KiB to 64 MiB on these GPUs (CUDA graphs of bf16 sums, the ranks'
@@ -131,13 +132,12 @@ class NvlinkComm {
   // Collective over `host` (every rank calls it, each with its own GPU `device`): allocates,
   // exchanges and opens the IPC handles. Errors name the rank and what failed (two ranks on one
   // GPU, GPUs that cannot map each other's memory, more than 8 ranks).
-  static Result<std::unique_ptr<NvlinkComm>> create(Communicator& host, int device,
-                                                    Options options);
-  static Result<std::unique_ptr<NvlinkComm>> create(Communicator& host, int device) {
+  static Result<std::unique_ptr<NodeComm>> create(Communicator& host, int device, Options options);
+  static Result<std::unique_ptr<NodeComm>> create(Communicator& host, int device) {
     return create(host, device, Options{});
   }
-  NvlinkComm(const NvlinkComm&) = delete;
-  NvlinkComm& operator=(const NvlinkComm&) = delete;
+  NodeComm(const NodeComm&) = delete;
+  NodeComm& operator=(const NodeComm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -186,7 +186,7 @@ class NvlinkComm {
   Status error() const;
   // Waits for this communicator's last eager call, then error(). Replays of a captured CUDA
   // graph are not tracked here: synchronize their streams first.
-  Status check() const;
+  Status synchronize() const;
 
   // For tests of the low-latency flags' wrap at 2^32 calls: waits for the last call, counts
   // `calls` more low-latency calls as if each had run and written no line, and gives the count
@@ -209,10 +209,10 @@ class NvlinkComm {
   // Where close() was not called: waits for the calls (at most 10 s), closes the mappings and
   // leaves this rank's memory allocated (freeing it without the barrier could free it under a
   // peer still writing into it).
-  ~NvlinkComm();
+  ~NodeComm();
 
  private:
-  NvlinkComm() = default;
+  NodeComm() = default;
   void unmap_peers();  // and NCCL's communicator
   void free_mine();
   void free_host_side();  // events and stream (the host words go with the object)

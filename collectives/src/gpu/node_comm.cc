@@ -1,4 +1,4 @@
-#include "r2ccl/coll/gpu/nvlink.h"
+#include "r2ccl/coll/gpu/node_comm.h"
 
 #include <fmt/format.h>
 
@@ -68,8 +68,8 @@ struct Card {
 
 }  // namespace
 
-Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int device,
-                                                       Options options) {
+Result<std::unique_ptr<NodeComm>> NodeComm::create(Communicator& host, int device,
+                                                   Options options) {
   const int p = host.size();
   if (p > kMaxNvlinkRanks)
     return Status(
@@ -87,7 +87,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   if (options.one_shot_max == 0)
     options.one_shot_max = p <= 2 ? std::size_t{32} << 20 : std::size_t{1} << 20;
   const CurrentDevice keep;  // the caller's device, as it was, on every way out
-  std::unique_ptr<NvlinkComm> c(new NvlinkComm());
+  std::unique_ptr<NodeComm> c(new NodeComm());
   c->host_ = &host;
   c->rank_ = host.rank();
   c->size_ = p;
@@ -225,7 +225,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
 #endif
   if (options.tune && p > 1) R2CCL_RETURN_IF_ERROR(c->tune());
   if (p > 1) {
-    NvlinkComm* self = c.get();
+    NodeComm* self = c.get();
     c->watchdog_ = std::thread([self] {
       (void)cudaSetDevice(self->device_);
       std::unique_lock lock(self->watchdog_mutex_);
@@ -246,7 +246,7 @@ Result<std::unique_ptr<NvlinkComm>> NvlinkComm::create(Communicator& host, int d
   return c;
 }
 
-void NvlinkComm::unmap_peers() {
+void NodeComm::unmap_peers() {
   std::lock_guard lock(failure_mutex_);  // abort() writes through the mappings
 #ifdef R2CCL_HAVE_NCCL
   if (nccl_) (void)(*detail::nccl())->CommDestroy(static_cast<ncclComm_t>(nccl_));
@@ -258,14 +258,14 @@ void NvlinkComm::unmap_peers() {
   peers_.fill(nullptr);
 }
 
-void NvlinkComm::free_mine() {
+void NodeComm::free_mine() {
   if (mine_) (void)cudaFree(mine_);
   if (counters_) (void)cudaFree(counters_);
   mine_ = nullptr;
   counters_ = nullptr;
 }
 
-void NvlinkComm::free_host_side() {
+void NodeComm::free_host_side() {
   if (last_) (void)cudaEventDestroy(last_);
   if (last_captured_) (void)cudaEventDestroy(last_captured_);
   if (side_) (void)cudaStreamDestroy(side_);
@@ -274,7 +274,7 @@ void NvlinkComm::free_host_side() {
   words_idle_ = true;  // no kernel reads them any more; error() may, until the destructor
 }
 
-void NvlinkComm::stop_watchdog() {
+void NodeComm::stop_watchdog() {
   {
     std::lock_guard lock(watchdog_mutex_);
     watchdog_stop_ = true;
@@ -283,7 +283,7 @@ void NvlinkComm::stop_watchdog() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-bool NvlinkComm::wait_idle(std::chrono::milliseconds limit) const {
+bool NodeComm::wait_idle(std::chrono::milliseconds limit) const {
   if (last_ == nullptr) return true;
   const auto deadline = std::chrono::steady_clock::now() + limit;
   for (;;) {
@@ -298,11 +298,11 @@ bool NvlinkComm::wait_idle(std::chrono::milliseconds limit) const {
   }
 }
 
-void NvlinkComm::abort(const std::string& why) {
+void NodeComm::abort(const std::string& why) {
   fail(why, /*tell_peers=*/true);
 }
 
-void NvlinkComm::fail(const std::string& why, bool tell_peers) {
+void NodeComm::fail(const std::string& why, bool tell_peers) {
   {
     std::lock_guard lock(failure_mutex_);
     if (failure_.is_ok()) failure_ = Status(ErrorCode::kAborted, why);
@@ -326,7 +326,7 @@ void NvlinkComm::fail(const std::string& why, bool tell_peers) {
   (void)cudaGetLastError();
 }
 
-void NvlinkComm::teardown_failed() {
+void NodeComm::teardown_failed() {
   // Kernels give up within microseconds of the abort word; where they did not, nothing they use
   // is touched. This rank's memory stays allocated: a peer may still write into it.
   if (!wait_idle(std::chrono::seconds(10))) {
@@ -341,7 +341,7 @@ void NvlinkComm::teardown_failed() {
   if (!exported_) free_mine();
 }
 
-NvlinkComm::~NvlinkComm() {
+NodeComm::~NodeComm() {
   stop_watchdog();
   const CurrentDevice keep;
   if (!closed_) {
@@ -360,7 +360,7 @@ NvlinkComm::~NvlinkComm() {
   if (words_ != nullptr && words_idle_) (void)cudaFreeHost(words_);
 }
 
-Status NvlinkComm::close() {
+Status NodeComm::close() {
   if (closed_) return Status::ok();
   const CurrentDevice keep;
   R2CCL_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "nvlink close: cudaSetDevice"));
@@ -394,7 +394,7 @@ Status NvlinkComm::close() {
   return b.with_context("nvlink close: the barrier before freeing");
 }
 
-Status NvlinkComm::error() const {
+Status NodeComm::error() const {
   {
     std::lock_guard lock(failure_mutex_);
     if (!failure_.is_ok()) return failure_;
@@ -413,16 +413,16 @@ Status NvlinkComm::error() const {
       fmt::format("nvlink: rank {}'s communicator was aborted; it cannot be used again", rank_)};
 }
 
-Status NvlinkComm::check() const {
+Status NodeComm::synchronize() const {
   if (last_ != nullptr)
     R2CCL_RETURN_IF_ERROR(
         cuda_status(cudaEventSynchronize(last_), "nvlink check: waiting for the last call"));
   return error();
 }
 
-Result<std::uint32_t> NvlinkComm::skip_low_latency_calls(std::uint32_t calls) {
+Result<std::uint32_t> NodeComm::skip_low_latency_calls(std::uint32_t calls) {
   std::lock_guard lock(order_mutex_);
-  R2CCL_RETURN_IF_ERROR(check());
+  R2CCL_RETURN_IF_ERROR(synchronize());
   if (counters_ == nullptr) return 0u;
   const CurrentDevice keep;
   R2CCL_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
@@ -456,7 +456,7 @@ Result<std::uint32_t> NvlinkComm::skip_low_latency_calls(std::uint32_t calls) {
 }
 
 template <class F>
-Status NvlinkComm::ordered(const char* what, cudaStream_t stream, F&& enqueue) {
+Status NodeComm::ordered(const char* what, cudaStream_t stream, F&& enqueue) {
   std::lock_guard lock(order_mutex_);
   R2CCL_RETURN_IF_ERROR(usable(what));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -494,14 +494,14 @@ Status NvlinkComm::ordered(const char* what, cudaStream_t stream, F&& enqueue) {
   return Status(ErrorCode::kInternal, fmt::format("{}: no NCCL in this build", what))
 #endif
 
-Status NvlinkComm::usable(const char* what) const {
+Status NodeComm::usable(const char* what) const {
   if (closed_)
     return {ErrorCode::kInvalidArgument, fmt::format("{}: the communicator is closed", what)};
   if (Status e = error(); !e) return e.with_context(what);
   return Status::ok();
 }
 
-Status NvlinkComm::device_buffer(const void* p, const char* what, const char* name) const {
+Status NodeComm::device_buffer(const void* p, const char* what, const char* name) const {
   const PointerInfo info = pointer_info(p);
   if (info.kind != MemoryKind::kDevice && info.kind != MemoryKind::kManaged)
     return {ErrorCode::kInvalidArgument,
@@ -510,7 +510,7 @@ Status NvlinkComm::device_buffer(const void* p, const char* what, const char* na
   return Status::ok();
 }
 
-void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
+void NodeComm::base_args(detail::NvlinkArgs& a) const {
   for (int r = 0; r < size_; ++r)
     a.block[r] = peers_[static_cast<std::size_t>(r)];
   a.counters = counters_;
@@ -522,13 +522,13 @@ void NvlinkComm::base_args(detail::NvlinkArgs& a) const {
   a.ll_bytes = 2 * options_.low_latency_max;
 }
 
-std::size_t NvlinkComm::low_latency_limit(NvlinkAlgo algo) const {
+std::size_t NodeComm::low_latency_limit(NvlinkAlgo algo) const {
   if (!low_latency(algo)) return 0;
   return detail::low_latency_bytes(2 * options_.low_latency_max, size_,
                                    algo == NvlinkAlgo::kLowLatencyTwoShot);
 }
 
-NvlinkAlgo NvlinkComm::choose(std::size_t bytes) const {
+NvlinkAlgo NodeComm::choose(std::size_t bytes) const {
   if (!table_.empty()) {
     for (const auto& [upto, algo] : table_)
       if (bytes <= upto) return algo;
@@ -571,7 +571,7 @@ double graph_seconds(cudaStream_t s, int calls, int replays, Call&& call) {
 
 }  // namespace
 
-Status NvlinkComm::tune() {
+Status NodeComm::tune() {
   constexpr std::size_t kSmallest = std::size_t{8} << 10, kLargest = std::size_t{64} << 20;
   const auto& algos = kNvlinkAlgos;
   constexpr std::size_t kAlgos = std::size(kNvlinkAlgos);
@@ -608,7 +608,7 @@ Status NvlinkComm::tune() {
     }
   }
   // A kernel that gave up on a peer spoils every time; the ranks still agree before failing.
-  const Status measured = all == 1 ? check() : Status::ok();
+  const Status measured = all == 1 ? synchronize() : Status::ok();
   if (!measured) std::fill(seconds.begin(), seconds.end(), std::numeric_limits<double>::infinity());
   if (s) (void)cudaStreamDestroy(s);
   if (buf) (void)cudaFree(buf);
@@ -635,8 +635,8 @@ Status NvlinkComm::tune() {
   return Status::ok();
 }
 
-Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
-                              RedOp op, cudaStream_t stream, NvlinkAlgo algo) {
+Status NodeComm::all_reduce(const void* send, void* recv, std::size_t count, DataType type,
+                            RedOp op, cudaStream_t stream, NvlinkAlgo algo) {
   const char* what = "nvlink all-reduce";
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
@@ -682,8 +682,8 @@ Status NvlinkComm::all_reduce(const void* send, void* recv, std::size_t count, D
   });
 }
 
-Status NvlinkComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
-                          int root, cudaStream_t stream) {
+Status NodeComm::reduce(const void* send, void* recv, std::size_t count, DataType type, RedOp op,
+                        int root, cudaStream_t stream) {
   const char* what = "nvlink reduce";
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
@@ -715,8 +715,8 @@ Status NvlinkComm::reduce(const void* send, void* recv, std::size_t count, DataT
   });
 }
 
-Status NvlinkComm::reduce_scatter(const void* send, void* recv, std::size_t recv_count,
-                                  DataType type, RedOp op, cudaStream_t stream) {
+Status NodeComm::reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType type,
+                                RedOp op, cudaStream_t stream) {
   const char* what = "nvlink reduce-scatter";
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (Status st = check_type_and_op(type, op); !st) return st.with_context(what);
@@ -747,8 +747,8 @@ Status NvlinkComm::reduce_scatter(const void* send, void* recv, std::size_t recv
   });
 }
 
-Status NvlinkComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
-                              cudaStream_t stream) {
+Status NodeComm::all_gather(const void* send, void* recv, std::size_t count, DataType type,
+                            cudaStream_t stream) {
   const char* what = "nvlink all-gather";
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (count == 0) return Status::ok();
@@ -773,8 +773,8 @@ Status NvlinkComm::all_gather(const void* send, void* recv, std::size_t count, D
   });
 }
 
-Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, DataType type,
-                             int root, cudaStream_t stream) {
+Status NodeComm::broadcast(const void* send, void* recv, std::size_t count, DataType type, int root,
+                           cudaStream_t stream) {
   const char* what = "nvlink broadcast";
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (root < 0 || root >= size_)
@@ -802,7 +802,7 @@ Status NvlinkComm::broadcast(const void* send, void* recv, std::size_t count, Da
   });
 }
 
-std::string NvlinkComm::why_no_nccl() const {
+std::string NodeComm::why_no_nccl() const {
   if (size_ == 1) return "NCCL is not used for one rank";
   if (options_.share_gpu) return "NCCL is not used where ranks share a GPU";
   if (!options_.nccl) return "NCCL is off on this rank (R2CCL_GPU_NCCL=0)";
@@ -810,8 +810,8 @@ std::string NvlinkComm::why_no_nccl() const {
   return "another rank has no NCCL (R2CCL_GPU_NCCL=0 there, or NCCL does not load)";
 }
 
-Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t count, int peer,
-                                  const char* name) const {
+Status NodeComm::point_to_point(const char* what, const void* buf, std::size_t count, int peer,
+                                const char* name) const {
   R2CCL_RETURN_IF_ERROR(usable(what));
   if (peer < 0 || peer >= size_ || peer == rank_)
     return {ErrorCode::kInvalidArgument,
@@ -825,26 +825,25 @@ Status NvlinkComm::point_to_point(const char* what, const void* buf, std::size_t
   return Status::ok();
 }
 
-Status NvlinkComm::send(const void* buf, std::size_t count, DataType type, int peer,
-                        cudaStream_t stream) {
+Status NodeComm::send(const void* buf, std::size_t count, DataType type, int peer,
+                      cudaStream_t stream) {
   R2CCL_RETURN_IF_ERROR(point_to_point("nvlink send", buf, count, peer, "send"));
   R2CCL_NCCL_CALL("nvlink send: ncclSend", Send, buf, count, detail::nccl_type(type), peer);
 }
 
-Status NvlinkComm::recv(void* buf, std::size_t count, DataType type, int peer,
-                        cudaStream_t stream) {
+Status NodeComm::recv(void* buf, std::size_t count, DataType type, int peer, cudaStream_t stream) {
   R2CCL_RETURN_IF_ERROR(point_to_point("nvlink recv", buf, count, peer, "receive"));
   R2CCL_NCCL_CALL("nvlink recv: ncclRecv", Recv, buf, count, detail::nccl_type(type), peer);
 }
 
-Status NvlinkComm::group_start() {
+Status NodeComm::group_start() {
 #ifdef R2CCL_HAVE_NCCL
   if (nccl_) return (*detail::nccl())->check((*detail::nccl())->GroupStart(), "ncclGroupStart");
 #endif
   return Status::ok();
 }
 
-Status NvlinkComm::group_end() {
+Status NodeComm::group_end() {
 #ifdef R2CCL_HAVE_NCCL
   if (nccl_) return (*detail::nccl())->check((*detail::nccl())->GroupEnd(), "ncclGroupEnd");
 #endif
