@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import queue
 import sys
+import time
 
 import torch
 import torch.multiprocessing as mp
+from ports import free_port
 
 CASES = {
     "r2ccl": {},
@@ -30,6 +32,7 @@ CASES = {
     "torch-nccl": {},
 }
 MIB = 1 << 20
+CASE_LIMIT_S = 300  # a case whose ranks have not all answered by then is a hang
 
 
 def free_bytes(dev: torch.device) -> tuple[int, int]:
@@ -77,19 +80,37 @@ def worker(rank: int, world: int, port: int, case: str, queue) -> None:
 
 
 def run(case: str, world: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Every rank's result of `case`; RuntimeError naming the rank where one fails or none has
+    answered within CASE_LIMIT_S (every rank is ended either way)."""
+    port = free_port()
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, case, queue)) for r in range(world)]
+    results_q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, case, results_q))
+             for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"{case}: a rank exited with {p.exitcode}")
+    results = []
+    deadline = time.monotonic() + CASE_LIMIT_S
+    try:
+        while len(results) < world:
+            try:
+                results.append(results_q.get(timeout=1))
+            except queue.Empty:
+                for rank, p in enumerate(procs):
+                    if p.exitcode not in (None, 0):
+                        raise RuntimeError(f"{case}: rank {rank} exited with {p.exitcode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{case}: {world - len(results)} rank(s) had not answered "
+                                       f"after {CASE_LIMIT_S} s")
+        for rank, p in enumerate(procs):
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"{case}: rank {rank} exited with {p.exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -110,7 +131,12 @@ def main() -> int:
     print(f"{'case':>18} {'taken':>10} {'after close':>12} right")
     rc = 0
     for case in args.cases:
-        results = run(case, world)
+        try:
+            results = run(case, world)
+        except RuntimeError as e:
+            print(f"{case:>18} failed: {e}")
+            rc = 1
+            continue
         taken = max(r["mib"] for r in results)
         left = max(r["left_after_close_mib"] for r in results)
         right = all(r["right"] for r in results)

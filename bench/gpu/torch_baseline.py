@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 
 def parse_size(text: str) -> int:
@@ -100,10 +100,7 @@ def main() -> int:
     if world < 2:
         print("torch_baseline.py: needs two GPUs; skipped")
         return 77
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, args), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), args), nprocs=world, join=True)
     return 0
 
 

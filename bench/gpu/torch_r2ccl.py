@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
+from ports import free_port
 from torch_baseline import parse_size, timed
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
@@ -430,11 +430,8 @@ def main() -> int:
     if gpus < 1 or world > gpus:
         print(f"torch_r2ccl.py: needs {max(world, 1)} GPUs, this machine has {gpus}; skipped")
         return 77
-    ports = []
-    for _ in range(2):  # r2ccl's bootstrap, and the gloo group of the engine check
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port()]  # r2ccl's bootstrap, and the gloo group of the engine check
+    ports.append(free_port(taken=tuple(ports)))
     args.gloo_port = ports[1]
     mp.spawn(worker, args=(world, ports[0], args), nprocs=world, join=True)
     return 0
