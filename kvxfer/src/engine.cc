@@ -1038,11 +1038,17 @@ Result<std::uint32_t> KvEngine::register_pool(const std::vector<std::span<std::b
   Impl::Pool pool;
   pool.buffers = buffers;
   pool.layout = layout;
-  for (const auto& b : buffers) {
-    R2CCL_ASSIGN_OR_RETURN(
-        auto region,
-        impl_->endpoint.register_memory(b.data(), b.size(), MemoryAccess::kRemoteWrite, memory));
-    pool.regions.push_back(region);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    auto region = impl_->endpoint.register_memory(buffers[i].data(), buffers[i].size(),
+                                                  MemoryAccess::kRemoteWrite, memory);
+    if (!region) {
+      // No buffer stays registered, and so writable by peers, without a pool to deregister it.
+      for (const auto& r : pool.regions)
+        (void)impl_->endpoint.deregister_memory(r);
+      return region.status().with_context(
+          fmt::format("register_pool: buffer {} of {}", i + 1, buffers.size()));
+    }
+    pool.regions.push_back(std::move(*region));
   }
   std::lock_guard lock(impl_->mu);
   impl_->pools.push_back(std::move(pool));

@@ -73,6 +73,20 @@ TEST(Config, GpuFlags) {
   EXPECT_NE(bad.status().message().find("0 or 1"), std::string::npos) << bad.status().message();
 }
 
+TEST(Config, MetricsAddressIsADottedQuad) {
+  auto c = parse_config(env_of({{"R2CCL_METRICS_ADDR", " 198.18.0.1 "}}));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->metrics_addr, "198.18.0.1");
+  for (const char* bad : {"198.18.0.1x", "198.18.0", "198.18.0.256", "198. 18.0.1", "localhost"}) {
+    auto b = parse_config(env_of({{"R2CCL_METRICS_ADDR", bad}}));
+    ASSERT_FALSE(b.is_ok()) << bad;
+    EXPECT_NE(b.status().message().find("R2CCL_METRICS_ADDR"), std::string::npos)
+        << b.status().message();
+    EXPECT_NE(b.status().message().find("an IPv4 address"), std::string::npos)
+        << b.status().message();
+  }
+}
+
 TEST(Config, TakesRankAndSizeFromMpirun) {
   auto c = parse_config(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
   ASSERT_TRUE(c.is_ok());
@@ -205,6 +219,17 @@ TEST(Config, ReferenceIsTheCodesTable) {
 
 // A peer that can make a line be logged (a refused connection) cannot flood the log: a call site
 // writes at most kBurst lines per window, and the next line after a pause counts those held back.
+// The first world's rank names the process's lines; a later one (a split) does not relabel them.
+TEST(Log, TheFirstRankClaimedNamesTheProcess) {
+  const int before = log_rank();
+  set_log_rank(-1);
+  EXPECT_TRUE(claim_log_rank(3));
+  EXPECT_EQ(log_rank(), 3);
+  EXPECT_FALSE(claim_log_rank(1));
+  EXPECT_EQ(log_rank(), 3);
+  set_log_rank(before);
+}
+
 TEST(LogLimiter, WritesABurstThenCountsWhatItHoldsBack) {
   LogLimiter limiter;
   const auto t0 = LogLimiter::Clock::time_point{} + std::chrono::hours(1);

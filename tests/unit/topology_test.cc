@@ -21,6 +21,18 @@
 namespace r2ccl {
 namespace {
 
+TEST(Topology, ParsesExactlyADottedQuad) {
+  using Quad = std::array<std::uint8_t, 4>;
+  EXPECT_EQ(parse_ipv4("198.18.0.1"), (Quad{198, 18, 0, 1}));
+  EXPECT_EQ(parse_ipv4("255.255.255.255"), (Quad{255, 255, 255, 255}));
+  EXPECT_EQ(parse_ipv4("0.0.0.0"), (Quad{0, 0, 0, 0}));
+  using namespace std::string_view_literals;
+  for (std::string_view bad : {" 1.2.3.4"sv, "1. 2.3.4"sv, "1.2.3.4 "sv, "1.2.3"sv, "1.2.3.4.5"sv,
+                               "256.1.1.1"sv, "+1.2.3.4"sv, "-1.2.3.4"sv, "1.2.3.4x"sv, ""sv,
+                               "1.2.3.4\0junk"sv, "1111111111111111111.2.3.4"sv})
+    EXPECT_FALSE(parse_ipv4(bad).has_value()) << bad;
+}
+
 TEST(Topology, FindsLoopbackWithItsAddress) {
   auto t = discover_topology();
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "r2ccl/runtime/topology.h"
+
 extern char** environ;  // NOLINT
 
 namespace r2ccl {
@@ -557,11 +559,7 @@ Status parse_services(const EnvReader& r, Config& c) {
   if (port) c.metrics_port = static_cast<std::uint16_t>(*port);
   if (auto v = r.get("R2CCL_METRICS_ADDR")) {
     const std::string a = trim(*v);
-    unsigned parts[4] = {};
-    char extra = 0;
-    if (std::sscanf(a.c_str(), "%u.%u.%u.%u%c", &parts[0], &parts[1], &parts[2], &parts[3],
-                    &extra) != 4 ||
-        std::any_of(std::begin(parts), std::end(parts), [](unsigned x) { return x > 255; }))
+    if (!parse_ipv4(a))
       return bad("R2CCL_METRICS_ADDR", *v, "an IPv4 address such as 127.0.0.1 or 0.0.0.0");
     c.metrics_addr = a;
   }

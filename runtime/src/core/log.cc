@@ -39,6 +39,13 @@ LogLevel log_level() {
 void set_log_rank(int rank) {
   g_rank.store(rank);
 }
+int log_rank() {
+  return g_rank.load();
+}
+bool claim_log_rank(int rank) {
+  int unset = -1;
+  return g_rank.compare_exchange_strong(unset, rank);
+}
 
 void set_log_sink(LogSink sink) {
   g_sink.store(sink);

@@ -51,17 +51,11 @@ Result<std::pair<std::array<std::uint8_t, 4>, std::uint16_t>> ipv4_port(const By
   ByteReader r(endpoint);
   const std::string host = r.str(64);
   const auto port = r.u16();
-  std::array<std::uint8_t, 4> a{};
-  unsigned b[4];
-  char tail = 0;
-  if (!r.finish("endpoint").is_ok() ||
-      std::sscanf(host.c_str(), "%u.%u.%u.%u%c", &b[0], &b[1], &b[2], &b[3], &tail) != 4 ||
-      b[0] > 255 || b[1] > 255 || b[2] > 255 || b[3] > 255)
+  const auto a = parse_ipv4(host);
+  if (!r.finish("endpoint").is_ok() || !a)
     return Status(ErrorCode::kInvalidArgument,
                   fmt::format("rail endpoint '{}' is not an IPv4 address", host));
-  for (int i = 0; i < 4; ++i)
-    a[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(b[i]);
-  return std::pair{a, port};
+  return std::pair{*a, port};
 }
 
 Result<EndpointInfo> decode_handle(std::span<const std::byte> bytes) {

@@ -10,6 +10,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <memory>
 
@@ -116,11 +118,22 @@ bool is_local_ipv4(const std::string& ip) {
 }
 
 bool looks_like_ipv4(const std::string& s) {
-  in_addr a{};
-  return inet_pton(AF_INET, s.c_str(), &a) == 1;
+  return parse_ipv4(s).has_value();
 }
 
 }  // namespace
+
+std::optional<std::array<std::uint8_t, 4>> parse_ipv4(std::string_view text) {
+  // inet_pton reads a C string: a NUL inside would end it early, and more than 15 characters
+  // cannot be an address.
+  if (text.size() > 15 || text.find('\0') != std::string_view::npos) return std::nullopt;
+  const std::string s(text);
+  in_addr a{};
+  if (inet_pton(AF_INET, s.c_str(), &a) != 1) return std::nullopt;
+  std::array<std::uint8_t, 4> out{};
+  std::memcpy(out.data(), &a.s_addr, out.size());  // network order: the first number first
+  return out;
+}
 
 Result<Topology> discover_topology() {
   Topology topo;

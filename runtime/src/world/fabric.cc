@@ -221,7 +221,7 @@ Result<std::unique_ptr<Fabric>> Fabric::create(const Config& config, const Boots
   std::unique_ptr<Fabric> f(new Fabric());
   f->config_ = config;
   set_log_level(config.log_level);
-  set_log_rank(boot.rank);
+  claim_log_rank(boot.rank);
   for (const auto& name : unknown_variables())
     R2CCL_WARN("unknown variable {} is ignored (a typo?)", name);
 

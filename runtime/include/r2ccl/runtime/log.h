@@ -18,6 +18,10 @@ void set_log_level(LogLevel level);
 LogLevel log_level();
 // Shown in every line ("r2ccl[rank 3]"); -1 before the rank is known.
 void set_log_rank(int rank);
+int log_rank();
+// The rank of the process's first world names its lines: sets it only while none is (a split's
+// communicator, or a second one, does not relabel them); whether it did.
+bool claim_log_rank(int rank);
 void log_write(LogLevel level, std::string_view message);
 // Where lines go instead of stderr (a host's logger, e.g. NCCL's for the network plugin); the
 // sink gets the level and the message alone. Null: stderr again. The sink must not log itself.

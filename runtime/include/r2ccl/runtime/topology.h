@@ -5,7 +5,11 @@
 // testbed's) have no PCI parent: their locality is unknown (-1 / empty).
 #pragma once
 
+#include <array>
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "r2ccl/runtime/status.h"
@@ -32,6 +36,10 @@ Result<Topology> discover_topology();
 
 // The IPv4 address of interface `name`, or an error naming it.
 Result<std::string> interface_ipv4(const std::string& name);
+
+// The four bytes of a dotted-quad IPv4 address ("198.18.0.1": exactly four decimal numbers up to
+// 255, nothing before, between or after them); nothing for anything else.
+std::optional<std::array<std::uint8_t, 4>> parse_ipv4(std::string_view text);
 
 // Every IPv4 address of this host's interfaces (in this network namespace), up or not; empty
 // when the interfaces cannot be read.
