@@ -5,6 +5,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "combine.h"
+
 // x86-64: the kernels are compiled twice, for the baseline and for AVX2 + F16C + FMA, and the
 // second is used when the CPU has those (checked once). The template kernels are inlined into
 // both entry points so each gets its own code.
@@ -20,38 +22,25 @@ namespace {
 struct Sum {
   template <class T>
   R2CCL_INLINE T operator()(T a, T b) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
+    return combine<RedOp::kSum>(a, b);
   }
 };
 struct Prod {
   template <class T>
   R2CCL_INLINE T operator()(T a, T b) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;
-      // Promote u8/u16 to unsigned int so the product cannot overflow a signed int.
-      using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
-      return static_cast<T>(
-          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
-    } else {
-      return a * b;
-    }
+    return combine<RedOp::kProd>(a, b);
   }
 };
 struct Min {
   template <class T>
   R2CCL_INLINE T operator()(T a, T b) const {
-    return b < a ? b : a;
+    return combine<RedOp::kMin>(a, b);
   }
 };
 struct Max {
   template <class T>
   R2CCL_INLINE T operator()(T a, T b) const {
-    return a < b ? b : a;
+    return combine<RedOp::kMax>(a, b);
   }
 };
 

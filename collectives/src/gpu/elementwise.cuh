@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../combine.h"
 #include "r2ccl/coll/types.h"
 
 namespace r2ccl::coll::gpu::detail {
@@ -46,31 +47,9 @@ __device__ __forceinline__ T narrow(typename Acc<T>::type x) {
     return x;
 }
 
-// Integers wrap around (two's complement), as on the host; u8 is widened so that its product
-// cannot overflow a signed int.
 template <RedOp Op, class A>
 __device__ __forceinline__ A apply(A a, A b) {
-  if constexpr (Op == RedOp::kSum || Op == RedOp::kAvg) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-    } else {
-      return a + b;
-    }
-  } else if constexpr (Op == RedOp::kProd) {
-    if constexpr (std::is_integral_v<A>) {
-      using U = std::make_unsigned_t<A>;
-      using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
-      return static_cast<A>(
-          static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
-    } else {
-      return a * b;
-    }
-  } else if constexpr (Op == RedOp::kMin) {
-    return b < a ? b : a;
-  } else {
-    return a < b ? b : a;
-  }
+  return combine<Op>(a, b);
 }
 
 template <class T>
