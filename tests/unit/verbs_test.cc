@@ -229,6 +229,28 @@ TEST_F(VerbsProviderTest, AWriteOutsideTheRegionIsRefusedAsABugAndTheRailFails) 
     ASSERT_EQ(b, std::byte{0});
 }
 
+// A source inside a large registration is found however many smaller ones were registered inside
+// it before the source's address (a pool, then buffers carved out of it and registered too).
+TEST_F(VerbsProviderTest, ASourceBehindManyNestedRegistrationsIsFound) {
+  constexpr std::size_t kNested = 100, kPiece = 64, kLen = 4096;
+  Bytes src = pattern(kNested * kPiece + kLen, 7);
+  Bytes dst(kLen, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  auto whole = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kLocal);
+  ASSERT_TRUE(key.is_ok() && whole.is_ok());
+  for (std::size_t i = 0; i < kNested; ++i)
+    ASSERT_TRUE(
+        a_->register_memory(0, src.data() + i * kPiece, kPiece, MemoryAccess::kLocal).is_ok());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  const std::byte* from = src.data() + kNested * kPiece;
+  auto st = engine_.call([&] { return rail_a_->post_write({from, kLen, *key, 0, 0, 1}); });
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == 1; }));
+  EXPECT_TRUE(std::equal(dst.begin(), dst.end(), from));
+}
+
 TEST_F(VerbsProviderTest, AnUnregisteredSourceIsAClearError) {
   Bytes dst(4096);
   auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);

@@ -174,9 +174,9 @@ struct VerbsDevice {
     std::lock_guard lock(mutex);
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     auto it = by_addr.upper_bound(a);
-    // Regions may nest or share a start: look back through the nearest few that start at or
-    // before `p`.
-    for (int n = 0; n < 64 && it != by_addr.begin(); ++n) {
+    // Regions may nest or share a start: look back through those that start at or before `p`,
+    // nearest first (a hit is usually the first; a miss, an error, looks at every one).
+    while (it != by_addr.begin()) {
       --it;
       if (a + len <= it->first + it->second.length) {
         ibv_sge sge{};
