@@ -440,6 +440,14 @@ Status Fabric::send_message(int peer, Service service, Bytes payload, bool contr
   w.u8(kUserOnControlPath)
       .u8(static_cast<std::uint8_t>(service))
       .raw(payload.data(), payload.size());
+  // The progress loop never waits on the control path's connection (a write to rank 0's relay
+  // can take seconds): from there the out-of-band sender's thread writes it.
+  if (endpoint_->engine().in_loop()) {
+    if (!out_of_band_->post(peer, w.take()))
+      return {ErrorCode::kUnavailable,
+              "message: the out-of-band control path is gone, or its queue is full"};
+    return Status::ok();
+  }
   return bootstrap_->send_to(peer, w.bytes());
 }
 

@@ -91,7 +91,10 @@ class Fabric {
   // every iwrite to that peer that completed before it was sent.
   // With `control_path`, it goes through rank 0's relay, and a copy on the rails (the receiver
   // takes one, in the order sent): it arrives even when no rail to the peer is left, or while
-  // the management network is silent (but not in order with the rail traffic).
+  // the management network is silent (but not in order with the rail traffic). Sent from the
+  // progress loop (a completion or a message handler), it is written by the out-of-band
+  // sender's thread, so that the loop never waits on the relay: kUnavailable when that path is
+  // gone or 256 messages wait for it.
   //
   // Messages are demultiplexed by service, each with its own handler, so that the KV engine and
   // the application (or the collectives) share the channels without taking each other's
