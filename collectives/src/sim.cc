@@ -829,9 +829,10 @@ Result<SimResult> simulate(const Cluster& c, const CollDesc& d, Algo algo, const
              sn.rail_bps[static_cast<std::size_t>(r - r % c.gpus)];
   const int step = rotate ? c.gpus : 1;
   if (rotate) {
-    SimNetwork one = sn;
-    one.rail_bps.clear();
-    one.node.clear();
+    SimNetwork one;
+    one.intra_bps = sn.intra_bps;
+    one.latency_s = sn.latency_s;
+    one.reduce_bps = sn.reduce_bps;
     for (int n = 0; n < c.nodes; ++n) {
       one.rail_bps.push_back(sn.rail_bps[static_cast<std::size_t>(n * c.gpus)]);
       one.node.push_back(n);
