@@ -229,6 +229,52 @@ TEST_F(VerbsProviderTest, AWriteOutsideTheRegionIsRefusedAsABugAndTheRailFails) 
     ASSERT_EQ(b, std::byte{0});
 }
 
+// Past the send queue, posts wait in the rail; once 64 MiB wait, one more is refused as
+// back-pressure (kNoResource, saying what is queued), and everything accepted still lands.
+// Empty writes fill the send queue, so that the 4 MiB ones all wait behind it.
+TEST_F(VerbsProviderTest, PostsBeyondTheQueueBoundAreRefusedAsBackPressure) {
+  constexpr std::size_t kFill = 256, kLen = std::size_t{4} << 20, kBig = 16;
+  Bytes src = pattern(kLen, 9);
+  Bytes dst((kBig + 1) * kLen, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  auto skey = a_->register_memory(0, src.data(), src.size(), MemoryAccess::kLocal);
+  ASSERT_TRUE(key.is_ok() && skey.is_ok());
+  auto r = open();
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  rail_a_ = *r;
+  std::size_t big = 0;
+  Status refused;
+  engine_.call([&] {
+    for (std::size_t i = 0; i < kFill; ++i)
+      ASSERT_TRUE(rail_a_->post_write({src.data(), 0, *key, 0, 0, i}).is_ok());
+    for (std::size_t i = 0; i <= kBig && refused.is_ok(); ++i) {
+      refused = rail_a_->post_write({src.data(), kLen, *key, i * kLen, 1, kFill + i});
+      if (refused.is_ok()) ++big;
+    }
+  });
+  ASSERT_FALSE(refused.is_ok()) << "every write was queued";
+  EXPECT_EQ(refused.code(), ErrorCode::kNoResource) << refused.to_string();
+  EXPECT_NE(refused.message().find("posts (67108864 bytes) queued behind its full send queue"),
+            std::string::npos)
+      << refused.message();
+  EXPECT_EQ(big, kBig);
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == kFill + big; }))
+      << a_events_.confirmed.size() << " of " << kFill + big;
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == kFill + big; }));
+  for (std::size_t i = 0; i < big; ++i)
+    ASSERT_TRUE(
+        std::equal(src.begin(), src.end(), dst.begin() + static_cast<std::ptrdiff_t>(i * kLen)))
+        << "write " << i;
+  // Drained: the rail takes posts again.
+  auto st = engine_.call([&] {
+    return rail_a_->post_write({src.data(), kLen, *key, big * kLen, 2, 9999});
+  });
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == kFill + big + 1; }));
+  EXPECT_TRUE(
+      std::equal(src.begin(), src.end(), dst.begin() + static_cast<std::ptrdiff_t>(big * kLen)));
+}
+
 // A source inside a large registration is found however many smaller ones were registered inside
 // it before the source's address (a pool, then buffers carved out of it and registered too).
 TEST_F(VerbsProviderTest, ASourceBehindManyNestedRegistrationsIsFound) {

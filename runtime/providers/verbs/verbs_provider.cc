@@ -363,6 +363,11 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     }
   }
 
+  // Back-pressure: past the send queue, posts wait here; one is refused (kNoResource) while this
+  // much waits already.
+  static constexpr std::size_t kMaxPendingBytes = std::size_t{64} << 20;
+  static constexpr std::size_t kMaxPendingPosts = 16384;
+
   Status post_write(const WriteRequest& w) override {
     if (fenced_) return {ErrorCode::kUnavailable, "rail is fenced"};
     auto sge = dev_->sge_of(w.src, w.length);
@@ -370,7 +375,8 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
       return {ErrorCode::kInvalidArgument,
               fmt::format("write source {} (+{} bytes) is not in memory registered on {}",
                           static_cast<const void*>(w.src), w.length, dev_->name)};
-    pending_.push_back(Pending{true, w, *sge, {}});
+    if (Status st = room_for(w.length, 1); !st) return st;
+    enqueue(Pending{true, w, *sge, {}});
     flush();
     return Status::ok();
   }
@@ -381,6 +387,9 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     if (message.size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
               fmt::format("control message of {} bytes exceeds {}", message.size(), kMaxControl)};
+    if (Status st = room_for(message.size(), (message.size() + kSlotPayload - 1) / kSlotPayload);
+        !st)
+      return st;
     std::size_t off = 0;
     do {
       const std::size_t n = std::min(kSlotPayload, message.size() - off);
@@ -412,6 +421,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     }
     events_ = nullptr;
     pending_.clear();
+    pending_bytes_ = 0;
     // Resources go once the completion handler (which holds a reference) has let go.
     if (fd_) {
       error_code ec;
@@ -445,6 +455,22 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
     ibv_sge sge{};
     Bytes slot;  // a control fragment, header included
   };
+
+  // kNoResource where `bytes` more in `posts` more entries would take the queue past its bounds
+  // (a single post larger than the bound is let into an empty queue).
+  Status room_for(std::size_t bytes, std::size_t posts) const {
+    if (pending_.empty()) return Status::ok();
+    if (pending_bytes_ + bytes <= kMaxPendingBytes && pending_.size() + posts <= kMaxPendingPosts)
+      return Status::ok();
+    return {ErrorCode::kNoResource,
+            fmt::format("rail {} has {} posts ({} bytes) queued behind its full send queue",
+                        describe_, pending_.size(), pending_bytes_)};
+  }
+  static std::size_t cost(const Pending& p) { return p.write ? p.w.length : p.slot.size(); }
+  void enqueue(Pending p) {
+    pending_bytes_ += cost(p);
+    pending_.push_back(std::move(p));
+  }
 
   Status fail_errno(const std::string& what) { return fail_code(what, errno); }
   Status fail_code(const std::string& what, int e) {
@@ -492,7 +518,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
         .u32(static_cast<std::uint32_t>(body.size()))
         .u64(cookie)
         .raw(body.data(), body.size());
-    pending_.push_back(Pending{false, {}, {}, w.take()});
+    enqueue(Pending{false, {}, {}, w.take()});
     flush();
   }
 
@@ -539,6 +565,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
         return;
       }
       ++sq_used_;
+      pending_bytes_ -= cost(p);
       pending_.pop_front();
     }
   }
@@ -698,6 +725,7 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   std::vector<WriteRequest> writes_;  // posted writes by index
   std::vector<std::uint32_t> free_writes_;
   std::deque<Pending> pending_;
+  std::size_t pending_bytes_ = 0;  // of the writes and control fragments in pending_
   std::uint32_t sq_used_ = 0;
   unsigned unacked_ = 0;
   QpInfo local_;
