@@ -967,7 +967,8 @@ KvEngine::~KvEngine() {
     return std::all_of(impl_->requests.begin(), impl_->requests.end(),
                        [](const auto& kv) { return kv.second.inflight == 0; });
   });
-  // Peers keep the metadata: from now on their writes into these pools are refused.
+  // Peers keep the metadata: from now on their writes into these pools are refused. A write
+  // still under way past the wait ends with its deregistration, and no rail reads its pool after.
   auto pools = std::move(impl_->pools);
   lock.unlock();
   for (auto& p : pools)

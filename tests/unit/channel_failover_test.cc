@@ -208,6 +208,61 @@ TEST_F(ChannelFailover, BackPressureHoldsChunksUntilTheRailHasRoomAndLosesNone) 
     EXPECT_NE(e.kind, "failed") << e.detail;
 }
 
+// A send whose region is deregistered mid-transfer ends at once with the reason, its chunks are
+// given to no rail again, and the peer's receive ends with the same reason instead of waiting
+// for its deadline.
+TEST_F(ChannelFailover, ASendWhoseRegionIsDeregisteredEndsAndSoDoesThePeersReceive) {
+  connect();
+  auto t = start_transfer(std::size_t{16} << 20);  // 256 chunks: most not yet posted
+  for (int i = 0; i < 40; ++i)
+    net_.step();
+  ASSERT_FALSE(t->send->done());
+  const std::string why = "region #7 was deregistered while the operation used it";
+  r0().channel->abandon_region(t->src_region->id, why);
+  ASSERT_TRUE(t->send->done());
+  EXPECT_EQ(t->send->status().code(), ErrorCode::kAborted);
+  EXPECT_EQ(t->send->status().message(), why);
+  std::uint64_t posted = 0;
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    posted += r0().rail(i).tx_chunks;
+  ASSERT_LT(posted, 256u);
+  ASSERT_TRUE(drive([&] { return t->recv->done(); }));
+  EXPECT_NE(t->recv->status().message().find(why), std::string::npos)
+      << t->recv->status().to_string();
+  net_.run();
+  std::uint64_t after = 0;
+  for (std::uint32_t i = 0; i < kRails; ++i)
+    after += r0().rail(i).tx_chunks;
+  EXPECT_EQ(after, posted) << "chunks of the abandoned send were posted after it ended";
+  // The channel carries the next transfer whole.
+  auto next = start_transfer(std::size_t{1} << 20);
+  ASSERT_TRUE(drive([&] { return next->done(); }));
+  EXPECT_TRUE(next->send->status().is_ok()) << next->send->status().to_string();
+  EXPECT_TRUE(next->intact());
+}
+
+// The same from the receiving side: its receive ends, and so does the peer's send.
+TEST_F(ChannelFailover, AReceiveWhoseRegionIsDeregisteredEndsAndSoDoesThePeersSend) {
+  connect();
+  auto t = start_transfer(std::size_t{4} << 20);
+  for (int i = 0; i < 40; ++i)
+    net_.step();
+  ASSERT_FALSE(t->recv->done());
+  const std::string why = "region #9 was deregistered while the operation used it";
+  r1().channel->abandon_region(t->dst_region->id, why);
+  ASSERT_TRUE(t->recv->done());
+  EXPECT_EQ(t->recv->status().code(), ErrorCode::kAborted);
+  EXPECT_EQ(t->recv->status().message(), why);
+  ASSERT_TRUE(drive([&] { return t->send->done(); }));
+  EXPECT_FALSE(t->send->status().is_ok());
+  EXPECT_NE(t->send->status().message().find(why), std::string::npos)
+      << t->send->status().to_string();
+  auto next = start_transfer(std::size_t{1} << 20);
+  ASSERT_TRUE(drive([&] { return next->done(); }));
+  EXPECT_TRUE(next->recv->status().is_ok()) << next->recv->status().to_string();
+  EXPECT_TRUE(next->intact());
+}
+
 // A peer's messages from any number of epochs ahead wait for their receives and sends here: a
 // legal program runs collectives ahead of a busy peer (its eager sends complete once queued), and
 // its next large message (request-to-send) or large receive (clear-to-send) is then hundreds of

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -177,6 +178,44 @@ TEST_F(TcpProviderTest, NoByteLandsInARegionAfterItsDeregistrationReturns) {
   std::lock_guard l(b_events_.m);
   for (const auto& why : b_events_.failed)
     EXPECT_NE(why.find("that a write was landing in was deregistered"), std::string::npos) << why;
+}
+
+// The sending side: a large write is queued from a region that is deregistered at once and then
+// unmapped. The rail still holding the write's frames is closed, saying why, before
+// deregister_memory returns: nothing reads the unmapped pages (which would crash), and every
+// byte that landed is the source's.
+TEST_F(TcpProviderTest, NoByteIsReadFromARegionAfterItsDeregistrationReturns) {
+  constexpr std::size_t kLen = std::size_t{48} << 20;
+  std::vector<std::byte> dst(kLen, std::byte{0});
+  auto key = b_->register_memory(0, dst.data(), dst.size(), MemoryAccess::kRemoteWrite);
+  ASSERT_TRUE(key.is_ok());
+  void* mapped = mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* src = static_cast<std::byte*>(mapped);
+  std::fill(src, src + kLen, std::byte{0x5a});
+  auto skey = a_->register_memory(0, src, kLen, MemoryAccess::kLocal);
+  ASSERT_TRUE(skey.is_ok());
+  auto r = open(token_of(7));
+  ASSERT_TRUE(r.is_ok());
+  rail_a_ = *r;
+  Status deregistered;
+  engine_.call([&] {  // on the loop: the frames are still queued when the deregistration comes
+    ASSERT_TRUE(rail_a_->post_write({src, kLen, *key, 0, 1, 1}).is_ok());
+    deregistered = a_->deregister_memory(0, *skey);
+  });
+  ASSERT_TRUE(deregistered.is_ok()) << deregistered.to_string();
+  ASSERT_EQ(munmap(mapped, kLen), 0);
+  ASSERT_TRUE(a_events_.wait([&] { return !a_events_.failed.empty(); }));
+  EXPECT_NE(a_events_.failed[0].find("that a write was being sent from was deregistered"),
+            std::string::npos)
+      << a_events_.failed[0];
+  EXPECT_TRUE(a_events_.confirmed.empty());
+  std::this_thread::sleep_for(milliseconds(200));  // what was on the wire lands, or not
+  std::lock_guard l(b_events_.m);
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0x5a}) +
+                std::count(dst.begin(), dst.end(), std::byte{0}),
+            static_cast<std::ptrdiff_t>(kLen));
+  EXPECT_TRUE(b_events_.arrived.empty());
 }
 
 // Least privilege: memory registered for local access (what is only sent from) has a key, but

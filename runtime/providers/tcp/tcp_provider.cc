@@ -13,6 +13,7 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -776,6 +777,24 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
 
  public:
   // Closes the rail if a receive is streaming into region `key`; loop thread.
+  // Closes the rail if a write queued on it, or being written, still reads from the region.
+  void close_if_sending_from(const std::byte* base, std::size_t length, std::uint64_t key,
+                             const std::string& device) {
+    if (closed_) return;
+    const auto begin = reinterpret_cast<std::uintptr_t>(base);
+    auto reads = [&](const OutFrame& f) {
+      const auto at = reinterpret_cast<std::uintptr_t>(f.payload);
+      return !f.owned && f.length > 0 && at >= begin && at - begin < length;
+    };
+    if (std::none_of(pending_.begin(), pending_.end(), reads) &&
+        !(writing_ && std::any_of(batch_.begin(), batch_.end(), reads)))
+      return;
+    fail({ErrorCode::kAborted,
+          fmt::format("rail {}: the region (key 0x{:x} on {}) that a write was being sent from "
+                      "was deregistered",
+                      description_, key, device)});
+  }
+
   void close_if_landing_in(std::uint64_t key, const std::string& device) {
     if (landing_key_ != key || closed_) return;
     fail({ErrorCode::kAborted,
@@ -914,21 +933,27 @@ class TcpProvider final : public Provider {
       return {ErrorCode::kInvalidArgument, fmt::format("no device {}", device)};
     auto& t = *state_[device]->keys;
     std::vector<std::shared_ptr<TcpRail>> rails;
+    KeyTable::Registration region;
     {
       std::lock_guard lock(t.mutex);
-      if (t.regions.erase(key) == 0)
+      auto it = t.regions.find(key);
+      if (it == t.regions.end())
         return {ErrorCode::kNotFound,
                 fmt::format("key 0x{:x} is not registered on {}", key, devices_[device].name)};
-      if (t.landing.count(key) == 0) return Status::ok();  // no write is streaming into it
+      region = it->second;
+      t.regions.erase(it);
       for (const auto& w : t.rails)
         if (auto r = w.lock()) rails.push_back(std::move(r));
     }
-    // Receives copy into memory only on the loop thread: once these rails are closed there, no
-    // byte reaches the region any more.
+    // Rails read sources and copy into memory only on the loop thread: once the rails still
+    // sending from the region, or landing a write in it, are closed there, the network neither
+    // reads nor writes it any more.
     const std::string device_name = devices_[device].name;
     engine_.call([&] {
-      for (auto& r : rails)
+      for (auto& r : rails) {
         r->close_if_landing_in(key, device_name);
+        r->close_if_sending_from(region.base, region.length, key, device_name);
+      }
     });
     return Status::ok();
   }

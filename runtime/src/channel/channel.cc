@@ -225,6 +225,40 @@ void Channel::on_peer_left(const std::string& why) {
   if (ctx_.on_gone) ctx_.on_gone(peer_, why);
 }
 
+void Channel::abandon_region(std::uint64_t region_id, const std::string& why) {
+  const Status status(ErrorCode::kAborted, why);
+  for (auto it = sends_.begin(); it != sends_.end();) {
+    if (!it->second.region || it->second.region->id != region_id) {
+      ++it;
+      continue;
+    }
+    const std::uint64_t seq = it->first;
+    auto op = it->second.op;
+    drop_send(it++);
+    if ((seq & ChunkImm::kOneSidedBit) == 0 && !dead_) {
+      ByteWriter w = control_writer(ControlType::kAbort);
+      w.u64(seq).str(why);
+      send_control(w.take());
+    }
+    op->complete(status);
+  }
+  for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
+    if (!it->second.region || it->second.region->id != region_id) {
+      ++it;
+      continue;
+    }
+    const std::uint64_t seq = it->second.seq;
+    auto op = it->second.op;
+    it = recv_slots_.erase(it);
+    if (!dead_) {
+      ByteWriter w = control_writer(ControlType::kAbortSend);
+      w.u64(seq).str(why);
+      send_control(w.take());
+    }
+    op->complete(status);
+  }
+}
+
 void Channel::fail_all(const Status& why) {
   failover_inflight_.clear();
   control_reorder_.clear();

@@ -140,6 +140,10 @@ class Channel {
   void on_control_path(Bytes message);
   // The peer left the control path: every operation with it fails now.
   void on_peer_left(const std::string& why);
+  // The sends and receives on region `region_id` end with `why` (kAborted): it is being
+  // deregistered, so no rail may read or write it for them again. The peer is told of each
+  // two-sided one, so that its side ends too, with the same reason.
+  void abandon_region(std::uint64_t region_id, const std::string& why);
 
   void snapshot(std::vector<RailSnapshot>& out) const;
   void telemetry_views(std::vector<RailTelemetryView>& out) const;

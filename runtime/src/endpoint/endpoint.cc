@@ -813,6 +813,15 @@ Result<RegionPtr> Endpoint::register_memory(void* base, std::size_t length, Memo
 
 Status Endpoint::deregister_memory(const RegionPtr& region) {
   if (!region) return {ErrorCode::kInvalidArgument, "deregister_memory: null region"};
+  // Operations still using it end first, so that no rail is given its bytes again; then the
+  // providers make sure none still reads or writes them.
+  const std::string why =
+      fmt::format("region #{} ({} bytes at {}) was deregistered while the operation used it",
+                  region->id, region->length, static_cast<const void*>(region->base));
+  engine_->call([&] {
+    for (auto& [slot_id, p] : peers_)
+      if (p) p->channel->abandon_region(region->id, why);
+  });
   return registry_->deregister_region(region->id);
 }
 
