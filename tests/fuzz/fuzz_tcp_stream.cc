@@ -1,9 +1,10 @@
 // The tcp provider's rail reader, fed by a real socket: each input is the byte stream an
 // authenticated peer sends after the handshake (the harness does the handshake with the job's
 // token, then writes the input and closes). The stream is read as records of a 40-byte frame
-// header and up to 64 KiB of payload; a header whose key is 1 is given the key of the registered
-// region, so that writes reach it. The rail may refuse writes or fail; it must not crash, it must
-// end when the peer closes, and no byte outside the registered region may change.
+// header (tcp/frame.h) and up to 64 KiB of payload; a header whose key is 1 is given the key of
+// the registered region, so that writes reach it, and one whose checksum is 0 its checksum. The
+// rail may refuse writes or fail; it must not crash, it must end when the peer closes, and no byte
+// outside the registered region may change.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -28,6 +29,7 @@
 #include "r2ccl/runtime/log.h"
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
+#include "tcp/frame.h"
 
 using namespace r2ccl;
 
@@ -65,11 +67,7 @@ struct State {
 State* g = nullptr;
 
 std::array<std::byte, kHeader> header(std::uint8_t op, std::uint64_t length) {
-  std::array<std::byte, kHeader> h{};
-  store_le(h.data(), std::uint16_t{0x3252});
-  store_le(h.data() + 2, op);
-  store_le(h.data() + 24, length);
-  return h;
+  return tcp_frame::encode({static_cast<tcp_frame::Op>(op), 0, 0, 0, 0, length, 0});
 }
 
 bool read_exact(int fd, void* p, std::size_t n) {
@@ -174,9 +172,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The input, with key 1 turned into the region's key.
   std::vector<std::uint8_t> stream(data, data + size);
   for (std::size_t pos = 0; pos + kHeader <= stream.size();) {
-    if (load_le(reinterpret_cast<const std::byte*>(&stream[pos + 8]), 8) == 1)
-      store_le(reinterpret_cast<std::byte*>(&stream[pos + 8]), g->key);
-    const auto length = load_le(reinterpret_cast<const std::byte*>(&stream[pos + 24]), 8);
+    auto* at = reinterpret_cast<std::byte*>(&stream[pos]);
+    if (load_le(at + 8, 8) == 1) store_le(at + 8, g->key);
+    // A checksum of 0 is filled in (so that the stream reaches what follows the check); any
+    // other is left as the input has it.
+    if (load_le(at + tcp_frame::kChecksumAt, 4) == 0) {
+      tcp_frame::HeaderBytes h;
+      std::memcpy(h.data(), at, kHeader);
+      store_le(at + tcp_frame::kChecksumAt, tcp_frame::checksum(h));
+    }
+    const auto length = load_le(at + 24, 4);
     pos += kHeader + static_cast<std::size_t>(std::min<std::uint64_t>(length, 64 * 1024));
   }
   (void)write_exact(fd, stream.data(), stream.size());

@@ -17,6 +17,7 @@
 #include "r2ccl/runtime/endpoint.h"
 #include "r2ccl/runtime/memory.h"
 #include "r2ccl/runtime/probe_protocol.h"
+#include "tcp/frame.h"
 
 using namespace r2ccl;
 namespace fs = std::filesystem;
@@ -81,15 +82,11 @@ void handshake() {
 
 Bytes tcp_frame(std::uint8_t op, std::uint64_t key, std::uint64_t offset, const Bytes& payload,
                 std::uint64_t cookie, std::uint8_t flags = 0) {
-  Bytes f(40);
-  store_le(f.data(), std::uint16_t{0x3252});
-  store_le(f.data() + 2, op);
-  store_le(f.data() + 3, flags);
-  store_le(f.data() + 4, std::uint32_t{7});
-  store_le(f.data() + 8, key);
-  store_le(f.data() + 16, offset);
-  store_le(f.data() + 24, static_cast<std::uint64_t>(payload.size()));
-  store_le(f.data() + 32, cookie);
+  // The harness gives key 1 the region's key, and a checksum of 0 its checksum: left 0 here.
+  const auto h = tcp_frame::encode(
+      {static_cast<tcp_frame::Op>(op), flags, 7, key, offset, payload.size(), cookie});
+  Bytes f(h.begin(), h.end());
+  store_le(f.data() + tcp_frame::kChecksumAt, std::uint32_t{0});
   f.insert(f.end(), payload.begin(), payload.end());
   return f;
 }

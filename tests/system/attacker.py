@@ -16,11 +16,34 @@ import socket
 import struct
 import time
 
-TCP_FRAME = struct.Struct("<HBBIQQQQ")  # magic, op, flags, imm, key, offset, length, cookie
+# magic, op, flags, imm, key, offset, length, CRC-32C of the rest, cookie (runtime/providers/tcp/frame.h)
+TCP_FRAME = struct.Struct("<HBBIQQIIQ")
 RAIL_MAGIC = 0x3252
 OP_HELLO = 1
 BOOTSTRAP_HEADER = struct.Struct("<IHHI")  # magic "R2BS", type, version, length
 PROBE = struct.Struct("<IBBHQQQIIQQ")  # the 56-byte probe datagram
+
+
+def _crc32c_table():
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC32C = _crc32c_table()
+
+
+def rail_header(op, length):
+    """A rail frame header with its checksum, so that the rail reads on to what it claims."""
+    h = TCP_FRAME.pack(RAIL_MAGIC, op, 0, 0, 0, 0, length, 0, 0)
+    crc = 0xFFFFFFFF
+    for b in h[:28] + h[32:]:
+        crc = CRC32C[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return h[:28] + struct.pack("<I", crc ^ 0xFFFFFFFF) + h[32:]
 
 
 def target(text):
@@ -59,7 +82,7 @@ def garbage(addr, counts):
 
 
 def oversized(addr, counts):
-    for header in (TCP_FRAME.pack(RAIL_MAGIC, OP_HELLO, 0, 0, 0, 0, 1 << 30, 0),
+    for header in (rail_header(OP_HELLO, 1 << 30),
                    BOOTSTRAP_HEADER.pack(0x53423252, 1, 2, 1 << 30)):
         s = connect(addr)
         if s is None:
@@ -81,7 +104,7 @@ def forged_hello(addr, counts):
     body += struct.pack("<I", 0)  # no description
     body += os.urandom(16) + os.urandom(32)  # a nonce and a forged MAC
     try:
-        s.sendall(TCP_FRAME.pack(RAIL_MAGIC, OP_HELLO, 0, 0, 0, 0, len(body), 0) + body)
+        s.sendall(rail_header(OP_HELLO, len(body)) + body)
         if read_some(s, 72) == b"":
             counts["hellos refused"] += 1
         else:

@@ -23,6 +23,7 @@
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "rail_recorder.h"
+#include "tcp/frame.h"
 
 namespace r2ccl {
 namespace {
@@ -308,18 +309,25 @@ class RawPeer {
   ~RawPeer() { ::close(fd_); }
   bool connected() const { return connected_; }
 
+  // A frame header (tcp/frame.h) with its checksum, or with the checksum off by one.
   static Bytes header(std::uint16_t magic, std::uint8_t op, std::uint64_t key, std::uint64_t offset,
-                      std::uint64_t length, std::uint64_t cookie = 0, std::uint32_t imm = 0) {
-    return ByteWriter()
-        .u16(magic)
-        .u8(op)
-        .u8(0)
-        .u32(imm)
-        .u64(key)
-        .u64(offset)
-        .u64(length)
-        .u64(cookie)
-        .take();
+                      std::uint32_t length, std::uint64_t cookie = 0, std::uint32_t imm = 0,
+                      bool corrupt = false) {
+    Bytes b = ByteWriter()
+                  .u16(magic)
+                  .u8(op)
+                  .u8(0)
+                  .u32(imm)
+                  .u64(key)
+                  .u64(offset)
+                  .u32(length)
+                  .u32(0)
+                  .u64(cookie)
+                  .take();
+    tcp_frame::HeaderBytes h;
+    std::copy(b.begin(), b.end(), h.begin());
+    store_le(b.data() + tcp_frame::kChecksumAt, tcp_frame::checksum(h) + (corrupt ? 1u : 0u));
+    return b;
   }
   void send(const Bytes& b) {
     ASSERT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
@@ -590,10 +598,24 @@ TEST_F(TcpProviderTest, AMalformedFrameClosesOnlyThatRail) {
   RawPeer s(b_->endpoint(0));
   s.hello(token_of(7));
   ASSERT_EQ(s.read_some(40 + kAckSize), 72);
-  s.send(RawPeer::header(0x3252, 6, 0, 0, 1ull << 40));
+  s.send(RawPeer::header(0x3252, 6, 0, 0, 0xffffffffu));
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 3; }));
-  EXPECT_NE(b_events_.failed[2].find("control message of 1099511627776 bytes"), std::string::npos)
+  EXPECT_NE(b_events_.failed[2].find("control message of 4294967295 bytes"), std::string::npos)
       << b_events_.failed[2];
+
+  // A header whose checksum does not match (corrupted on the way): nothing of it is acted on.
+  RawPeer c(b_->endpoint(0));
+  c.hello(token_of(7));
+  ASSERT_EQ(c.read_some(40 + kAckSize), 72);
+  Bytes corrupt = RawPeer::header(0x3252, 6, 0, 0, 4, 0, 0, true);
+  corrupt.resize(corrupt.size() + 4, std::byte{7});
+  c.send(corrupt);
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.failed.size() == 4; }));
+  EXPECT_NE(b_events_.failed[3].find("malformed frame: header checksum 0x"), std::string::npos)
+      << b_events_.failed[3];
+  EXPECT_NE(b_events_.failed[3].find("(the header was corrupted on the way)"), std::string::npos)
+      << b_events_.failed[3];
+  EXPECT_TRUE(b_events_.control.empty());
 
   // The well-behaved rail still works.
   ASSERT_TRUE(engine_
@@ -620,6 +642,42 @@ TEST_F(TcpProviderTest, ATruncatedFrameClosesThatRail) {
   EXPECT_NE(b_events_.failed[0].find("in the middle of a frame payload"), std::string::npos)
       << b_events_.failed[0];
   EXPECT_TRUE(b_events_.control.empty());
+}
+
+// The frame header round-trips, and flipping any one of its bits is caught by the checksum
+// (or, in the magic, by the magic): a corrupted header is never acted on.
+TEST(TcpFrame, EveryFlippedBitOfAHeaderIsCaught) {
+  const tcp_frame::Header h{
+      tcp_frame::Op::kWrite, 1, 0x1234, 0xfeedface12345678, 1 << 20, 65536, 42};
+  const auto bytes = tcp_frame::encode(h);
+  auto back = tcp_frame::decode(bytes);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->op, h.op);
+  EXPECT_EQ(back->flags, h.flags);
+  EXPECT_EQ(back->imm, h.imm);
+  EXPECT_EQ(back->key, h.key);
+  EXPECT_EQ(back->offset, h.offset);
+  EXPECT_EQ(back->length, h.length);
+  EXPECT_EQ(back->cookie, h.cookie);
+  // CRC-32C, as any other implementation computes it (bitwise, reflected 0x82F63B78).
+  std::uint32_t crc = 0xffffffff;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    if (i >= tcp_frame::kChecksumAt && i < tcp_frame::kChecksumAt + 4) continue;
+    crc ^= static_cast<std::uint8_t>(bytes[i]);
+    for (int k = 0; k < 8; ++k)
+      crc = (crc & 1) ? (crc >> 1) ^ 0x82F63B78u : crc >> 1;
+  }
+  EXPECT_EQ(load_le(bytes.data() + tcp_frame::kChecksumAt, 4), crc ^ 0xffffffffu);
+  for (std::size_t bit = 0; bit < bytes.size() * 8; ++bit) {
+    auto flipped = bytes;
+    flipped[bit / 8] ^= static_cast<std::byte>(1u << (bit % 8));
+    auto r = tcp_frame::decode(flipped);
+    ASSERT_FALSE(r.is_ok()) << "bit " << bit;
+    EXPECT_EQ(r.status().code(), ErrorCode::kProtocol);
+    EXPECT_NE(r.status().message().find(bit < 16 ? "bad magic" : "header checksum"),
+              std::string::npos)
+        << r.status().message();
+  }
 }
 
 TEST(TcpProvider, NeedsANicAndAValidAddress) {

@@ -1,8 +1,7 @@
 // The tcp provider on Boost.Asio.
 //
-// Wire format: every frame starts with a 40-byte little-endian header
-//   u16 magic "R2" | u8 op | u8 flags | u32 imm | u64 key | u64 offset | u64 length | u64 cookie
-// followed by `length` payload bytes for WRITE, WRITE_NACK (reason text), CONTROL and HELLO.
+// Wire format: every frame starts with a 40-byte header with a checksum (tcp/frame.h), followed
+// by `length` payload bytes for WRITE, WRITE_NACK (reason text), CONTROL and HELLO.
 // A write travels as fragments of at most 256 KiB (flag 1: more follow), each bounds-checked on
 // its own; the receiver reports and acknowledges the write after its last fragment.
 // A WRITE is read straight into the registered region it names after a bounds check; the
@@ -29,6 +28,7 @@
 #include "r2ccl/runtime/provider/progress.h"
 #include "r2ccl/runtime/provider/provider.h"
 #include "r2ccl/runtime/topology.h"
+#include "tcp/frame.h"
 
 namespace r2ccl {
 namespace {
@@ -37,8 +37,6 @@ namespace asio = boost::asio;
 using asio::ip::tcp;
 using boost::system::error_code;
 
-constexpr std::uint16_t kFrameMagic = 0x3252;  // "R2"
-constexpr std::size_t kHeaderSize = 40;
 constexpr std::uint64_t kMaxWrite = 256ull << 20;
 constexpr std::uint64_t kMaxControl = 1u << 20;
 constexpr std::uint64_t kMaxNackText = 4096;
@@ -56,58 +54,12 @@ constexpr std::size_t kMaxSend = 16u << 20;    // bytes offered to one send call
 constexpr std::size_t kMaxDelayedAcks = 64;    // control acks that wait for company at most
 constexpr std::size_t kStreamFrames = 16;  // frames after a write that are read header by header
 
-enum class FrameOp : std::uint8_t {
-  kHello = 1,
-  kHelloAck = 2,
-  kWrite = 3,
-  kWriteAck = 4,
-  kWriteNack = 5,
-  kControl = 6,
-  kChallenge = 7,  // the acceptor's first frame: the handshake's nonce (common/handshake.h)
-};
-
-struct FrameHeader {
-  FrameOp op{};
-  std::uint8_t flags = 0;
-  std::uint32_t imm = 0;
-  std::uint64_t key = 0;
-  std::uint64_t offset = 0;
-  std::uint64_t length = 0;
-  std::uint64_t cookie = 0;
-};
-using HeaderBytes = std::array<std::byte, kHeaderSize>;
-
-// Header layout: magic u16, op u8, flags u8, imm u32, key, offset, length, cookie (u64 each),
-// little-endian.
-HeaderBytes encode(const FrameHeader& h) {
-  HeaderBytes out;
-  std::byte* p = out.data();
-  store_le(p, kFrameMagic);
-  store_le(p + 2, static_cast<std::uint8_t>(h.op));
-  store_le(p + 3, h.flags);
-  store_le(p + 4, h.imm);
-  store_le(p + 8, h.key);
-  store_le(p + 16, h.offset);
-  store_le(p + 24, h.length);
-  store_le(p + 32, h.cookie);
-  return out;
-}
-
-Result<FrameHeader> decode(const HeaderBytes& b) {
-  const std::byte* p = b.data();
-  const auto magic = static_cast<std::uint16_t>(load_le(p, 2));
-  if (magic != kFrameMagic)
-    return Status(ErrorCode::kProtocol, fmt::format("malformed frame: bad magic 0x{:04x}", magic));
-  FrameHeader h;
-  h.op = static_cast<FrameOp>(load_le(p + 2, 1));
-  h.flags = static_cast<std::uint8_t>(load_le(p + 3, 1));
-  h.imm = static_cast<std::uint32_t>(load_le(p + 4, 4));
-  h.key = load_le(p + 8, 8);
-  h.offset = load_le(p + 16, 8);
-  h.length = load_le(p + 24, 8);
-  h.cookie = load_le(p + 32, 8);
-  return h;
-}
+using tcp_frame::decode;
+using tcp_frame::encode;
+using tcp_frame::HeaderBytes;
+using tcp_frame::kHeaderSize;
+using FrameOp = tcp_frame::Op;
+using FrameHeader = tcp_frame::Header;
 
 class TcpRail;
 
