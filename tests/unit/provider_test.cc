@@ -335,6 +335,10 @@ class RawPeer {
   // Reads the acceptor's challenge and answers it with a hello made with token `t`.
   void hello(const Token& t) {
     ASSERT_EQ(read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
+    send(hello_frame(t));
+  }
+  // The hello answering the challenge last read.
+  Bytes hello_frame(const Token& t) {
     crypto::Nonce challenge{};
     std::memcpy(challenge.data(), last_.data() + 40, challenge.size());
     RailHello h;
@@ -342,10 +346,14 @@ class RawPeer {
     h.dst_incarnation = 1;
     crypto::Nonce client{};
     auto payload = encode_hello(h, challenge, &client);
-    ASSERT_TRUE(payload.is_ok());
-    Bytes frame = header(0x3252, 1, 0, 0, payload->size());
+    if (!payload) return {};
+    Bytes frame = header(0x3252, 1, 0, 0, static_cast<std::uint32_t>(payload->size()));
     frame.insert(frame.end(), payload->begin(), payload->end());
-    send(frame);
+    return frame;
+  }
+  // Sends what the socket takes; false where the peer closed it.
+  bool try_send(const Bytes& b) {
+    return ::send(fd_, b.data(), b.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(b.size());
   }
   // Bytes read until EOF, reset or `want` bytes (kept in last_); -1 on timeout.
   ssize_t read_some(std::size_t want) {
@@ -384,6 +392,24 @@ TEST_F(TcpProviderTest, AConnectionWithoutTheTokenIsDropped) {
   // The challenge, then the connection closes.
   EXPECT_EQ(q.read_some(40 + kChallengeSize + 1), static_cast<ssize_t>(40 + kChallengeSize));
   EXPECT_EQ(b_->counters().dropped_connections, 2u);
+}
+
+// A provider destroyed while a connection is half way through its handshake ends that handshake:
+// the right hello arriving afterwards is answered by nothing (the handshake's handlers capture
+// the provider, so they must not run on), and the connection is closed.
+TEST_F(TcpProviderTest, AHandshakeUnderWayEndsWithItsProvider) {
+  RawPeer p(b_->endpoint(0));
+  ASSERT_EQ(p.read_some(40 + kChallengeSize), static_cast<ssize_t>(40 + kChallengeSize));
+  const Bytes hello = p.hello_frame(token_of(7));
+  ASSERT_FALSE(hello.empty());
+  b_.reset();
+  (void)p.try_send(hello);
+  EXPECT_EQ(p.read_some(40 + kAckSize), 0);  // closed, no reply
+  EXPECT_TRUE(accepted_.empty());
+  // The loop runs on, and the other provider still works.
+  std::atomic<bool> ran{false};
+  engine_.call([&] { ran = true; });
+  EXPECT_TRUE(ran);
 }
 
 // Whoever reaches a rail port cannot pin its file descriptors: one source holds at most 16

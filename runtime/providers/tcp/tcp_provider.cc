@@ -822,6 +822,17 @@ class TcpProvider final : public Provider {
 
   ~TcpProvider() override {
     engine_.call([this] {
+      // Handshakes still under way end here: their handlers see `done` and touch nothing more
+      // (they capture this provider).
+      for (auto& w : handshakes_)
+        if (auto hs = w.lock()) {
+          error_code ec;
+          hs->done = true;
+          pending_->settle(hs.get());
+          hs->timer.cancel();
+          hs->socket.close(ec);
+        }
+      handshakes_.clear();
       for (auto& d : state_) {
         error_code ec;
         d->acceptor.close(ec);
@@ -993,6 +1004,7 @@ class TcpProvider final : public Provider {
           Status(ErrorCode::kNetwork, fmt::format("cannot bind a rail socket to {} ({}): {}",
                                                   nic.name, nic.address, ec.message())));
     auto hs = std::make_shared<Handshake>(engine_.io(), std::move(s));
+    remember(hs);
     const std::string what = fmt::format("rail {} from {} ({}) to {}:{}", hello.rail, nic.name,
                                          nic.address, ep.address().to_string(), ep.port());
     auto finish = std::make_shared<ConnectHandler>(std::move(handler));
@@ -1056,6 +1068,12 @@ class TcpProvider final : public Provider {
     });
   }
 
+  // Handshakes under way, for ~TcpProvider to end (loop thread).
+  void remember(const std::shared_ptr<Handshake>& hs) {
+    std::erase_if(handshakes_, [](const auto& w) { return w.expired(); });
+    handshakes_.push_back(hs);
+  }
+
   void accept(std::size_t device) {
     auto& d = *state_[device];
     d.acceptor.async_accept([this, device](error_code ec, tcp::socket s) {
@@ -1079,6 +1097,7 @@ class TcpProvider final : public Provider {
     hs->from = fmt::format("{}:{}", source, remote.port());
     hs->nic = devices_[device].name;
     if (!admit_accepted(*pending_, *counters_, hs, source)) return;
+    remember(hs);
     auto drop = [pending = pending_, counters = counters_, hs](const std::string& why) {
       if (!hs->done) drop_accepted(*pending, *counters, *hs, why);
     };
@@ -1131,6 +1150,7 @@ class TcpProvider final : public Provider {
   std::shared_ptr<AtomicProviderCounters> counters_;
   std::vector<std::unique_ptr<DeviceState>> state_;
   AcceptHandler accept_handler_;
+  std::vector<std::weak_ptr<Handshake>> handshakes_;  // loop thread
   std::shared_ptr<Pending> pending_ =
       std::make_shared<Pending>(kMaxPendingHellosPerSource, kMaxPendingHellos);
 };
