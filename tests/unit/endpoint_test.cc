@@ -309,6 +309,68 @@ TEST(Endpoint, OperationsWithAPeerThatLeftFailNamingIt) {
   EXPECT_EQ(a->isend(12345, *reg, 0, 1).status().message(), "send: no peer has id 12345");
 }
 
+// Deregistering a region ends the operations still on it, naming the region, on this side and
+// (for a two-sided one) on the peer's: neither waits for its deadline, and the endpoint carries
+// the next operation whole.
+TEST(Endpoint, DeregisteringARegionEndsTheOperationsOnIt) {
+  PeerLog log;
+  auto a = make_endpoint(0, "A");
+  auto b = make_endpoint(1, "B");
+  ASSERT_TRUE(a && b);
+  log.attach(*a);
+  ASSERT_TRUE(b->connect(a->blob()).is_ok());
+  auto joined = log.wait(Endpoint::PeerEvent::Kind::kJoined);
+  ASSERT_TRUE(joined);
+  const int b_on_a = joined->peer;
+  const auto peers_on_b = b->peers();
+  ASSERT_EQ(peers_on_b.size(), 1u);
+  const int a_on_b = peers_on_b[0].id;
+  constexpr std::size_t kLen = std::size_t{8} << 20;  // sent by clear-to-send, not eagerly
+  std::vector<std::byte> src(kLen, std::byte{0x5a}), dst(kLen, std::byte{0});
+  auto sreg = a->register_memory(src.data(), src.size(), MemoryAccess::kLocal);
+  ASSERT_TRUE(sreg.is_ok());
+  // A's receive, which B never sends to: it ends once its region goes.
+  auto rreg = a->register_memory(dst.data(), dst.size());
+  ASSERT_TRUE(rreg.is_ok());
+  auto recv = a->irecv(b_on_a, *rreg, 0, kLen);
+  ASSERT_TRUE(recv.is_ok());
+  ASSERT_TRUE(a->deregister_memory(*rreg).is_ok());
+  Status st = a->wait(*recv);
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find(fmt::format("region #{} ({} bytes at ", (*rreg)->id, kLen)),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("was deregistered while the operation used it"), std::string::npos)
+      << st.message();
+  // A's send, whose receive B has not posted yet: it ends, and B's receive posted later ends
+  // with the same reason instead of waiting for the data.
+  auto send = a->isend(b_on_a, *sreg, 0, kLen);
+  ASSERT_TRUE(send.is_ok());
+  ASSERT_TRUE(a->deregister_memory(*sreg).is_ok());
+  st = a->wait(*send);
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find("was deregistered while the operation used it"), std::string::npos)
+      << st.message();
+  // B's receive of that message, posted afterwards, ends at once with A's reason.
+  auto dreg = b->register_memory(dst.data(), dst.size());
+  ASSERT_TRUE(dreg.is_ok());
+  auto late = b->irecv(a_on_b, *dreg, 0, kLen);
+  ASSERT_TRUE(late.is_ok());
+  st = b->wait(*late);
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find("was deregistered while the operation used it"), std::string::npos)
+      << st.message();
+  // The endpoint carries the next transfer whole.
+  auto sreg2 = a->register_memory(src.data(), src.size(), MemoryAccess::kLocal);
+  ASSERT_TRUE(sreg2.is_ok());
+  auto recv2 = b->irecv(a_on_b, *dreg, 0, kLen);
+  auto send2 = a->isend(b_on_a, *sreg2, 0, kLen);
+  ASSERT_TRUE(recv2.is_ok() && send2.is_ok());
+  EXPECT_TRUE(a->wait(*send2).is_ok());
+  EXPECT_TRUE(b->wait(*recv2).is_ok());
+  EXPECT_EQ(dst, src);
+}
+
 // A process that started again connects with its old name at a new incarnation. Its old
 // incarnation's connections are gone (its process ended without a goodbye: here, abort() closes
 // them), so the old peer is evicted: operations towards it fail at once, naming why.

@@ -237,7 +237,7 @@ void Channel::abandon_region(std::uint64_t region_id, const std::string& why) {
     drop_send(it++);
     if ((seq & ChunkImm::kOneSidedBit) == 0 && !dead_) {
       ByteWriter w = control_writer(ControlType::kAbort);
-      w.u64(seq).str(why);
+      w.u64(seq).str(why).u8(kAbortedFlag);
       send_control(w.take());
     }
     op->complete(status);
@@ -252,7 +252,7 @@ void Channel::abandon_region(std::uint64_t region_id, const std::string& why) {
     it = recv_slots_.erase(it);
     if (!dead_) {
       ByteWriter w = control_writer(ControlType::kAbortSend);
-      w.u64(seq).str(why);
+      w.u64(seq).str(why).u8(kAbortedFlag);
       send_control(w.take());
     }
     op->complete(status);

@@ -365,6 +365,10 @@ class Channel {
   std::map<std::uint64_t, Send> sends_;
   std::map<std::uint64_t, Cts> early_cts_;
   std::map<std::uint64_t, std::uint64_t> early_rts_;  // announced lengths, receive not posted
+  // Why the peer ended its side of a message that this side has not posted yet (its region was
+  // deregistered): the receive, or the send, fails with that reason when it is posted.
+  std::map<std::uint64_t, Status> early_aborts_;       // receives
+  std::map<std::uint64_t, Status> early_abort_sends_;  // sends
   std::uint32_t eager_rail_ = 0;     // round-robin of eager messages over the rails
   std::deque<std::uint64_t> ready_;  // messages with chunks not yet posted, oldest first
   std::size_t serve_ = 0;            // the one of the oldest few that gets the next chunk

@@ -14,6 +14,16 @@
 
 namespace r2ccl {
 
+namespace {
+// kAbort / kAbortSend after the sequence number: the reason, then kAbortedFlag where the peer
+// ended the message itself (kAborted) rather than refused it (a size mismatch: kInvalidArgument).
+Status abort_reason(ByteReader& r) {
+  std::string why = r.str(4096);
+  const bool aborted = r.remaining() > 0 && r.u8() == channel_protocol::kAbortedFlag;
+  return {aborted ? ErrorCode::kAborted : ErrorCode::kInvalidArgument, std::move(why)};
+}
+}  // namespace
+
 using std::chrono::milliseconds;
 
 void Channel::send_control(Bytes message, std::size_t payload) {
@@ -171,22 +181,36 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
   }
   if (type == ControlType::kAbortSend) {
     const auto seq2 = r.u64();
-    std::string why = r.str(4096);
+    Status why = abort_reason(r);
     if (auto it = sends_.find(seq2); it != sends_.end()) {
       auto op = it->second.op;
       drop_send(it);
-      op->complete({ErrorCode::kInvalidArgument, why});
+      op->complete(why);
+    } else if (seq2 >= next_send_seq_ && (seq2 & ChunkImm::kOneSidedBit) == 0) {
+      // Its receive ended before this side posted the send (kept for when it is).
+      const Early e = judge_early(seq2, next_send_seq_, kEarlyWindow, early_abort_sends_.size());
+      if (e.violation)
+        return protocol_violation(fmt::format("{} ended its receive of message {}, {}", label_,
+                                              message_number(seq2), *e.violation));
+      if (!e.stale) early_abort_sends_[seq2] = std::move(why);
     }
     return;
   }
   if (type == ControlType::kAbort) {
     const auto seq2 = r.u64();
-    std::string why = r.str(4096);
+    Status why = abort_reason(r);
     auto it = recv_slots_.find(ChunkImm::slot_of(seq2));
     if (it != recv_slots_.end() && it->second.seq == seq2) {
       auto op = it->second.op;
       recv_slots_.erase(it);
-      op->complete({ErrorCode::kInvalidArgument, why});
+      op->complete(why);
+    } else if (seq2 >= next_recv_seq_ && (seq2 & ChunkImm::kOneSidedBit) == 0) {
+      // Its send ended before this side posted the receive (kept for when it is).
+      const Early e = judge_early(seq2, next_recv_seq_, kEarlyWindow, early_aborts_.size());
+      if (e.violation)
+        return protocol_violation(fmt::format("{} ended its send of message {}, {}", label_,
+                                              message_number(seq2), *e.violation));
+      if (!e.stale) early_aborts_[seq2] = std::move(why);
     }
     return;
   }

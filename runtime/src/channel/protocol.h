@@ -33,6 +33,9 @@ enum class ControlType : std::uint8_t {
   // consumed (matched to a receive, or discarded) since its last credit message.
   kCredit = 9,
 };
+// Last byte of a kAbort or kAbortSend whose sender ended the message itself (its region was
+// deregistered), rather than refused it.
+constexpr std::uint8_t kAbortedFlag = 1;
 // A control message's writer: room for its sequence number first (send_control fills it in, so
 // the message is built once), then its type; `body` bytes are reserved for what follows.
 inline ByteWriter control_writer(ControlType type, std::size_t body = 48) {

@@ -42,6 +42,9 @@ void Channel::enter_epoch(std::uint64_t epoch) {
   next_recv_seq_ = std::max(next_recv_seq_, first);
   early_cts_.erase(early_cts_.begin(), early_cts_.lower_bound(next_send_seq_));
   early_rts_.erase(early_rts_.begin(), early_rts_.lower_bound(next_recv_seq_));
+  early_aborts_.erase(early_aborts_.begin(), early_aborts_.lower_bound(next_recv_seq_));
+  early_abort_sends_.erase(early_abort_sends_.begin(),
+                           early_abort_sends_.lower_bound(next_send_seq_));
   const auto stale = unexpected_.lower_bound(next_recv_seq_);
   for (auto it = unexpected_.begin(); it != stale; ++it) {
     unexpected_bytes_ -= it->second.size();
@@ -88,6 +91,13 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     }
   }
   const auto seq = next_send_seq_++;
+  if (auto it = early_abort_sends_.find(seq); it != early_abort_sends_.end()) {
+    Status why = std::move(it->second);
+    early_abort_sends_.erase(it);
+    early_cts_.erase(seq);
+    op->complete(why);
+    return;
+  }
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
   s.rails = rails;
   if (eager) {
@@ -160,6 +170,13 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
   if (recv_slots_.count(slot) != 0) {
     op->complete({ErrorCode::kUnavailable, fmt::format("more than {} receives from {} outstanding",
                                                        ChunkImm::kSlots, label_)});
+    return;
+  }
+  if (auto it = early_aborts_.find(seq); it != early_aborts_.end()) {
+    Status why = std::move(it->second);
+    early_aborts_.erase(it);
+    early_rts_.erase(seq);
+    op->complete(why);
     return;
   }
   if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
