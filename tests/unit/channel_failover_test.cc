@@ -268,6 +268,37 @@ TEST_F(ChannelFailover, AReceivePostedAfterItsSendWasAbandonedEndsWithTheReason)
   EXPECT_TRUE(next->intact());
 }
 
+// An operation's completion may end others on the same channel (its callback deregisters their
+// region): sends timing out in one tick (their receives never posted), whose first callback
+// abandons the others' region, all end once, each with a reason.
+TEST_F(ChannelFailover, ACompletionThatEndsOtherOperationsOfTheChannelIsSafe) {
+  connect();
+  constexpr std::size_t kBytes = std::size_t{1} << 20;  // by request-to-send: no receive, no end
+  std::vector<std::byte> first(kBytes), rest(4 * kBytes);
+  auto first_region = *r0().registry.register_region(first.data(), kBytes, MemoryAccess::kLocal);
+  auto rest_region = *r0().registry.register_region(rest.data(), rest.size(), MemoryAccess::kLocal);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(1);
+  auto head = std::make_shared<Op>();
+  std::vector<OpPtr> others;
+  const std::string why = "region #5 was deregistered while the operation used it";
+  head->on_complete([&](const Status&) { r0().channel->abandon_region(rest_region->id, why); });
+  r0().channel->post_send(head, first_region, 0, kBytes, deadline);
+  for (std::size_t i = 0; i < 4; ++i) {
+    others.push_back(std::make_shared<Op>());
+    r0().channel->post_send(others.back(), rest_region, i * kBytes, kBytes, deadline);
+  }
+  net_.run();
+  r0().channel->tick(Clock::now() + r0().config.timeout);
+  ASSERT_TRUE(head->done());
+  EXPECT_EQ(head->status().code(), ErrorCode::kTimeout) << head->status().to_string();
+  for (const auto& op : others) {
+    ASSERT_TRUE(op->done());
+    EXPECT_TRUE(op->status().code() == ErrorCode::kTimeout ||
+                (op->status().code() == ErrorCode::kAborted && op->status().message() == why))
+        << op->status().to_string();
+  }
+}
+
 // The same from the receiving side: its receive ends, and so does the peer's send.
 TEST_F(ChannelFailover, AReceiveWhoseRegionIsDeregisteredEndsAndSoDoesThePeersSend) {
   connect();

@@ -135,6 +135,7 @@ void Channel::tick(Clock::time_point now) {
   const bool none_left = !any_usable();
   const std::string prefix =
       none_left ? fmt::format("no rail to {} survived; ", label_) : std::string();
+  std::vector<std::pair<OpPtr, Status>> ended;
   for (auto it = sends_.begin(); it != sends_.end();) {
     auto& s = it->second;
     if (now < s.deadline) {
@@ -159,10 +160,8 @@ void Channel::tick(Clock::time_point now) {
                                ? fmt::format("#{}", seq & ~ChunkImm::kOneSidedBit)
                                : message_number(seq),
                            s.length, label_, config_.timeout.count(), progress, rail_summary()));
-    auto op = s.op;
+    ended.emplace_back(s.op, why);
     drop_send(it++);
-    op->complete(why);
-    if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);
   }
   for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
     auto& r = it->second;
@@ -185,8 +184,12 @@ void Channel::tick(Clock::time_point now) {
                            "rails tried: {}",
                            prefix, message_number(r.seq), r.length, label_, config_.timeout.count(),
                            progress, rail_summary()));
-    r.op->complete(why);
+    ended.emplace_back(r.op, why);
     it = recv_slots_.erase(it);
+  }
+  // Completed after the walk: a completion's callback may post or end operations here.
+  for (auto& [op, why] : ended) {
+    op->complete(why);
     if (none_left && ctx_.on_fatal) ctx_.on_fatal(why);
   }
 }
@@ -226,21 +229,20 @@ void Channel::on_peer_left(const std::string& why) {
 }
 
 void Channel::abandon_region(std::uint64_t region_id, const std::string& why) {
-  const Status status(ErrorCode::kAborted, why);
+  std::vector<OpPtr> ended;
   for (auto it = sends_.begin(); it != sends_.end();) {
     if (!it->second.region || it->second.region->id != region_id) {
       ++it;
       continue;
     }
     const std::uint64_t seq = it->first;
-    auto op = it->second.op;
+    ended.push_back(it->second.op);
     drop_send(it++);
     if ((seq & ChunkImm::kOneSidedBit) == 0 && !dead_) {
       ByteWriter w = control_writer(ControlType::kAbort);
       w.u64(seq).str(why).u8(kAbortedFlag);
       send_control(w.take());
     }
-    op->complete(status);
   }
   for (auto it = recv_slots_.begin(); it != recv_slots_.end();) {
     if (!it->second.region || it->second.region->id != region_id) {
@@ -248,15 +250,18 @@ void Channel::abandon_region(std::uint64_t region_id, const std::string& why) {
       continue;
     }
     const std::uint64_t seq = it->second.seq;
-    auto op = it->second.op;
+    ended.push_back(it->second.op);
     it = recv_slots_.erase(it);
     if (!dead_) {
       ByteWriter w = control_writer(ControlType::kAbortSend);
       w.u64(seq).str(why).u8(kAbortedFlag);
       send_control(w.take());
     }
-    op->complete(status);
   }
+  // Completed after the walk: a completion's callback may post or end operations here.
+  const Status status(ErrorCode::kAborted, why);
+  for (auto& op : ended)
+    op->complete(status);
 }
 
 void Channel::fail_all(const Status& why) {
