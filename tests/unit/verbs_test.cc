@@ -243,7 +243,8 @@ TEST_F(VerbsProviderTest, PostsBeyondTheQueueBoundAreRefusedAsBackPressure) {
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   rail_a_ = *r;
   std::size_t big = 0;
-  Status refused;
+  Status refused, control, urgent;
+  const auto message = std::make_shared<const Bytes>(Bytes{std::byte{0x42}, std::byte{0x43}});
   engine_.call([&] {
     for (std::size_t i = 0; i < kFill; ++i)
       ASSERT_TRUE(rail_a_->post_write({src.data(), 0, *key, 0, 0, i}).is_ok());
@@ -251,7 +252,12 @@ TEST_F(VerbsProviderTest, PostsBeyondTheQueueBoundAreRefusedAsBackPressure) {
       refused = rail_a_->post_write({src.data(), kLen, *key, i * kLen, 1, kFill + i});
       if (refused.is_ok()) ++big;
     }
+    // A control message waits its turn too, unless it is urgent (failover's): that one is taken.
+    control = rail_a_->post_control(message, 0);
+    urgent = rail_a_->post_urgent_control(message, 0);
   });
+  EXPECT_EQ(control.code(), ErrorCode::kNoResource) << control.to_string();
+  EXPECT_TRUE(urgent.is_ok()) << urgent.to_string();
   ASSERT_FALSE(refused.is_ok()) << "every write was queued";
   EXPECT_EQ(refused.code(), ErrorCode::kNoResource) << refused.to_string();
   EXPECT_NE(refused.message().find("posts (67108864 bytes) queued behind its full send queue"),
@@ -261,6 +267,8 @@ TEST_F(VerbsProviderTest, PostsBeyondTheQueueBoundAreRefusedAsBackPressure) {
   ASSERT_TRUE(a_events_.wait([&] { return a_events_.confirmed.size() == kFill + big; }))
       << a_events_.confirmed.size() << " of " << kFill + big;
   ASSERT_TRUE(b_events_.wait([&] { return b_events_.arrived.size() == kFill + big; }));
+  ASSERT_TRUE(b_events_.wait([&] { return b_events_.control.size() == 1; }));
+  EXPECT_EQ(b_events_.control[0], *message);
   for (std::size_t i = 0; i < big; ++i)
     ASSERT_TRUE(
         std::equal(src.begin(), src.end(), dst.begin() + static_cast<std::ptrdiff_t>(i * kLen)))

@@ -728,8 +728,8 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
   }
 
  public:
-  // Closes the rail if a receive is streaming into region `key`; loop thread.
-  // Closes the rail if a write queued on it, or being written, still reads from the region.
+  // Closes the rail if a write queued on it, or being written, still reads from the region;
+  // loop thread.
   void close_if_sending_from(const std::byte* base, std::size_t length, std::uint64_t key,
                              const std::string& device) {
     if (closed_) return;
@@ -747,6 +747,7 @@ class TcpRail final : public Rail, public std::enable_shared_from_this<TcpRail> 
                       description_, key, device)});
   }
 
+  // Closes the rail if a receive is streaming into region `key`; loop thread.
   void close_if_landing_in(std::uint64_t key, const std::string& device) {
     if (landing_key_ != key || closed_) return;
     fail({ErrorCode::kAborted,

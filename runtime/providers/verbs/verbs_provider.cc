@@ -382,14 +382,24 @@ class VerbsRail : public Rail, public std::enable_shared_from_this<VerbsRail> {
   }
 
   Status post_control(std::shared_ptr<const Bytes> shared, std::uint64_t cookie) override {
-    const Bytes& message = *shared;  // copied into send slots below
+    return queue_control(*shared, cookie, false);
+  }
+  // In order (the queue is not reordered), but never refused for back-pressure: the channel's
+  // failover messages must get through a full queue.
+  Status post_urgent_control(std::shared_ptr<const Bytes> shared, std::uint64_t cookie) override {
+    return queue_control(*shared, cookie, true);
+  }
+
+  Status queue_control(const Bytes& message, std::uint64_t cookie, bool urgent) {
     if (fenced_) return {ErrorCode::kUnavailable, "rail is fenced"};
     if (message.size() > kMaxControl)
       return {ErrorCode::kInvalidArgument,
               fmt::format("control message of {} bytes exceeds {}", message.size(), kMaxControl)};
-    if (Status st = room_for(message.size(), (message.size() + kSlotPayload - 1) / kSlotPayload);
-        !st)
-      return st;
+    if (!urgent) {
+      if (Status st = room_for(message.size(), (message.size() + kSlotPayload - 1) / kSlotPayload);
+          !st)
+        return st;
+    }
     std::size_t off = 0;
     do {
       const std::size_t n = std::min(kSlotPayload, message.size() - off);
