@@ -17,8 +17,6 @@ namespace r2ccl::tcp_frame {
 constexpr std::uint16_t kMagic = 0x3252;  // "R2"
 constexpr std::size_t kHeaderSize = 40;
 constexpr std::size_t kChecksumAt = 28;  // the u32 checksum's offset in the header
-// Payloads are bounded far below this by the provider; the field is 32 bits.
-constexpr std::uint64_t kMaxLength = 0xffffffffu;
 
 enum class Op : std::uint8_t {
   kHello = 1,
@@ -36,14 +34,14 @@ struct Header {
   std::uint32_t imm = 0;
   std::uint64_t key = 0;
   std::uint64_t offset = 0;
-  std::uint64_t length = 0;  // at most kMaxLength
+  std::uint64_t length = 0;  // 32 bits on the wire; the provider's bounds are far below
   std::uint64_t cookie = 0;
 };
 using HeaderBytes = std::array<std::byte, kHeaderSize>;
 
 // CRC-32C of the header's bytes other than its checksum field.
 std::uint32_t checksum(const HeaderBytes& b);
-// With its checksum filled in. `h.length` must be at most kMaxLength.
+// With its checksum filled in.
 HeaderBytes encode(const Header& h);
 // kProtocol for a bad magic or checksum, saying which.
 Result<Header> decode(const HeaderBytes& b);

@@ -12,6 +12,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "channel/ledger.h"
@@ -307,6 +308,14 @@ class Channel {
   void check_gone(Clock::time_point now);  // gone_on_close
   // The peer broke the protocol: the job's error, and the peer is treated as gone.
   void protocol_violation(const std::string& what);
+  // The peer ended its `half` ("send" or "receive") of message `seq` before this side posted
+  // its own (`next`: this side's next one): kept in `early` (early_aborts_ or
+  // early_abort_sends_), within the early window, for when it is posted.
+  void keep_early_abort(std::map<std::uint64_t, Status>& early, std::uint64_t seq,
+                        std::uint64_t next, std::string_view half, Status why);
+  // Ends `op`, just numbered `seq`, with the reason kept for it there, if any.
+  static bool end_if_aborted_early(std::map<std::uint64_t, Status>& early, std::uint64_t seq,
+                                   const OpPtr& op);
   // Messages announced (request-to-send) ahead of the receives posted here, at most.
   static constexpr std::uint64_t kEarlyWindow = 65536;
   // The peer's message `seq`, which this side has not posted (its next is `next`): kept early

@@ -26,6 +26,26 @@ Status abort_reason(ByteReader& r) {
 
 using std::chrono::milliseconds;
 
+void Channel::keep_early_abort(std::map<std::uint64_t, Status>& early, std::uint64_t seq,
+                               std::uint64_t next, std::string_view half, Status why) {
+  if (seq < next || (seq & ChunkImm::kOneSidedBit) != 0) return;  // ended already, or one-sided
+  const Early e = judge_early(seq, next, kEarlyWindow, early.size());
+  if (e.violation)
+    return protocol_violation(fmt::format("{} ended its {} of message {}, {}", label_, half,
+                                          message_number(seq), *e.violation));
+  if (!e.stale) early[seq] = std::move(why);
+}
+
+bool Channel::end_if_aborted_early(std::map<std::uint64_t, Status>& early, std::uint64_t seq,
+                                   const OpPtr& op) {
+  auto it = early.find(seq);
+  if (it == early.end()) return false;
+  Status why = std::move(it->second);
+  early.erase(it);
+  op->complete(why);
+  return true;
+}
+
 void Channel::send_control(Bytes message, std::size_t payload) {
   ControlEntry e;
   e.seq = next_control_seq_++;
@@ -186,13 +206,8 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
       auto op = it->second.op;
       drop_send(it);
       op->complete(why);
-    } else if (seq2 >= next_send_seq_ && (seq2 & ChunkImm::kOneSidedBit) == 0) {
-      // Its receive ended before this side posted the send (kept for when it is).
-      const Early e = judge_early(seq2, next_send_seq_, kEarlyWindow, early_abort_sends_.size());
-      if (e.violation)
-        return protocol_violation(fmt::format("{} ended its receive of message {}, {}", label_,
-                                              message_number(seq2), *e.violation));
-      if (!e.stale) early_abort_sends_[seq2] = std::move(why);
+    } else {
+      keep_early_abort(early_abort_sends_, seq2, next_send_seq_, "receive", std::move(why));
     }
     return;
   }
@@ -204,13 +219,8 @@ void Channel::handle_control(std::uint32_t rail, std::span<const std::byte> mess
       auto op = it->second.op;
       recv_slots_.erase(it);
       op->complete(why);
-    } else if (seq2 >= next_recv_seq_ && (seq2 & ChunkImm::kOneSidedBit) == 0) {
-      // Its send ended before this side posted the receive (kept for when it is).
-      const Early e = judge_early(seq2, next_recv_seq_, kEarlyWindow, early_aborts_.size());
-      if (e.violation)
-        return protocol_violation(fmt::format("{} ended its send of message {}, {}", label_,
-                                              message_number(seq2), *e.violation));
-      if (!e.stale) early_aborts_[seq2] = std::move(why);
+    } else {
+      keep_early_abort(early_aborts_, seq2, next_recv_seq_, "send", std::move(why));
     }
     return;
   }

@@ -91,11 +91,8 @@ void Channel::post_send(OpPtr op, RegionPtr region, std::size_t offset, std::siz
     }
   }
   const auto seq = next_send_seq_++;
-  if (auto it = early_abort_sends_.find(seq); it != early_abort_sends_.end()) {
-    Status why = std::move(it->second);
-    early_abort_sends_.erase(it);
+  if (end_if_aborted_early(early_abort_sends_, seq, op)) {
     early_cts_.erase(seq);
-    op->complete(why);
     return;
   }
   Send s = make_send(std::move(op), std::move(region), offset, length, deadline);
@@ -172,11 +169,8 @@ void Channel::post_recv(OpPtr op, RegionPtr region, std::size_t offset, std::siz
                                                        ChunkImm::kSlots, label_)});
     return;
   }
-  if (auto it = early_aborts_.find(seq); it != early_aborts_.end()) {
-    Status why = std::move(it->second);
-    early_aborts_.erase(it);
+  if (end_if_aborted_early(early_aborts_, seq, op)) {
     early_rts_.erase(seq);
-    op->complete(why);
     return;
   }
   if (auto it = unexpected_.find(seq); it != unexpected_.end()) {
