@@ -325,6 +325,8 @@ PROCESS_SCRIPT = textwrap.dedent(
     assert torch.equal(y, torch.full((1000,), 3.0)), y
     print("ok", c.rank, c.world_size)
     c.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     """
 )
 
@@ -373,6 +375,8 @@ AGREE_SCRIPT = textwrap.dedent(
     x = torch.tensor([rank + 1])
     dist.all_reduce(x)
     print("in step", int(x))
+    # Gloo's threads go before the interpreter does (left to its finalization, they may abort it).
+    dist.destroy_process_group()
     """
 )
 

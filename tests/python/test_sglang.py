@@ -84,6 +84,7 @@ RANK = textwrap.dedent(
     sent = sum(float(v) for v in re.findall(r"^r2ccl_rail_tx_bytes_total{[^}]*} (\\S+)$", text, re.M))
     assert sent >= 4096 * 2 / 2 + 1000 * 4 / 2, sent
     g.destroy()
+    dist.destroy_process_group()
     print("ok", rank, int(sent))
     """
 )
